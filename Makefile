@@ -1,0 +1,27 @@
+# The two commands of the README, plus helpers. Each target sets up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
+		$(BIN)/python examples/sharded_jit_demo.py
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/dispatch.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

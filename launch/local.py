@@ -1,0 +1,238 @@
+"""Start N processes on this machine as N simulated hosts, and watch them.
+
+Each process gets the environment `spmd.initialize()` reads: the coordinator
+on 127.0.0.1 at a free port (and bound there only), its process id, the
+process count, its CPU device count and short timeouts. Output lines are
+prefixed with the process id. When a process fails, the others get a grace
+period to finish (they usually fail on their own within the heartbeat
+timeout), then SIGKILL: JAX catches SIGTERM for preemption, so SIGTERM alone
+may not stop them. Every process runs under `timeout -k` as well, so nothing
+outlives the job even if this launcher is killed.
+
+Example:
+  >>> import sys
+  >>> result = run_local([sys.executable, "-c", "print('hi')"], num_processes=2,
+  ...                    echo=False)
+  >>> result.ok, [p.output.strip() for p in result.processes]
+  (True, ['hi', 'hi'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from spmd import distributed as env_names
+
+
+@dataclasses.dataclass
+class ProcessResult:
+  """How one process of a local job ended."""
+
+  process_id: int
+  returncode: int | None  # negative: killed by that signal
+  output: str  # stdout and stderr, interleaved as printed
+  killed_by_launcher: bool = False
+
+  def describe(self) -> str:
+    if self.returncode is None:
+      return "still running"
+    if self.returncode < 0:
+      return f"killed by {signal.Signals(-self.returncode).name}"
+    if self.returncode == 124:
+      return "timed out (exit 124 from timeout)"
+    return f"exit code {self.returncode}"
+
+
+@dataclasses.dataclass
+class LocalJobResult:
+  """How a local job ended: per process, and which failed first."""
+
+  processes: list[ProcessResult]
+  first_failure: int | None
+  timed_out: bool
+
+  @property
+  def ok(self) -> bool:
+    return self.first_failure is None and not self.timed_out
+
+  def summary(self) -> str:
+    if self.ok:
+      return f"all {len(self.processes)} processes exited 0"
+    lines = []
+    if self.timed_out:
+      lines.append("the job ran past its time limit and was killed")
+    if self.first_failure is not None:
+      p = self.processes[self.first_failure]
+      lines.append(f"process {p.process_id} failed first: {p.describe()}")
+    for p in self.processes:
+      lines.append(
+        f"  process {p.process_id}: {p.describe()}"
+        + (" (stopped by the launcher)" if p.killed_by_launcher else "")
+      )
+    return "\n".join(lines)
+
+  def report(self) -> str:
+    """The summary followed by every process's output, for test failures."""
+    parts = [self.summary()]
+    for p in self.processes:
+      parts.append(f"----- process {p.process_id} ({p.describe()}) -----\n{p.output}")
+    return "\n".join(parts)
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def process_env(
+  process_id: int,
+  num_processes: int,
+  port: int,
+  devices_per_process: int,
+  heartbeat_timeout_s: float,
+  base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+  """The environment one simulated host starts with."""
+  env = dict(os.environ if base is None else base)
+  address = f"127.0.0.1:{port}"
+  env.update(
+    {
+      env_names.ENV_COORDINATOR: address,
+      env_names.ENV_BIND: address,  # loopback only, never all interfaces
+      env_names.ENV_NUM_PROCESSES: str(num_processes),
+      env_names.ENV_PROCESS_ID: str(process_id),
+      env_names.ENV_CPU_DEVICES: str(devices_per_process),
+      env_names.ENV_HEARTBEAT: str(heartbeat_timeout_s),
+      env_names.ENV_SHUTDOWN: str(max(5, heartbeat_timeout_s)),
+      env_names.ENV_INIT: str(max(30, heartbeat_timeout_s)),
+      "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),
+      "PYTHONUNBUFFERED": "1",
+    }
+  )
+  return env
+
+
+def run_local(
+  command: Sequence[str],
+  num_processes: int,
+  devices_per_process: int = 1,
+  timeout_s: float = 600,
+  grace_s: float = 5.0,
+  heartbeat_timeout_s: float = 5.0,
+  env: Mapping[str, str] | None = None,
+  echo: bool = True,
+  cwd: str | None = None,
+) -> LocalJobResult:
+  """Runs `command` as `num_processes` processes of one JAX job and waits.
+
+  Args:
+    command: the program and its arguments, identical for every process.
+    num_processes: how many simulated hosts.
+    devices_per_process: CPU devices each process exposes.
+    timeout_s: the whole job's limit; past it every process is killed.
+    grace_s: after the first failure, how long the others may take to end on
+      their own (and print why) before SIGKILL.
+    heartbeat_timeout_s: JAX's heartbeat timeout for the job.
+    env: extra environment variables for every process.
+    echo: print each line as it arrives, prefixed with `[pN]`.
+    cwd: working directory of the processes.
+
+  Returns:
+    A `LocalJobResult`; its `report()` has every process's output.
+  """
+  if num_processes < 1:
+    raise ValueError(f"{num_processes=} must be at least 1")
+  port = free_port()
+  base = dict(os.environ)
+  base.update(env or {})
+  wrapper = []
+  if shutil.which("timeout"):
+    wrapper = ["timeout", "-k", str(max(1, round(grace_s))), str(max(1, round(timeout_s)))]
+  outputs: list[list[str]] = [[] for _ in range(num_processes)]
+  procs: list[subprocess.Popen] = []
+  readers = []
+  lock = threading.Lock()
+
+  def pump(i, stream):
+    for line in iter(stream.readline, ""):
+      outputs[i].append(line)
+      if echo:
+        with lock:
+          sys.stdout.write(f"[p{i}] {line}")
+          sys.stdout.flush()
+    stream.close()
+
+  for i in range(num_processes):
+    p = subprocess.Popen(
+      wrapper + list(command),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      stdin=subprocess.DEVNULL,
+      text=True,
+      errors="replace",
+      cwd=cwd,
+      env=process_env(i, num_processes, port, devices_per_process, heartbeat_timeout_s, base),
+      start_new_session=True,
+    )  # its own group: killpg reaches its children
+    procs.append(p)
+    t = threading.Thread(target=pump, args=(i, p.stdout), daemon=True)
+    t.start()
+    readers.append(t)
+
+  killed = [False] * num_processes
+  first_failure = None
+  timed_out = False
+  deadline = time.monotonic() + timeout_s
+  kill_at = None
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      if first_failure is None:
+        for i, c in enumerate(codes):
+          if c not in (None, 0):
+            first_failure = i
+            kill_at = time.monotonic() + grace_s
+            break
+      if all(c is not None for c in codes):
+        break
+      now = time.monotonic()
+      if now > deadline and kill_at is None:
+        timed_out = True
+        kill_at = now
+      if kill_at is not None and now >= kill_at:
+        for i, p in enumerate(procs):
+          if p.poll() is None:
+            killed[i] = True
+            _kill_group(p)
+        kill_at = now + 1e9
+      time.sleep(0.05)
+  finally:
+    for i, p in enumerate(procs):
+      if p.poll() is None:
+        killed[i] = True
+        _kill_group(p)
+      p.wait()
+    for t in readers:
+      t.join(timeout=5)
+  results = [
+    ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
+  ]
+  return LocalJobResult(results, first_failure, timed_out)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+  try:
+    os.killpg(p.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass

@@ -1,0 +1,49 @@
+"""`spmd-launch`: start a job's processes and watch them.
+
+Example:
+  spmd-launch local --num-processes 2 --devices-per-process 2 -- python examples/sharded_jit_demo.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launch import local
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
+  targets = parser.add_subparsers(dest="target", required=True)
+  loc = targets.add_parser("local", help="N simulated hosts on this machine")
+  loc.add_argument("--num-processes", type=int, default=2)
+  loc.add_argument("--devices-per-process", type=int, default=1)
+  loc.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
+  loc.add_argument(
+    "--grace", type=float, default=5.0, help="seconds the others get after a failure before SIGKILL"
+  )
+  loc.add_argument("--heartbeat-timeout", type=float, default=5.0)
+  loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not command:
+    print("spmd-launch: give the command after --", file=sys.stderr)
+    return 2
+  result = local.run_local(
+    command,
+    args.num_processes,
+    args.devices_per_process,
+    timeout_s=args.timeout,
+    grace_s=args.grace,
+    heartbeat_timeout_s=args.heartbeat_timeout,
+  )
+  print(f"spmd-launch: {result.summary()}", file=sys.stderr if not result.ok else sys.stdout)
+  return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

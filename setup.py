@@ -1,0 +1,41 @@
+"""spmd-harness: a multi-host SPMD training harness for JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+  name="spmd-harness",
+  version="0.1.0",
+  description="Multi-host SPMD training for JAX: sharded_jit, meshes, data, trainers, launchers.",
+  long_description=open("README.md", encoding="utf-8").read(),
+  long_description_content_type="text/markdown",
+  python_requires=">=3.11",
+  packages=find_packages(
+    include=[
+      "spmd",
+      "spmd.*",
+      "trainers",
+      "trainers.*",
+      "launch",
+      "launch.*",
+      "configs",
+      "configs.*",
+    ]
+  ),
+  install_requires=[
+    "jax>=0.10.2",
+    "jaxlib>=0.10.2",
+    "numpy>=2.0",
+    "flax>=0.12.8",
+    "optax>=0.2.8",
+    "absl-py>=2.1",
+    "tensorflow-datasets>=4.9.10",
+    "grain>=0.2.18",
+    "orbax-checkpoint>=0.12.8",
+    "ml-collections>=1.1.0",
+  ],
+  extras_require={
+    "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],
+    "tpu": ["jax[tpu]>=0.10.2"],
+  },
+  entry_points={"console_scripts": ["spmd-launch=launch.main:main"]},
+)

@@ -1,0 +1,188 @@
+"""`initialize()`: start JAX's distributed runtime the same way everywhere.
+
+Where the settings come from, first match wins:
+  1. arguments to `initialize`;
+  2. the environment our launchers set (`SPMD_*`, below) or JAX's own
+     (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`);
+  3. JAX's cluster detection (TPU VMs, SLURM, Open MPI, Kubernetes), when it
+     recognises the environment;
+  4. otherwise this is a single process, and only the CPU device count is set.
+
+JAX's default timeouts suit a pod (minutes). Jobs on one machine want
+seconds, so the launcher passes short ones through the environment.
+
+Example:
+  >>> info = initialize()          # no cluster, no SPMD_* variables
+  >>> info.process_count, info.process_index
+  (1, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+log = logging.getLogger(__name__)
+
+ENV_COORDINATOR = "SPMD_COORDINATOR_ADDRESS"
+ENV_BIND = "SPMD_COORDINATOR_BIND_ADDRESS"
+ENV_NUM_PROCESSES = "SPMD_NUM_PROCESSES"
+ENV_PROCESS_ID = "SPMD_PROCESS_ID"
+ENV_CPU_DEVICES = "SPMD_CPU_DEVICES"
+ENV_HEARTBEAT = "SPMD_HEARTBEAT_TIMEOUT_S"
+ENV_SHUTDOWN = "SPMD_SHUTDOWN_TIMEOUT_S"
+ENV_INIT = "SPMD_INIT_TIMEOUT_S"
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+  """What `initialize` set up."""
+
+  process_index: int
+  process_count: int
+  local_device_count: int
+  coordinator_address: str | None
+
+
+def _env(name: str, *fallbacks: str) -> str | None:
+  for key in (name, *fallbacks):
+    value = os.environ.get(key)
+    if value not in (None, ""):
+      return value
+  return None
+
+
+def _int_setting(value, env: str, *fallbacks: str) -> int | None:
+  if value is not None:
+    return int(value)
+  raw = _env(env, *fallbacks)
+  if raw is None:
+    return None
+  try:
+    return int(raw)
+  except ValueError:
+    raise ValueError(f"environment variable {env}={raw!r} is not an integer") from None
+
+
+def _seconds(value, env: str, default: int) -> int:
+  raw = value if value is not None else _env(env)
+  if raw is None:
+    return default
+  seconds = float(raw)
+  if seconds <= 0:
+    raise ValueError(f"timeout {env}={raw!r} must be positive")
+  return max(1, round(seconds))
+
+
+def cluster_detected() -> bool:
+  """True when JAX's own cluster detection recognises this environment."""
+  try:
+    from jax._src.clusters import ClusterEnv  # no public listing of these
+
+    return any(
+      env.is_env_present() for env in ClusterEnv._cluster_types if not env.opt_in_only_method
+    )
+  except Exception as e:  # detection is best effort; say why it was skipped
+    log.debug("cluster detection skipped: %s", e)
+    return False
+
+
+def set_cpu_device_count(count: int) -> None:
+  """Makes the CPU backend expose `count` devices; must precede first use."""
+  if count < 1:
+    raise ValueError(f"CPU device {count=} must be at least 1")
+  from jax._src import xla_bridge  # the only way to ask "already started?"
+
+  if xla_bridge.backends_are_initialized():
+    have = jax.local_device_count("cpu") if jax.default_backend() == "cpu" else None
+    if have not in (None, count):
+      raise RuntimeError(
+        f"JAX already started with {have} CPU devices; cannot switch to {count}. "
+        "Call spmd.initialize() before any other JAX call"
+      )
+    return
+  jax.config.update("jax_num_cpu_devices", count)
+
+
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  cpu_devices: int | None = None,
+  heartbeat_timeout_s: float | None = None,
+  shutdown_timeout_s: float | None = None,
+  initialization_timeout_s: float | None = None,
+  coordinator_bind_address: str | None = None,
+) -> DistributedInfo:
+  """Starts `jax.distributed` if this is one process of several; idempotent.
+
+  Args:
+    coordinator_address: host:port of process 0's coordination service.
+    num_processes: how many processes the job has.
+    process_id: this process's index.
+    cpu_devices: devices the CPU backend exposes per process (simulated hosts).
+    heartbeat_timeout_s: a process silent this long is declared dead.
+    shutdown_timeout_s: how long shutdown waits for the other processes.
+    initialization_timeout_s: how long to wait for every process to connect.
+    coordinator_bind_address: where process 0 listens. Defaults to the
+      coordinator address itself when that is a loopback address, so a local
+      job never listens on other interfaces.
+
+  Returns:
+    A `DistributedInfo` describing this process.
+  """
+  cpu_devices = _int_setting(cpu_devices, ENV_CPU_DEVICES)
+  if cpu_devices is not None:
+    set_cpu_device_count(cpu_devices)
+
+  from jax._src import distributed as jax_distributed
+
+  if jax_distributed.global_state.client is not None:  # already started
+    return _info(jax_distributed.global_state.coordinator_address)
+
+  coordinator_address = coordinator_address or _env(ENV_COORDINATOR, "JAX_COORDINATOR_ADDRESS")
+  num_processes = _int_setting(num_processes, ENV_NUM_PROCESSES, "JAX_NUM_PROCESSES")
+  process_id = _int_setting(process_id, ENV_PROCESS_ID, "JAX_PROCESS_ID")
+  explicit = coordinator_address is not None or num_processes is not None
+  if num_processes == 1 or (not explicit and not cluster_detected()):
+    return _info(None)
+  if (
+    explicit
+    and None in (coordinator_address, num_processes, process_id)
+    and (not cluster_detected())
+  ):
+    raise ValueError(
+      "A multi-process job needs the coordinator address, the number of "
+      f"processes and this process's id; got {coordinator_address=}, "
+      f"{num_processes=}, {process_id=} (environment: {ENV_COORDINATOR}, "
+      f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})"
+    )
+
+  bind = coordinator_bind_address or _env(ENV_BIND)
+  if bind is None and coordinator_address is not None:
+    host = coordinator_address.rsplit(":", 1)[0]
+    if host in _LOOPBACK_HOSTS:
+      bind = coordinator_address
+  if jax.config.jax_cpu_collectives_implementation is None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address,
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=_seconds(initialization_timeout_s, ENV_INIT, 300),
+    heartbeat_timeout_seconds=_seconds(heartbeat_timeout_s, ENV_HEARTBEAT, 100),
+    shutdown_timeout_seconds=_seconds(shutdown_timeout_s, ENV_SHUTDOWN, 300),
+    coordinator_bind_address=bind,
+  )
+  return _info(coordinator_address)
+
+
+def _info(coordinator_address: str | None) -> DistributedInfo:
+  return DistributedInfo(
+    jax.process_index(), jax.process_count(), jax.local_device_count(), coordinator_address
+  )

@@ -1,0 +1,209 @@
+"""Process-local data to global arrays and back, and cross-host agreement.
+
+Conversions use JAX's own `multihost_utils` primitives, which are linear (so
+`jax.grad` flows through them) and reuse device buffers when the local piece
+already sits on this process's devices the right way (no host round trip).
+
+Agreement: JAX does not check that processes agree. If two hosts pass local
+pieces of different shapes, each builds a different global array and the
+compiled program computes wrong numbers, or the hosts wait forever in
+mismatched collectives. `check_agreement` compares a small description of the
+call (shapes, dtypes, specs, partition count) across all processes through the
+distributed runtime's key-value store and a barrier, and raises the same
+`AgreementError` on every process when they differ.
+
+Example (one process: nothing to compare, so it returns at once):
+  >>> check_agreement("f", {"args": [[4, 8], "float32"]})
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from spmd.partition import axis_names
+
+log = logging.getLogger(__name__)
+
+AGREEMENT_TIMEOUT_ENV = "SPMD_AGREEMENT_TIMEOUT_S"
+DEFAULT_AGREEMENT_TIMEOUT_S = 120.0
+_KEY_ROOT = "spmd_harness/agree"
+ERROR_KEY = "error"  # a record with this key reports a failure on that process
+_sequence = itertools.count()
+
+
+class AgreementError(ValueError):
+  """Processes disagree about a cross-process computation."""
+
+
+def _client():
+  from jax._src import distributed  # the runtime's own client; no public handle
+
+  return distributed.global_state.client
+
+
+def agreement_timeout_s() -> float:
+  return float(os.environ.get(AGREEMENT_TIMEOUT_ENV, DEFAULT_AGREEMENT_TIMEOUT_S))
+
+
+def _flatten_record(record: Any, prefix: str = "") -> dict[str, str]:
+  if isinstance(record, dict):
+    out = {}
+    for k, v in record.items():
+      out.update(_flatten_record(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+  if isinstance(record, list) and record and isinstance(record[0], dict):
+    out = {}
+    for i, v in enumerate(record):
+      out.update(_flatten_record(v, f"{prefix}[{i}]"))
+    return out
+  return {prefix: json.dumps(record)}
+
+
+def describe_disagreement(what: str, records: dict[int, Any]) -> str:
+  """A message naming each field the processes disagree on, with values."""
+  errors = {p: r[ERROR_KEY] for p, r in records.items() if isinstance(r, dict) and ERROR_KEY in r}
+  if errors:
+    return f"{what}: failed on another process before running:\n" + "\n".join(
+      f"  process {p}: {e}" for p, e in sorted(errors.items())
+    )
+  flat = {p: _flatten_record(r) for p, r in sorted(records.items())}
+  fields = sorted(set().union(*flat.values()))
+  lines = [
+    f"{what}: processes disagree (checked before running a new signature; nothing was computed):"
+  ]
+  for field in fields:
+    by_value: dict[str, list[int]] = {}
+    for p, values in flat.items():
+      by_value.setdefault(values.get(field, "<missing>"), []).append(p)
+    if len(by_value) > 1:
+      shown = "; ".join(f"process {_ranges(ps)}: {v}" for v, ps in by_value.items())
+      lines.append(f"  {field}: {shown}")
+  return "\n".join(lines)
+
+
+def _ranges(ps: list[int]) -> str:
+  return ",".join(map(str, ps)) if len(ps) <= 4 else f"{ps[0]}..{ps[-1]} ({len(ps)})"
+
+
+def check_agreement(what: str, record: Any, timeout_s: float | None = None) -> None:
+  """Raises `AgreementError` on every process unless all pass equal `record`s.
+
+  Must be called by all processes in the same order (each call is one
+  numbered round). A process that does not arrive within `timeout_s` makes
+  the others raise, naming it, instead of hanging.
+  """
+  client = _client()
+  if client is None or jax.process_count() == 1:
+    return
+  seq = next(_sequence)
+  me = jax.process_index()
+  timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
+  prefix = f"{_KEY_ROOT}/{seq}/"
+  client.key_value_set(prefix + str(me), json.dumps(record, sort_keys=True))
+  try:
+    client.wait_at_barrier(f"{_KEY_ROOT}/barrier/{seq}", int(timeout_s * 1000))
+  except Exception as e:  # the runtime raises a bare XlaRuntimeError
+    arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(prefix)}
+    missing = sorted(set(range(jax.process_count())) - arrived)
+    raise AgreementError(
+      f"{what}: processes {missing} did not reach the agreement check for a new "
+      f"signature within {timeout_s:g}s; they are running something else "
+      f"(another signature, a cached program, or they died). ({e})"
+    ) from None
+  records = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(prefix)}
+  if seq >= 2:  # everyone passed barrier seq-1, so nobody still reads seq-2
+    client.key_value_delete(f"{_KEY_ROOT}/{seq - 2}/{me}")
+  if any(r != record for r in records.values()):
+    raise AgreementError(describe_disagreement(what, records))
+
+
+def local_to_global(x: Any, sharding: jax.sharding.NamedSharding, name: str) -> jax.Array:
+  """This process's piece `x` of an array sharded as `sharding`.
+
+  A global `jax.Array` (not fully addressable) passes through untouched;
+  numpy or process-local arrays become one global array.
+  """
+  if is_global_array(x):
+    return x
+  shape = np.shape(x)
+  pieces = local_pieces(sharding, len(shape), name)
+  if any(s % p for s, p in zip(shape, pieces)):
+    raise ValueError(
+      f"{name}: local {shape=} is not divisible by the local "
+      f"parts={tuple(pieces)} this process splits it into"
+    )
+  return _to_global(x, sharding)
+
+
+def is_global_array(x: Any) -> bool:
+  """True for a concrete `jax.Array` that spans other processes' devices."""
+  return (
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable
+  )
+
+
+def global_to_local(x: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
+  """This process's piece of global `x`, as an array on its own devices."""
+  return _to_local(x, sharding)
+
+
+# JAX's conversion primitives transpose to themselves, which is wrong for
+# gradients (the transpose of "global to local" is "local to global", and the
+# shapes differ), so the gradients are defined here.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _to_global(x, sharding):
+  return multihost_utils.host_local_array_to_global_array(x, sharding.mesh, sharding.spec)
+
+
+def _to_global_fwd(x, sharding):
+  return _to_global(x, sharding), None
+
+
+def _to_global_bwd(sharding, _, ct):
+  # Each process gets its block of the cotangent; a replicated input gets the
+  # whole cotangent, which is the gradient of every process's loss together.
+  return (multihost_utils.global_array_to_host_local_array(ct, sharding.mesh, sharding.spec),)
+
+
+_to_global.defvjp(_to_global_fwd, _to_global_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _to_local(x, sharding):
+  return multihost_utils.global_array_to_host_local_array(x, sharding.mesh, sharding.spec)
+
+
+def _to_local_fwd(x, sharding):
+  return _to_local(x, sharding), None
+
+
+def _to_local_bwd(sharding, _, ct):
+  # The local cotangents are the pieces of one global cotangent, just as the
+  # outputs were pieces of one global output. Where processes hold replicas,
+  # their cotangents must agree (as for replicated inputs); this holds when
+  # every process computes the same loss from the same replicated values.
+  return (_to_global(ct, sharding),)
+
+
+_to_local.defvjp(_to_local_fwd, _to_local_bwd)
+
+
+def local_pieces(sharding: jax.sharding.NamedSharding, ndim: int, name: str) -> tuple[int, ...]:
+  """How many pieces each dimension of this process's block is split into."""
+  if len(sharding.spec) > ndim:
+    raise ValueError(f"{name}: spec {sharding.spec} has more dimensions than the array's {ndim}")
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  local_shape = sharding.mesh.local_mesh.shape
+  return tuple(math.prod(local_shape[n] for n in axis_names(e)) for e in spec)

@@ -1,0 +1,50 @@
+"""The one helper that runs a test body as N real JAX processes.
+
+Processes talk over 127.0.0.1 with gloo collectives and a few CPU devices
+each. Hard limits everywhere: JAX heartbeat and shutdown timeouts of a few
+seconds, `timeout -k` around each process, SIGKILL after a grace period, and
+the whole output of every process in the failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from launch.local import LocalJobResult, run_local
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def run_worker(
+  worker: str,
+  *args: str,
+  num_processes: int,
+  devices_per_process: int,
+  timeout_s: float = 180,
+  grace_s: float = 10,
+  env: dict[str, str] | None = None,
+) -> LocalJobResult:
+  """Runs `tests/workers/<worker>.py args...` as a job of `num_processes`."""
+  extra = {
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    "SPMD_AGREEMENT_TIMEOUT_S": "15",
+  }
+  extra.update(env or {})
+  return run_local(
+    [sys.executable, str(WORKERS / f"{worker}.py"), *args],
+    num_processes=num_processes,
+    devices_per_process=devices_per_process,
+    timeout_s=timeout_s,
+    grace_s=grace_s,
+    heartbeat_timeout_s=5,
+    env=extra,
+    echo=False,
+    cwd=str(ROOT),
+  )
+
+
+def assert_ok(result: LocalJobResult) -> None:
+  assert result.ok, result.report()

@@ -1,0 +1,239 @@
+"""One process of a multi-process sharded_jit test; checks its own results.
+
+Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
+Usage: sharded_jit_worker.py all | mismatch-shape | mismatch-dtype | replicated-error
+"""
+
+import sys
+
+import numpy as np
+
+import spmd
+
+spmd.initialize()
+
+import jax  # noqa: E402  (after initialize, which sets the device count)
+import jax.numpy as jnp  # noqa: E402
+
+from spmd import PartitionSpec as P  # noqa: E402
+from spmd import sharded_jit, with_sharding_constraint  # noqa: E402
+
+pid, nproc = jax.process_index(), jax.process_count()
+L = jax.local_device_count()
+N = jax.device_count()
+assert N == nproc * L, (N, nproc, L)
+
+ROWS = 4 * N  # global rows; each process owns ROWS // nproc of them
+COLS = 8
+X = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) / 100
+W = np.linspace(-1, 1, COLS * 3, dtype=np.float32).reshape(COLS, 3)
+mine = slice(pid * ROWS // nproc, (pid + 1) * ROWS // nproc)
+
+
+def close(a, b, what):
+  a = np.asarray(a)
+  if a.shape != np.shape(b) or not np.allclose(a, b, rtol=1e-5, atol=1e-5):
+    raise AssertionError(f"process {pid} {what}: got {a.shape}\n{a}\nexpected {np.shape(b)}\n{b}")
+  print(f"PASS {what}", flush=True)
+
+
+def round_trip():
+  f = sharded_jit(
+    lambda x: x * 2 + 1,
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+  )
+  close(f(X[mine]), X[mine] * 2 + 1, "round trip rows")
+
+
+def _two_dims_fn():
+  # Processes split the rows, local devices split the columns.
+  return sharded_jit(
+    lambda x, w: jnp.tanh(x) @ w,
+    in_parts=(P(nproc, L), None),
+    out_parts=P(N, 1),
+    local_in_parts=(P(1, L), None),
+    local_out_parts=P(L, 1),
+  )
+
+
+two_dims_fn = _two_dims_fn()
+
+
+def two_dims():
+  close(two_dims_fn(X[mine], W), np.tanh(X[mine]) @ W, "2-D split + replicated weight")
+
+
+def keyword_and_static():
+  def scaled(x, k, *, bias):
+    return x * k + bias
+
+  f = sharded_jit(
+    scaled,
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+    static_argnums=1,
+  )
+  close(f(X[mine], 3, bias=np.float32(0.5)), X[mine] * 3 + 0.5, "static + keyword-only")
+  close(f(x=X[mine], k=2, bias=np.float32(0)), X[mine] * 2, "all by keyword")
+
+
+def grad_through():
+  # out = x * sum(x) couples all rows across processes: the gradient of the
+  # sum of every process's loss is 2 * sum(X) everywhere.
+  f = sharded_jit(
+    lambda x: x * jnp.sum(x),
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+  )
+  g = jax.grad(lambda x: jnp.sum(f(x)))(X[mine])
+  close(g, np.full_like(X[mine], 2 * X.sum()), "grad through local pieces")
+  # A replicated scalar output: every process holds the same loss, and the
+  # gradient is that one loss's, not the sum over processes.
+  h = sharded_jit(
+    lambda x: jnp.sum(x * x),
+    in_parts=P(N, 1),
+    out_parts=None,
+    local_in_parts=P(L, 1),
+    local_out_parts=None,
+  )
+  close(jax.grad(h)(X[mine]), 2 * X[mine], "grad through a replicated output")
+  w_grad = jax.grad(lambda w: jnp.sum(two_dims_fn(X[mine], w)))(W)
+  close(
+    w_grad,
+    np.tanh(X).sum(axis=0)[:, None] * np.ones((1, 3)),
+    "grad of a replicated input sums over every process's rows",
+  )
+
+
+def constraint_inside():
+  def body(x):
+    y = with_sharding_constraint(x @ x.T, P(1, N))
+    return with_sharding_constraint(y.sum(axis=1), None)
+
+  f = sharded_jit(
+    body, in_parts=P(N, 1), out_parts=None, local_in_parts=P(L, 1), local_out_parts=None
+  )
+  close(f(X[mine]), (X @ X.T).sum(axis=1), "constraints inside, replicated output whole")
+
+
+def global_arrays_pass_through():
+  sharding = jax.sharding.NamedSharding(
+    jax.make_mesh(
+      (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+    ),
+    jax.sharding.PartitionSpec("rows"),
+  )
+  gx = jax.make_array_from_process_local_data(sharding, X[mine], X.shape)
+  f = sharded_jit(lambda x: x - 1, in_parts=P(N, 1), out_parts=P(N, 1), local_in_parts=P(L, 1))
+  out = f(gx)  # no local_out_parts: the global array comes back
+  assert not out.is_fully_addressable and out.shape == X.shape, out
+  local = np.concatenate(
+    [np.asarray(s.data) for s in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
+  )
+  close(local, X[mine] - 1, "global array in, global array out")
+
+
+def replicated_only():
+  f = sharded_jit(
+    lambda w: w @ w.T, in_parts=None, out_parts=None, num_partitions=N, local_num_partitions=L
+  )
+  close(f(W), W @ W.T, "replicated-only with local_num_partitions")
+
+
+def compiles_once():
+  traces = []
+
+  def body(x):
+    traces.append(x.shape)
+    return x + 1
+
+  f = sharded_jit(
+    body, in_parts=P(N, 1), out_parts=P(N, 1), local_in_parts=P(L, 1), local_out_parts=P(L, 1)
+  )
+  for _ in range(3):
+    f(X[mine])
+  f(X[mine][: 2 * L])
+  assert traces == [X.shape, (2 * L * nproc, COLS)], traces
+  print("PASS traced once per signature", flush=True)
+
+
+def expect_error(fn, what):
+  try:
+    fn()
+  except ValueError as e:
+    print(f"ERROR {type(e).__name__}: {e}", flush=True)
+    print(f"PASS {what}", flush=True)
+    return
+  raise AssertionError(f"process {pid}: {what} raised nothing")
+
+
+def main(mode):
+  if mode == "all":
+    for scenario in (
+      round_trip,
+      two_dims,
+      keyword_and_static,
+      grad_through,
+      constraint_inside,
+      global_arrays_pass_through,
+      replicated_only,
+      compiles_once,
+    ):
+      scenario()
+  elif mode == "mismatch-shape":
+    rows = X[mine] if pid != nproc - 1 else X[mine][:-L]  # the last host is short
+    f = sharded_jit(
+      lambda x: x * 2,
+      in_parts=P(N, 1),
+      out_parts=P(N, 1),
+      local_in_parts=P(L, 1),
+      local_out_parts=P(L, 1),
+    )
+    expect_error(lambda: f(rows), "shape mismatch detected")
+  elif mode == "mismatch-dtype":
+    rows = X[mine] if pid != 0 else X[mine].astype(np.int32)
+    f = sharded_jit(
+      lambda x: x * 2,
+      in_parts=P(N, 1),
+      out_parts=P(N, 1),
+      local_in_parts=P(L, 1),
+      local_out_parts=P(L, 1),
+    )
+    expect_error(lambda: f(rows), "dtype mismatch detected")
+  elif mode == "mismatch-divisible":
+    rows = X[mine] if pid != nproc - 1 else X[mine][:-1]  # not divisible by L
+    f = sharded_jit(
+      lambda x: x * 2,
+      in_parts=P(N, 1),
+      out_parts=P(N, 1),
+      local_in_parts=P(L, 1),
+      local_out_parts=P(L, 1),
+    )
+    expect_error(lambda: f(rows), "indivisible local piece on one host")
+  elif mode == "device-errors":
+    f = sharded_jit(lambda w: w + 1, in_parts=None, out_parts=None, num_partitions=N)
+    expect_error(lambda: f(W), "replicated-only needs local_num_partitions")
+    between = sharded_jit(lambda x: x, in_parts=P(L + 1, 1), out_parts=P(L + 1, 1))
+    expect_error(lambda: between(X), "between local and global device counts")
+    fewer = sharded_jit(
+      lambda x: x,
+      in_parts=P(N, 1),
+      out_parts=P(N, 1),
+      local_in_parts=P(1, 1),
+      local_num_partitions=1,
+    )
+    expect_error(lambda: fewer(X[mine]), "cross-process must use every local device")
+  else:
+    raise SystemExit(f"unknown mode {mode!r}")
+  print("WORKER DONE", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
