@@ -158,7 +158,9 @@ def run_local(
   base.update(env or {})
   wrapper = []
   if shutil.which("timeout"):
-    wrapper = ["timeout", "-k", str(max(1, round(grace_s))), str(max(1, round(timeout_s)))]
+    # A backstop for when this launcher itself dies: our own deadline fires first.
+    backstop = timeout_s + 2 * grace_s + 10
+    wrapper = ["timeout", "-k", str(max(1, round(grace_s))), str(round(backstop))]
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
   procs: list[subprocess.Popen] = []
   readers = []

@@ -1,0 +1,78 @@
+"""spmd-launch local: N processes, fail-fast, timeouts, and what it reports."""
+
+import sys
+import time
+
+import pytest
+
+from launch import local, main
+
+PY = sys.executable
+
+
+def test_every_process_gets_its_environment():
+  code = (
+    "import os; print(os.environ['SPMD_PROCESS_ID'], os.environ['SPMD_NUM_PROCESSES'], "
+    "os.environ['SPMD_COORDINATOR_ADDRESS'], os.environ['SPMD_COORDINATOR_BIND_ADDRESS'], "
+    "os.environ['SPMD_CPU_DEVICES'])"
+  )
+  result = local.run_local([PY, "-c", code], num_processes=3, devices_per_process=2, echo=False)
+  assert result.ok, result.report()
+  lines = [p.output.split() for p in result.processes]
+  assert [line[:2] for line in lines] == [["0", "3"], ["1", "3"], ["2", "3"]]
+  addresses = {line[2] for line in lines}
+  assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
+  assert all(line[2] == line[3] and line[4] == "2" for line in lines)  # bound to loopback
+
+
+def test_fail_fast_stops_the_others_and_names_the_first_failure():
+  code = (
+    "import sys, time, os\nif os.environ['SPMD_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(120)"
+  )
+  start = time.monotonic()
+  result = local.run_local([PY, "-c", code], num_processes=3, grace_s=1, echo=False)
+  assert time.monotonic() - start < 60  # a hang bound, not a performance figure
+  assert not result.ok and result.first_failure == 1
+  assert "process 1 failed first: exit code 3" in result.summary()
+  assert result.processes[0].returncode == -9 and result.processes[0].killed_by_launcher
+  assert "stopped by the launcher" in result.summary()
+
+
+def test_a_killed_process_is_named_with_its_signal():
+  code = (
+    "import os, signal, time\nif os.environ['SPMD_PROCESS_ID'] == '0': "
+    "os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(120)"
+  )
+  result = local.run_local([PY, "-c", code], num_processes=2, grace_s=1, echo=False)
+  assert result.first_failure == 0
+  assert "process 0 failed first: killed by SIGKILL" in result.summary()
+
+
+def test_processes_that_ignore_sigterm_are_still_stopped():
+  # JAX catches SIGTERM for preemption; the launcher must not rely on it.
+  code = (
+    "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "if os.environ['SPMD_PROCESS_ID'] == '1': sys.exit(1)\ntime.sleep(120)"
+  )
+  result = local.run_local([PY, "-c", code], num_processes=2, grace_s=1, echo=False)
+  assert result.first_failure == 1 and result.processes[0].returncode == -9
+
+
+def test_the_job_time_limit_kills_everything():
+  result = local.run_local(
+    [PY, "-c", "import time; time.sleep(120)"], num_processes=2, timeout_s=2, grace_s=1, echo=False
+  )
+  assert result.timed_out and not result.ok
+  assert all(p.returncode is not None and p.returncode != 0 for p in result.processes)
+  assert "ran past its time limit" in result.summary()
+
+
+def test_cli_exit_code_and_prefixed_output(capsys):
+  assert main.main(["local", "--num-processes", "2", "--", PY, "-c", "print('hello')"]) == 0
+  out = capsys.readouterr().out
+  assert "[p0] hello" in out and "[p1] hello" in out
+  code = "import os, sys; sys.exit(int(os.environ['SPMD_PROCESS_ID']) * 7)"
+  assert main.main(["local", "--num-processes", "2", "--grace", "1", "--", PY, "-c", code]) == 1
+  assert "process 1 failed first: exit code 7" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    main.main(["nowhere"])

@@ -1,0 +1,29 @@
+"""Checks what spmd.initialize() set up, and where the coordinator listens."""
+
+import os
+
+import spmd
+
+info = spmd.initialize()
+import jax  # noqa: E402
+
+print(
+  f"devices {jax.device_count()} local {jax.local_device_count()} processes {jax.process_count()}",
+  flush=True,
+)
+assert info.process_index == int(os.environ["SPMD_PROCESS_ID"])
+
+if info.process_index == 0:
+  port = int(os.environ["SPMD_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+  listening = []
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+      for row in f.read().splitlines()[1:]:
+        fields = row.split()
+        address, state = fields[1], fields[3]
+        host, port_hex = address.rsplit(":", 1)
+        if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
+          listening.append(host)
+  loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+  assert listening and set(listening) <= loopback, f"coordinator listens on {listening}"
+  print("coordinator listens on loopback only", flush=True)
