@@ -37,5 +37,10 @@ setup(
     "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],
     "tpu": ["jax[tpu]>=0.10.2"],
   },
-  entry_points={"console_scripts": ["spmd-launch=launch.main:main"]},
+  entry_points={
+    "console_scripts": [
+      "spmd-launch=launch.main:main",
+      "spmd-mesh=spmd.mesh_cli:main",
+    ]
+  },
 )

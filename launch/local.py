@@ -102,8 +102,13 @@ def process_env(
   devices_per_process: int,
   heartbeat_timeout_s: float,
   base: Mapping[str, str] | None = None,
+  platform: str | None = "cpu",
 ) -> dict[str, str]:
-  """The environment one simulated host starts with."""
+  """The environment one simulated host starts with.
+
+  `platform` sets JAX_PLATFORMS (simulated hosts are CPU hosts by default);
+  None leaves the environment's choice.
+  """
   env = dict(os.environ if base is None else base)
   address = f"127.0.0.1:{port}"
   env.update(
@@ -116,10 +121,11 @@ def process_env(
       env_names.ENV_HEARTBEAT: str(heartbeat_timeout_s),
       env_names.ENV_SHUTDOWN: str(max(5, heartbeat_timeout_s)),
       env_names.ENV_INIT: str(max(30, heartbeat_timeout_s)),
-      "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),
       "PYTHONUNBUFFERED": "1",
     }
   )
+  if platform is not None:
+    env["JAX_PLATFORMS"] = platform
   return env
 
 
@@ -133,6 +139,7 @@ def run_local(
   env: Mapping[str, str] | None = None,
   echo: bool = True,
   cwd: str | None = None,
+  platform: str | None = "cpu",
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
@@ -147,6 +154,7 @@ def run_local(
     env: extra environment variables for every process.
     echo: print each line as it arrives, prefixed with `[pN]`.
     cwd: working directory of the processes.
+    platform: JAX_PLATFORMS for the processes; None keeps the environment's.
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
@@ -184,7 +192,9 @@ def run_local(
       text=True,
       errors="replace",
       cwd=cwd,
-      env=process_env(i, num_processes, port, devices_per_process, heartbeat_timeout_s, base),
+      env=process_env(
+        i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
+      ),
       start_new_session=True,
     )  # its own group: killpg reaches its children
     procs.append(p)

@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--grace", type=float, default=5.0, help="seconds the others get after a failure before SIGKILL"
   )
   loc.add_argument("--heartbeat-timeout", type=float, default=5.0)
+  loc.add_argument(
+    "--platform", default="cpu", help="JAX_PLATFORMS for the processes ('' keeps the environment's)"
+  )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   return parser
 
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s=args.timeout,
     grace_s=args.grace,
     heartbeat_timeout_s=args.heartbeat_timeout,
+    platform=args.platform or None,
   )
   print(f"spmd-launch: {result.summary()}", file=sys.stderr if not result.ok else sys.stdout)
   return 0 if result.ok else 1

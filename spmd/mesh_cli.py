@@ -1,0 +1,161 @@
+"""`spmd-mesh`: print the mesh for a target — axes, hosts, devices, batch rows.
+
+  spmd-mesh --mesh data=-1,tensor=4 --topology v5p-64 --global-batch 256
+  spmd-mesh --mesh data=-1 --dcn data=2 --topology v5e-256 --num-slices 2
+  spmd-mesh --mesh data=-1,tensor=2 --cpu-devices 8          # this machine
+
+It builds the mesh with the same `spmd.mesh.create_mesh` and the layout with
+the same `spmd.layout.data_layout` the trainer uses, against this machine's
+devices or a TPU slice's real device descriptions (needs the `tpu` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def _ranges(values: list[int]) -> str:
+  values = sorted(set(values))
+  if len(values) == 1:
+    return str(values[0])
+  if values == list(range(values[0], values[-1] + 1)):
+    return f"{values[0]}..{values[-1]}"
+  return ",".join(map(str, values))
+
+
+def describe(mesh, layout=None) -> dict[str, Any]:
+  """The mesh and layout as plain data (what `--json` prints)."""
+  devices = list(mesh.devices.flat)
+  hosts: dict[int, list] = {}
+  for d in devices:
+    hosts.setdefault(d.process_index, []).append(d)
+  slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
+  out: dict[str, Any] = {
+    "device_kind": devices[0].device_kind,
+    "num_devices": len(devices),
+    "num_hosts": len(hosts),
+    "num_slices": len(slices),
+    "axes": dict(mesh.shape),
+    "hosts": [],
+  }
+  if layout is not None:
+    out["global_batch"] = layout.global_batch
+    out["batch_axes"] = list(layout.batch_axes)
+    out["data_parallel"] = layout.data_parallel
+    out["distinct_row_blocks"] = layout.num_shards
+  for p in sorted(hosts):
+    entry: dict[str, Any] = {"process": p, "devices": []}
+    positions = {name: [] for name in mesh.axis_names}
+    for d in sorted(hosts[p], key=lambda d: d.id):
+      where = tuple(int(i) for i in np.argwhere(mesh.devices == d)[0])
+      for name, i in zip(mesh.axis_names, where):
+        positions[name].append(i)
+      coords = getattr(d, "coords", None)
+      entry["devices"].append(
+        {
+          "id": d.id,
+          "coords": list(coords) if coords is not None else None,
+          "slice": getattr(d, "slice_index", None),
+          "mesh_position": dict(zip(mesh.axis_names, where)),
+        }
+      )
+    entry["mesh_positions"] = {n: _ranges(v) for n, v in positions.items()}
+    if layout is not None:
+      host = layout.host(p)
+      entry["batch_rows"] = [host.rows.start, host.rows.stop]
+      entry["row_block"] = host.shard
+    out["hosts"].append(entry)
+  return out
+
+
+def format_table(info: dict[str, Any], target: str) -> str:
+  lines = [
+    f"mesh on {target}: {info['num_devices']} devices ({info['device_kind']}), "
+    f"{info['num_hosts']} hosts, {info['num_slices']} slice(s)",
+    "axes: " + "  ".join(f"{n}={s}" for n, s in info["axes"].items()),
+  ]
+  if "global_batch" in info:
+    lines.append(
+      f"global batch {info['global_batch']} split over {tuple(info['batch_axes'])}: "
+      f"data-parallel {info['data_parallel']}, {info['distinct_row_blocks']} distinct "
+      f"row blocks of {info['global_batch'] // info['distinct_row_blocks']} rows"
+    )
+  lines.append("")
+  header = f"{'host':>4}  {'devices (id@x,y,z)':<56}  {'mesh positions':<28}"
+  if "global_batch" in info:
+    header += "  batch rows"
+  lines.append(header)
+  for h in info["hosts"]:
+    devs = " ".join(
+      f"{d['id']}@{','.join(map(str, d['coords']))}" if d["coords"] is not None else str(d["id"])
+      for d in h["devices"]
+    )
+    if len(devs) > 56:
+      devs = devs[:53] + "..."
+    pos = " ".join(f"{n}={r}" for n, r in h["mesh_positions"].items())
+    line = f"{h['process']:>4}  {devs:<56}  {pos:<28}"
+    if "batch_rows" in h:
+      start, stop = h["batch_rows"]
+      line += f"  {start}..{stop - 1}"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="spmd-mesh", description=__doc__.splitlines()[0])
+  parser.add_argument("--mesh", default="data=-1", help="ICI axes, e.g. data=-1,fsdp=1,tensor=1")
+  parser.add_argument("--dcn", default=None, help="axes across slices/hosts, e.g. data=2")
+  parser.add_argument(
+    "--topology",
+    default="local",
+    help="'local' (this machine) or a TPU slice: v4-32, v5e-16, v5p-64, ...",
+  )
+  parser.add_argument("--num-slices", type=int, default=1)
+  parser.add_argument(
+    "--cpu-devices",
+    type=int,
+    default=None,
+    help="with --topology local: simulate this many CPU devices",
+  )
+  parser.add_argument("--global-batch", type=int, default=None)
+  parser.add_argument("--batch-axes", default=None, help="default: data,fsdp (those present)")
+  parser.add_argument("--json", action="store_true", help="machine-readable output")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  import jax
+
+  if args.topology == "local":
+    if args.cpu_devices:
+      jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    devices = jax.devices()
+  else:
+    jax.config.update("jax_platforms", "cpu")  # plan only: never look for a real TPU
+    from spmd.topology import topology_devices
+
+    devices = list(topology_devices(args.topology, args.num_slices))
+  from spmd.layout import data_layout
+  from spmd.mesh import create_mesh
+
+  try:
+    mesh = create_mesh(args.mesh, args.dcn, devices=devices)
+    batch_axes = args.batch_axes.split(",") if args.batch_axes else None
+    layout = data_layout(mesh, args.global_batch, batch_axes) if args.global_batch else None
+  except (ValueError, RuntimeError) as e:
+    print(f"spmd-mesh: {e}", file=sys.stderr)
+    return 2
+  info = describe(mesh, layout)
+  target = args.topology + (f" x {args.num_slices} slices" if args.num_slices > 1 else "")
+  print(json.dumps(info, indent=1) if args.json else format_table(info, target))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

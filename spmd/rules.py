@@ -1,0 +1,159 @@
+"""Logical axis names (what models annotate) to mesh axes (what devices form).
+
+A model says "this weight is (embed, mlp)"; a rule set says "embed goes on
+fsdp, mlp on tensor". Changing parallelism is choosing a rule set, not
+editing the model. Rules are ordered `(logical, mesh axes)` pairs; a mesh
+axis the mesh lacks is skipped (so one preset serves meshes with or without
+it), and a mesh axis is used at most once per array (the first dimension that
+asks for it gets it).
+
+Example:
+  >>> logical_to_spec(("batch", "length", "embed"), FSDP_TP)  # fsdp taken by batch
+  P(('data', 'fsdp'),)
+  >>> logical_to_spec(("embed", "mlp"), FSDP_TP)
+  P('fsdp', 'tensor')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from spmd.partition import NamedSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+# Names the models in trainers/models use. Every preset maps all of them, so
+# a typo in a model is an error rather than a silently replicated weight.
+LOGICAL_AXES = (
+  "batch",
+  "length",
+  "embed",
+  "mlp",
+  "heads",
+  "kv",
+  "vocab",
+  "layers",
+  "norm",
+  "classes",
+)
+
+DATA_PARALLEL: Rules = (
+  ("batch", ("data", "fsdp")),
+  *((name, None) for name in LOGICAL_AXES if name != "batch"),
+)
+"""Pure data parallel: only the batch is split; every weight is replicated."""
+
+FSDP: Rules = (
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("vocab", None),
+  *((name, None) for name in ("length", "mlp", "heads", "kv", "layers", "norm", "classes")),
+)
+"""Fully sharded data parallel: weights split over `fsdp` along `embed`."""
+
+FSDP_TP: Rules = (
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("vocab", "tensor"),
+  *((name, None) for name in ("length", "kv", "layers", "norm", "classes")),
+)
+"""FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
+
+PRESETS: dict[str, Rules] = {"dp": DATA_PARALLEL, "fsdp": FSDP, "fsdp_tp": FSDP_TP}
+
+
+def preset(name: str) -> Rules:
+  """A preset rule set by name: `dp`, `fsdp` or `fsdp_tp`."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ValueError(f"unknown rules preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(
+  logical: Sequence[str | None], rules: Rules, mesh: jax.sharding.Mesh | None = None
+) -> NamedSpec:
+  """The named `PartitionSpec` for one array's logical axis names.
+
+  With a mesh, axes it lacks (or of size 1) are dropped.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  entries = []
+  for name in logical:
+    if name is None:
+      entries.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"logical axis {name!r} has no rule; rules cover {sorted(table)}")
+    axes = [
+      a
+      for a in _as_tuple(table[name])
+      if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
+    ]
+    used.update(axes)
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  while entries and entries[-1] is None:
+    entries.pop()
+  return NamedSpec(*entries)
+
+
+def logical_to_sharding(
+  logical_tree: Any, mesh: jax.sharding.Mesh, rules: Rules, shapes: Any = None
+) -> Any:
+  """A tree of `NamedSharding`s for a tree of logical annotations.
+
+  Args:
+    logical_tree: a pytree whose leaves are tuples of logical names (one per
+      dimension; None for a dimension no rule splits).
+    mesh: the mesh.
+    rules: a rule set (see the presets).
+    shapes: optionally the same tree of arrays or `ShapeDtypeStruct`s; then
+      every split dimension is checked to divide evenly, and a `ValueError`
+      names the array's path, shape and mesh axes when it does not.
+  """
+
+  def is_leaf(x):
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+  specs = jax.tree_util.tree_map(
+    lambda names: logical_to_spec(names, rules, mesh), logical_tree, is_leaf=is_leaf
+  )
+  if shapes is not None:
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, NamedSpec))
+    shape_leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    if len(spec_leaves) != len(shape_leaves):
+      raise ValueError(f"{len(spec_leaves)} logical annotations for {len(shape_leaves)} arrays")
+    for (path, leaf), spec in zip(shape_leaves, spec_leaves):
+      check_divisible(jax.tree_util.keystr(path), tuple(leaf.shape), spec, mesh)
+  return jax.tree_util.tree_map(
+    lambda spec: jax.sharding.NamedSharding(mesh, spec),
+    specs,
+    is_leaf=lambda x: isinstance(x, NamedSpec),
+  )
+
+
+def check_divisible(
+  name: str, shape: tuple[int, ...], spec: NamedSpec, mesh: jax.sharding.Mesh
+) -> None:
+  """Raises `ValueError` when a split dimension of `shape` does not divide."""
+  if len(spec) > len(shape):
+    raise ValueError(f"{name}: {spec} has more entries than {shape=} has dimensions")
+  for dim, entry in enumerate(spec):
+    parts = math.prod(mesh.shape[a] for a in _as_tuple(entry))
+    if shape[dim] % parts:
+      raise ValueError(
+        f"{name}: dimension {dim} of {shape=} is not divisible by {parts} "
+        f"(mesh axes {_as_tuple(entry)} of {dict(mesh.shape)})"
+      )

@@ -1,0 +1,99 @@
+"""Real TPU device descriptions on a machine without TPUs, from a slice's name.
+
+With libtpu installed (the `tpu` extra), `jax.experimental.topologies` returns
+the devices of any TPU slice — coordinates, process (host) and slice indices —
+and programs compile against them ahead of time. That is how we test device
+assignment and plan memory at pod scale from a laptop or CI.
+
+Slice names follow Cloud TPU: v4 and v5p count TensorCores (two per chip),
+v5e and v6e count chips. `v5p-64` is 32 chips in a 2x4x4 torus.
+
+Example:
+  >>> topology_name("v5p-64"), topology_name("v5e-16"), topology_name("v4:2x2x4")
+  ('v5p:2x4x4', 'v5e:4x4', 'v4:2x2x4')
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
+
+
+def chip_grid(generation: str, chips: int) -> tuple[int, ...]:
+  """The standard slice shape for a chip count: double the smallest side.
+
+  Example:
+    >>> chip_grid("v5p", 32), chip_grid("v5e", 256)
+    ((2, 4, 4), (16, 16))
+  """
+  dims = _DIMS[generation]
+  if chips < 1 or chips & (chips - 1):
+    raise ValueError(f"{chips=} for {generation} is not a power of two")
+  shape = [1] * dims
+  if dims == 3 and chips >= 4:
+    shape = [2, 2, 1]
+  while math.prod(shape) < chips:
+    smallest = min(shape)
+    i = max(j for j, s in enumerate(shape) if s == smallest)
+    shape[i] *= 2
+  if math.prod(shape) != chips:
+    raise ValueError(f"no standard {generation} slice has {chips=}")
+  return tuple(shape)
+
+
+def topology_name(name: str) -> str:
+  """`v5p-64` -> `v5p:2x4x4`; names already in `gen:AxBxC` form pass through."""
+  if ":" in name:
+    return name
+  generation, sep, count = name.partition("-")
+  generation = _ALIASES.get(generation, generation)
+  if not sep or generation not in _CORES_PER_CHIP or not count.isdigit():
+    raise ValueError(
+      f"unknown TPU slice {name!r}; use e.g. v4-32, v5p-64, v5e-16, v6e-256 or v5p:2x4x4"
+    )
+  cores = int(count)
+  if cores % _CORES_PER_CHIP[generation]:
+    raise ValueError(
+      f"{name!r}: {generation} slices count TensorCores, {_CORES_PER_CHIP[generation]} per chip"
+    )
+  grid = chip_grid(generation, cores // _CORES_PER_CHIP[generation])
+  return f"{generation}:{'x'.join(map(str, grid))}"
+
+
+def libtpu_available() -> bool:
+  """True when libtpu (the `tpu` extra) is installed."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+@functools.cache
+def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
+  """The devices of a TPU slice (or `num_slices` of them), without TPUs.
+
+  Raises:
+    RuntimeError: libtpu is not installed.
+  """
+  if not libtpu_available():
+    raise RuntimeError(
+      "planning for a TPU topology needs libtpu: pip install -e '.[tpu]' "
+      "(it compiles for TPUs without having one)"
+    )
+  from jax.experimental import topologies
+
+  full = topology_name(name)
+  extra = {}
+  if _CORES_PER_CHIP.get(full.split(":")[0]) == 2:
+    extra["chip_config_name"] = "megacore"  # one JAX device per chip, as on real pods
+  desc = topologies.get_topology_desc(
+    platform="tpu", topology_name=full, num_slices=num_slices, **extra
+  )
+  return tuple(desc.devices)

@@ -1,0 +1,170 @@
+"""Named meshes, the per-host data layout and logical rules, in one process."""
+
+import jax
+import numpy as np
+import pytest
+
+from spmd import layout, mesh_cli, rules
+from spmd.mesh import create_mesh, parse_axes, resolve_sizes
+
+NP = jax.sharding.PartitionSpec
+
+
+def test_parse_axes_forms_and_errors():
+  assert parse_axes("data=-1, tensor=2") == [("data", -1), ("tensor", 2)]
+  assert parse_axes({"data": 4, "fsdp": 2}) == [("data", 4), ("fsdp", 2)]
+  assert parse_axes([("data", 8)]) == [("data", 8)]
+  with pytest.raises(ValueError, match="not of the form name=size"):
+    parse_axes("data")
+  with pytest.raises(ValueError, match="is not an integer"):
+    parse_axes("data=x")
+  with pytest.raises(ValueError, match="names repeat"):
+    parse_axes([("data", 2), ("data", 2)])
+
+
+@pytest.mark.parametrize(
+  "axes,total,message",
+  [
+    ([("data", -1), ("tensor", -1)], 8, r"axes \['data', 'tensor'\] are all -1"),
+    ([("data", 2), ("tensor", 2)], 8, "multiply to 4, but there are 8 devices"),
+    ([("data", -1), ("tensor", 3)], 8, "multiply to 3, which does not divide the 8 devices"),
+    ([("data", 0)], 8, "must be positive or -1"),
+  ],
+)
+def test_impossible_sizes_are_named(axes, total, message):
+  with pytest.raises(ValueError, match=message):
+    resolve_sizes(axes, total)
+
+
+def test_mesh_keeps_the_users_axis_order_with_auto_axes():
+  mesh = create_mesh("tensor=2,data=-1,fsdp=1")
+  assert mesh.axis_names == ("tensor", "data", "fsdp")
+  assert dict(mesh.shape) == {"tensor": 2, "data": 4, "fsdp": 1}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  # Model axes vary fastest over the device order, whatever the axis order.
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  assert ids[:, 0, 0].tolist() == [0, 1] and ids[0, :, 0].tolist() == [0, 2, 4, 6]
+
+
+def test_dcn_errors():
+  with pytest.raises(ValueError, match=r"DCN axes \['model'\] are not among"):
+    create_mesh("data=-1", dcn="model=2")
+  with pytest.raises(ValueError, match="multiply to 2, but there are 1 processes"):
+    create_mesh("data=-1", dcn="data=2")
+  with pytest.raises(ValueError, match="only data axes .* may cross DCN"):
+    create_mesh("data=-1,tensor=1", dcn=[("tensor", -1)], devices=_fake_hosts(2, 4))
+
+
+class _FakeDevice:
+  """Enough of a device for the layout math: an id and a process."""
+
+  platform = "cpu"
+  device_kind = "fake"
+
+  def __init__(self, i, process):
+    self.id, self.process_index = i, process
+
+  def __repr__(self):
+    return f"D{self.id}@p{self.process_index}"
+
+
+def _fake_hosts(hosts, per_host):
+  return [_FakeDevice(p * 1000 + i, p) for p in range(hosts) for i in range(per_host)]
+
+
+def test_dcn_over_processes_puts_data_blocks_per_process():
+  mesh = create_mesh("data=-1,tensor=2", dcn="data=-1", devices=_fake_hosts(4, 2))
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  assert dict(mesh.shape) == {"data": 4, "tensor": 2}
+  assert procs.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
+
+
+def test_host_major_meshes_keep_model_groups_inside_hosts():
+  devices = _fake_hosts(4, 4)
+  mesh = create_mesh("data=-1,tensor=2", devices=devices)
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  assert all(len(set(row)) == 1 for row in procs)  # each tensor pair on one host
+  wide = create_mesh("data=-1,tensor=8", devices=devices)  # spans two whole hosts
+  procs = np.vectorize(lambda d: d.process_index)(wide.devices)
+  assert [sorted(set(row)) for row in procs] == [[0, 1], [2, 3]]
+
+
+def test_data_layout_single_process_and_errors():
+  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  lay = layout.data_layout(mesh, 32)
+  assert lay.batch_axes == ("data", "fsdp") and lay.data_parallel == 4
+  assert lay.num_shards == 1 and lay.host().rows == range(32) and lay.per_host_batch == 32
+  assert sorted(r.start for _, r in lay.host().device_rows) == [0, 0, 8, 8, 16, 16, 24, 24]
+  with pytest.raises(
+    ValueError,
+    match="global_batch=30 is not divisible by the data-parallel "
+    r"size 4 \(batch axes \{'data': 2, 'fsdp': 2\}\)",
+  ):
+    layout.data_layout(mesh, 30)
+  with pytest.raises(ValueError, match=r"batch axes \['rows'\] are not mesh axes"):
+    layout.data_layout(mesh, 32, ["rows"])
+
+
+def test_data_layout_across_fake_hosts_feeds_every_row_once_per_replica():
+  mesh = create_mesh("data=-1,tensor=8", devices=_fake_hosts(4, 4))  # tensor spans 2 hosts
+  lay = layout.data_layout(mesh, 16)
+  assert lay.num_shards == 2 and lay.per_host_batch == 8
+  assert [h.rows for h in lay.hosts] == [range(0, 8), range(0, 8), range(8, 16), range(8, 16)]
+  assert [h.shard for h in lay.hosts] == [0, 0, 1, 1]
+
+
+def test_non_contiguous_hosts_are_an_error():
+  devices = _fake_hosts(2, 2)
+  interleaved = jax.sharding.Mesh(
+    np.array([devices[0], devices[2], devices[1], devices[3]], dtype=object), ("data",)
+  )
+  with pytest.raises(ValueError, match="not one contiguous block"):
+    layout.data_layout(interleaved, 8)
+
+
+def test_rules_presets_and_errors():
+  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  assert rules.logical_to_spec(("embed", "mlp"), rules.FSDP_TP, mesh) == NP("fsdp", "tensor")
+  assert rules.logical_to_spec(("embed", "mlp"), rules.FSDP, mesh) == NP("fsdp")
+  assert rules.logical_to_spec(("embed", "mlp"), rules.DATA_PARALLEL, mesh) == NP()
+  assert rules.logical_to_spec(("batch", "embed"), rules.FSDP, mesh) == NP(("data", "fsdp"))
+  no_fsdp = create_mesh("data=-1")
+  assert rules.logical_to_spec(("batch", "embed"), rules.FSDP, no_fsdp) == NP("data")
+  with pytest.raises(ValueError, match="logical axis 'embd' has no rule"):
+    rules.logical_to_spec(("embd",), rules.FSDP)
+  with pytest.raises(ValueError, match="unknown rules preset 'zero3'"):
+    rules.preset("zero3")
+  assert rules.preset("fsdp_tp") is rules.FSDP_TP
+
+
+def test_logical_to_sharding_checks_divisibility_with_paths():
+  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  logical = {"dense": {"kernel": ("embed", "mlp"), "bias": ("mlp",)}}
+  shapes = {
+    "dense": {
+      "kernel": jax.ShapeDtypeStruct((8, 6), np.float32),
+      "bias": jax.ShapeDtypeStruct((6,), np.float32),
+    }
+  }
+  shardings = rules.logical_to_sharding(logical, mesh, rules.FSDP_TP, shapes)
+  assert shardings["dense"]["kernel"].spec == NP("fsdp", "tensor")
+  bad = {
+    "dense": {
+      "kernel": jax.ShapeDtypeStruct((8, 5), np.float32),
+      "bias": jax.ShapeDtypeStruct((6,), np.float32),
+    }
+  }
+  with pytest.raises(
+    ValueError,
+    match=r"\['dense'\]\['kernel'\]: dimension 1 of shape=\(8, 5\) "
+    "is not divisible by 2",
+  ):
+    rules.logical_to_sharding(logical, mesh, rules.FSDP_TP, bad)
+
+
+def test_spmd_mesh_cli_local(capsys):
+  assert mesh_cli.main(["--mesh", "data=-1,tensor=2", "--global-batch", "16"]) == 0
+  out = capsys.readouterr().out
+  assert "axes: data=4  tensor=2" in out and "0..15" in out
+  assert mesh_cli.main(["--mesh", "data=3"]) == 2
+  assert "multiply to 3, but there are 8 devices" in capsys.readouterr().err
