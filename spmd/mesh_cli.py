@@ -1,8 +1,9 @@
 """`spmd-mesh`: print the mesh for a target — axes, hosts, devices, batch rows.
 
-  spmd-mesh --mesh data=-1,tensor=4 --topology v5p-64 --global-batch 256
-  spmd-mesh --mesh data=-1 --dcn data=2 --topology v5e-256 --num-slices 2
-  spmd-mesh --mesh data=-1,tensor=2 --cpu-devices 8          # this machine
+  spmd-mesh --mesh=data=-1,tensor=4 --topology=v5p-64 --global_batch=256
+  spmd-mesh --mesh=data=-1 --dcn=data=2 --topology=v5e-256 --num_slices=2
+  spmd-mesh --config=configs/default.py --config.mesh.ici=data=-1,tensor=2
+  spmd-mesh --mesh=data=-1,tensor=2 --cpu_devices=8          # this machine
 
 It builds the mesh with the same `spmd.mesh.create_mesh` and the layout with
 the same `spmd.layout.data_layout` the trainer uses, against this machine's
@@ -11,7 +12,6 @@ devices or a TPU slice's real device descriptions (needs the `tpu` extra).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
@@ -106,54 +106,74 @@ def format_table(info: dict[str, Any], target: str) -> str:
   return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="spmd-mesh", description=__doc__.splitlines()[0])
-  parser.add_argument("--mesh", default="data=-1", help="ICI axes, e.g. data=-1,fsdp=1,tensor=1")
-  parser.add_argument("--dcn", default=None, help="axes across slices/hosts, e.g. data=2")
-  parser.add_argument(
-    "--topology",
-    default="local",
-    help="'local' (this machine) or a TPU slice: v4-32, v5e-16, v5p-64, ...",
+def _flags(argv: list[str]):
+  """Parses `argv` into a fresh flag set (so tests can call `main` repeatedly)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+    "config", None, "experiment config file", flag_values=fv, sys_argv=["spmd-mesh", *argv]
   )
-  parser.add_argument("--num-slices", type=int, default=1)
-  parser.add_argument(
-    "--cpu-devices",
-    type=int,
-    default=None,
-    help="with --topology local: simulate this many CPU devices",
+  flags.DEFINE_string(
+    "mesh",
+    None,
+    "ICI axes, e.g. data=-1,fsdp=1,tensor=1 (default: the config's mesh.ici, else data=-1)",
+    flag_values=fv,
   )
-  parser.add_argument("--global-batch", type=int, default=None)
-  parser.add_argument("--batch-axes", default=None, help="default: data,fsdp (those present)")
-  parser.add_argument("--json", action="store_true", help="machine-readable output")
-  return parser
+  flags.DEFINE_string("dcn", None, "axes across slices/hosts, e.g. data=2", flag_values=fv)
+  flags.DEFINE_string(
+    "topology",
+    "local",
+    "'local' (this machine) or a TPU slice: v4-32, v5e-16, v5p-64, ...",
+    flag_values=fv,
+  )
+  flags.DEFINE_integer("num_slices", 1, "TPU slices", flag_values=fv)
+  flags.DEFINE_integer(
+    "cpu_devices", None, "with --topology=local: simulate this many CPU devices", flag_values=fv
+  )
+  flags.DEFINE_integer("global_batch", None, "default: the config's", flag_values=fv)
+  flags.DEFINE_string("batch_axes", None, "default: the config's, else data,fsdp", flag_values=fv)
+  flags.DEFINE_boolean("json", False, "machine-readable output", flag_values=fv)
+  fv(["spmd-mesh", *argv])
+  return fv
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  fv = _flags(sys.argv[1:] if argv is None else argv)
+  config = fv.config
+  mesh_cfg = config.mesh if config is not None and "mesh" in config else None
+  ici = fv.mesh or (mesh_cfg.ici if mesh_cfg else "data=-1")
+  dcn = fv.dcn if fv.dcn is not None else (mesh_cfg.dcn if mesh_cfg else None)
+  global_batch = fv.global_batch or (config.get("global_batch") if config else None)
+  batch_axes = (
+    fv.batch_axes.split(",") if fv.batch_axes else list(mesh_cfg.batch_axes) if mesh_cfg else None
+  )
   import jax
 
-  if args.topology == "local":
-    if args.cpu_devices:
-      jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  if fv.topology == "local":
+    if fv.cpu_devices:
+      jax.config.update("jax_num_cpu_devices", fv.cpu_devices)
     devices = jax.devices()
   else:
     jax.config.update("jax_platforms", "cpu")  # plan only: never look for a real TPU
     from spmd.topology import topology_devices
 
-    devices = list(topology_devices(args.topology, args.num_slices))
+    devices = list(topology_devices(fv.topology, fv.num_slices))
   from spmd.layout import data_layout
   from spmd.mesh import create_mesh
 
   try:
-    mesh = create_mesh(args.mesh, args.dcn, devices=devices)
-    batch_axes = args.batch_axes.split(",") if args.batch_axes else None
-    layout = data_layout(mesh, args.global_batch, batch_axes) if args.global_batch else None
+    mesh = create_mesh(ici, dcn or None, devices=devices)
+    if batch_axes is not None:
+      batch_axes = [a for a in batch_axes if a in mesh.shape]
+    layout = data_layout(mesh, global_batch, batch_axes) if global_batch else None
   except (ValueError, RuntimeError) as e:
     print(f"spmd-mesh: {e}", file=sys.stderr)
     return 2
   info = describe(mesh, layout)
-  target = args.topology + (f" x {args.num_slices} slices" if args.num_slices > 1 else "")
-  print(json.dumps(info, indent=1) if args.json else format_table(info, target))
+  target = fv.topology + (f" x {fv.num_slices} slices" if fv.num_slices > 1 else "")
+  print(json.dumps(info, indent=1) if fv.json else format_table(info, target))
   return 0
 
 

@@ -163,8 +163,22 @@ def test_logical_to_sharding_checks_divisibility_with_paths():
 
 
 def test_spmd_mesh_cli_local(capsys):
-  assert mesh_cli.main(["--mesh", "data=-1,tensor=2", "--global-batch", "16"]) == 0
+  assert mesh_cli.main(["--mesh=data=-1,tensor=2", "--global_batch=16"]) == 0
   out = capsys.readouterr().out
   assert "axes: data=4  tensor=2" in out and "0..15" in out
-  assert mesh_cli.main(["--mesh", "data=3"]) == 2
+  assert mesh_cli.main(["--mesh=data=3"]) == 2
   assert "multiply to 3, but there are 8 devices" in capsys.readouterr().err
+
+
+def test_spmd_mesh_cli_reads_a_config_and_its_overrides(capsys):
+  argv = [
+    "--config=configs/default.py",
+    "--config.mesh.ici=data=-1,fsdp=2,tensor=2",
+    "--config.global_batch=64",
+  ]
+  assert mesh_cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "axes: data=2  fsdp=2  tensor=2" in out
+  assert "global batch 64 split over ('data', 'fsdp')" in out
+  with pytest.raises(Exception, match="Did you mean .ici. instead of .icii."):
+    mesh_cli.main(["--config=configs/default.py", "--config.mesh.icii=data=-1"])

@@ -107,10 +107,7 @@ def test_dcn_request_that_does_not_divide_the_slices():
 
 
 def test_spmd_mesh_cli_on_a_v5p_64(capsys):
-  assert (
-    mesh_cli.main(["--mesh", "data=-1,tensor=4", "--topology", "v5p-64", "--global-batch", "256"])
-    == 0
-  )
+  assert mesh_cli.main(["--mesh=data=-1,tensor=4", "--topology=v5p-64", "--global_batch=256"]) == 0
   out = capsys.readouterr().out
   assert "mesh on v5p-64: 32 devices (TPU v5), 8 hosts, 1 slice(s)" in out
   assert "data=0 tensor=0..3" in out and "224..255" in out
