@@ -32,6 +32,9 @@ setup(
     "grain>=0.2.18",
     "orbax-checkpoint>=0.12.8",
     "ml-collections>=1.1.0",
+    # tfds 4.9.10 imports it when building but only declares it for Python < 3.9
+    # (tensorflow/datasets#11212).
+    "importlib_resources>=6.0",
   ],
   extras_require={
     "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],

@@ -1,0 +1,237 @@
+"""Open any TFDS dataset prepared in a data directory as a random-access source.
+
+`open_source(name, split, data_dir)` reads what is already on disk and never
+downloads: a dataset that is not there is a `FileNotFoundError` that says how
+to prepare it. The source has `len()` and `[i]` (what grain's samplers need),
+reads ArrayRecord files without TensorFlow, and checks the files when it
+opens them, so a truncated or corrupt shard is an error naming the file
+rather than garbage.
+
+`prepare_text_corpus(data_dir, source)` builds the byte-level text corpus
+(`trainers.data.text_corpus`) the first time and reuses it afterwards:
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> _ = (root / "a.txt").write_text("hello world")
+  >>> name = prepare_text_corpus(root / "data", source=root / "*.txt")  # doctest: +ELLIPSIS
+  Downloading and preparing dataset ...
+  Dataset text_corpus downloaded and prepared to ...
+  >>> source = open_source(name, "train", root / "data")
+  >>> len(source), source[0]["tokens"].tobytes()
+  (1, b'hello world')
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import tensorflow_datasets as tfds
+from array_record.python import array_record_module
+from tensorflow_datasets.core import read_only_builder
+
+from trainers.data import text_corpus
+
+_ARRAY_RECORD = tfds.core.FileFormat.ARRAY_RECORD
+
+
+class RecordSource(Sequence):
+  """A TFDS data source whose read errors name the shard and how to fix it.
+
+  Attributes:
+    name: the dataset's full name, `dataset/config/version`.
+    split: the split as requested (TFDS slices like "train[:10%]" work).
+    info: the dataset's `tfds.core.DatasetInfo` (features, split sizes).
+  """
+
+  def __init__(
+    self,
+    source: Sequence[Any],
+    *,
+    name: str,
+    split: str,
+    info: tfds.core.DatasetInfo,
+    files: list[str],
+  ):
+    self._source = source
+    self.name = name
+    self.split = split
+    self.info = info
+    self._files = files
+    # First record index of each file, to say which file a bad record is in.
+    self._starts = []
+    start = 0
+    for instruction in info.splits[split].file_instructions:
+      self._starts.append(start)
+      start += instruction.take
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> Any:
+    try:
+      return self._source[index]
+    except RuntimeError as e:  # What array_record raises for a bad file.
+      raise self._read_error(index, e) from e
+
+  def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
+    try:
+      return self._source.__getitems__(indices)
+    except RuntimeError:
+      # Read one at a time to name the bad record (the error path only).
+      return [self[i] for i in indices]
+
+  def __iter__(self) -> Iterator[Any]:
+    for i in range(len(self)):
+      yield self[i]
+
+  def __repr__(self) -> str:
+    return f"RecordSource({self.name}, split={self.split!r}, {len(self)} records)"
+
+  def _read_error(self, index: int, error: Exception) -> ValueError:
+    file = self._files[max(0, bisect.bisect_right(self._starts, int(index)) - 1)]
+    return ValueError(
+      f"{self.name} {self.split!r}: could not read record {index} from {file}, which is "
+      f"truncated or corrupt ({error}). Delete {os.path.dirname(self._files[0])} and "
+      "prepare the dataset again."
+    )
+
+
+def _prepared_configs(data_dir: str, dataset: str) -> list[str]:
+  path = os.path.join(data_dir, dataset)
+  if not os.path.isdir(path):
+    return []
+  return sorted(c for c in os.listdir(path) if not c.startswith(".") and "incomplete" not in c)
+
+
+def _not_prepared(name: str, data_dir: str) -> FileNotFoundError:
+  dataset = name.split("/")[0].split(":")[0]
+  where = f"{data_dir=}" + ("" if os.path.isdir(data_dir) else " (which does not exist)")
+  configs = _prepared_configs(data_dir, dataset)
+  found = f" Prepared there: {dataset}/{configs}." if configs else ""
+  if dataset == text_corpus.TextCorpus.name:
+    how = (
+      'Build it (no network needed) with: python -c "from trainers.data.datasets import '
+      f'prepare_text_corpus; print(prepare_text_corpus({data_dir!r}))" (add source=... for '
+      "your own files; that call returns the name to open)."
+    )
+  else:
+    how = (
+      "Nothing is downloaded here. On a machine with network run "
+      f"`tfds build {dataset} --data_dir=DIR --file_format=array_record`, then copy "
+      f"DIR/{dataset} to {os.path.join(data_dir, dataset)}."
+    )
+  return FileNotFoundError(f"dataset {name!r} is not prepared in {where}.{found} {how}")
+
+
+def _check_files(name: str, split: str, info: tfds.core.DatasetInfo) -> list[str]:
+  """Each shard exists and holds the records the dataset info promises."""
+  files = []
+  for instruction in info.splits[split].file_instructions:
+    path = os.fspath(instruction.filename)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{name} {split!r}: shard {path} is missing; prepare it again")
+    reader = array_record_module.ArrayRecordReader(path)
+    ok, found = reader.ok(), reader.num_records()
+    if ok:  # Closing a reader that failed to open raises its error again.
+      reader.close()
+    if not ok or found != instruction.examples_in_shard:
+      raise ValueError(
+        f"{name} {split!r}: shard {path} is truncated or corrupt: it should hold "
+        f"{instruction.examples_in_shard} records, {found=} ({ok=}). Delete "
+        f"{os.path.dirname(path)} and prepare the dataset again."
+      )
+    files.append(path)
+  return files
+
+
+def open_source(name: str, split: str, data_dir: str | os.PathLike) -> RecordSource:
+  """Opens split `split` of dataset `name`, already prepared in `data_dir`.
+
+  Args:
+    name: a TFDS name: "mnist", "mnist:3.0.1", "text_corpus" (the default,
+      stdlib config), or "text_corpus/<config>" as `prepare_text_corpus`
+      returns it.
+    split: "train", "validation", "test", or a TFDS slice like "train[:5%]".
+    data_dir: the TFDS data directory the dataset was prepared in.
+
+  Returns:
+    A `RecordSource`: `len()` and `[i]`, each record a dict of numpy values.
+
+  Raises:
+    FileNotFoundError: the dataset is not prepared in `data_dir` (the message
+      says how to prepare it), or one of its shards is missing.
+    ValueError: unknown split, a format without random access (e.g.
+      TFRecord), or a truncated or corrupt shard.
+
+  >>> open_source("mnist", "train", "/nonexistent")  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  FileNotFoundError: dataset 'mnist' is not prepared in data_dir='/nonexistent' ...
+  """
+  data_dir = os.fspath(data_dir)
+  try:
+    # From the files alone: no dataset code runs and nothing can download.
+    builder = read_only_builder.builder_from_files(name, data_dir=data_dir)
+  except tfds.core.DatasetNotFoundError:
+    raise _not_prepared(name, data_dir) from None
+  info = builder.info
+  full_name = info.full_name
+  # A TFDS split spec: names, each maybe sliced ("train[:5%]"), joined by "+".
+  if any(part.split("[")[0].strip() not in info.splits for part in split.split("+")):
+    raise ValueError(
+      f"{split=} is not a split of {full_name} in {data_dir=}; it has {sorted(info.splits)}"
+    )
+  if _ARRAY_RECORD not in info.available_file_formats():
+    raise ValueError(
+      f"{full_name} in {data_dir=} is stored as {info.file_format.value}, which has no random "
+      f"access. Prepare it again with `tfds build {info.name} --file_format=array_record`."
+    )
+  files = _check_files(full_name, split, info)
+  source = builder.as_data_source(split, file_format=_ARRAY_RECORD)
+  return RecordSource(source, name=full_name, split=split, info=info, files=files)
+
+
+def prepare_text_corpus(
+  data_dir: str | os.PathLike,
+  source: text_corpus.SourceSpec = None,
+  *,
+  chunk_bytes: int = text_corpus.DEFAULT_CHUNK_BYTES,
+  validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT,
+  rebuild: bool = False,
+) -> str:
+  """Builds the text corpus in `data_dir` unless it is there already.
+
+  Args:
+    data_dir: the TFDS data directory to build into.
+    source: None for the Python standard library's `.py` files, or a
+      directory, glob pattern or list of files (see `trainers.data.text_corpus`).
+    chunk_bytes: the most bytes (tokens) in one record.
+    validation_percent: the share of files that go to "validation".
+    rebuild: build again even if prepared (after the files changed: the cache
+      is keyed by the source spec, not the files' contents).
+
+  Returns:
+    The name to pass to `open_source`: "text_corpus/<config>:<version>".
+
+  >>> import tempfile
+  >>> data_dir = tempfile.mkdtemp()
+  >>> name = prepare_text_corpus(data_dir, source=[__file__])  # doctest: +ELLIPSIS
+  Downloading and preparing dataset ...
+  >>> prepare_text_corpus(data_dir, source=[__file__]) == name  # Reused: prints nothing.
+  True
+  """
+  config = text_corpus.text_corpus_config(
+    source, chunk_bytes=chunk_bytes, validation_percent=validation_percent
+  )
+  # TFDS wants the class's own object for a config the class lists (the default).
+  config = text_corpus.TextCorpus.builder_configs.get(config.name, config)
+  builder = text_corpus.TextCorpus(data_dir=os.fspath(data_dir), config=config)
+  mode = tfds.download.GenerateMode
+  download_config = tfds.download.DownloadConfig(
+    try_download_gcs=False,
+    download_mode=mode.REUSE_CACHE_IF_EXISTS if rebuild else mode.REUSE_DATASET_IF_EXISTS,
+  )
+  builder.download_and_prepare(download_config=download_config)
+  return f"{builder.name}/{config.name}:{builder.version}"

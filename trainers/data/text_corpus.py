@@ -1,0 +1,307 @@
+"""`text_corpus`: a TFDS builder for byte-level language-model data from local text files.
+
+Each example is one chunk of one file:
+
+  tokens  uint8[n]  the file's bytes [offset, offset + n), n <= chunk_bytes (vocab 256)
+  source  Text      the absolute path it came from (read back as bytes: os.fsdecode)
+  offset  int64     where the chunk starts in that file
+
+Concatenating a file's chunks in `offset` order gives back the file, byte for
+byte. Empty files give no chunks.
+
+The source is part of the config, so each source has its own cached dataset
+under `data_dir/text_corpus/<config name>/<version>/`:
+
+  * `None` (the default): the `.py` files of this Python's standard library
+    (`sysconfig.get_paths()["stdlib"]`, without site-packages), about 30 MB
+    of real text on any machine with Python;
+  * a directory: every regular file under it, hidden ones skipped;
+  * a glob pattern (`**` recurses): the matching regular files;
+  * a list or tuple of files: exactly those.
+
+Files are read in sorted order, so a build is deterministic. A file goes to
+"validation" when a hash of its split key (its path relative to the
+directory, or to the glob's fixed prefix; a listed file's path as written)
+falls in the first `validation_percent` of the hash range; the assignment of a
+file never changes when other files are added.
+
+The data is written as ArrayRecord and read back with `tfds.data_source`
+(random access, no TensorFlow). Build it with
+`trainers.data.datasets.prepare_text_corpus(data_dir)`, or directly:
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> (root / "src").mkdir()
+  >>> _ = (root / "src" / "a.txt").write_text("hello world")
+  >>> config = text_corpus_config(root / "src", chunk_bytes=8)
+  >>> builder = TextCorpus(data_dir=str(root / "data"), config=config)
+  >>> builder.download_and_prepare(download_config=DOWNLOAD_CONFIG)  # doctest: +ELLIPSIS
+  Downloading and preparing dataset ...
+  Dataset text_corpus downloaded and prepared to ...
+  >>> source = builder.as_data_source("train")
+  >>> sorted((int(x["offset"]), x["tokens"].tobytes()) for x in source)
+  [(0, b'hello wo'), (8, b'rld')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+DEFAULT_CHUNK_BYTES = 4096
+DEFAULT_VALIDATION_PERCENT = 2.0
+TRAIN = "train"
+VALIDATION = "validation"
+
+# Nothing is ever downloaded; the GCS check is off so a build never touches the network.
+DOWNLOAD_CONFIG = tfds.download.DownloadConfig(try_download_gcs=False)
+
+# Third-party packages live inside the stdlib directory but are not the stdlib.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_GLOB_MAGIC = frozenset("*?[")
+# Split assignment resolution: validation_percent is honoured to 0.01 %.
+_HASH_BUCKETS = 10_000
+
+SourceSpec = str | os.PathLike | Sequence[str | os.PathLike] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+  """One input file: where to read it, and the key that decides its split."""
+
+  path: str
+  key: str
+
+
+def stdlib_dir() -> str:
+  """This Python's standard-library directory, the default corpus source.
+
+  >>> import os
+  >>> os.path.isfile(os.path.join(stdlib_dir(), "os.py"))
+  True
+  """
+  return os.path.abspath(sysconfig.get_paths()["stdlib"])
+
+
+def _walk(root: str, *, suffix: str, skip_dirs: frozenset[str]) -> list[SourceFile]:
+  files = []
+  # followlinks=False: a symlinked directory could loop or leave the tree.
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
+    for filename in filenames:
+      path = os.path.join(dirpath, filename)
+      if filename.endswith(suffix) and not filename.startswith(".") and os.path.isfile(path):
+        files.append(SourceFile(path=path, key=os.path.relpath(path, root)))
+  return files
+
+
+def _glob_root(pattern: str) -> str:
+  """The directory part of `pattern` before its first wildcard."""
+  parts = pattern.split(os.sep)
+  fixed = []
+  for part in parts[:-1]:
+    if any(c in _GLOB_MAGIC for c in part):
+      break
+    fixed.append(part)
+  return os.sep.join(fixed) or os.sep
+
+
+def list_source_files(source: SourceSpec = None) -> list[SourceFile]:
+  """The files a source spec selects, sorted by split key.
+
+  Args:
+    source: None for the standard library's `.py` files, a directory, a glob
+      pattern, or a list of files (see the module docstring).
+
+  Returns:
+    The selected files, sorted by `key` so that builds are deterministic.
+
+  Raises:
+    FileNotFoundError: a directory or listed file does not exist, or the
+      source selects no file.
+
+  >>> files = list_source_files()
+  >>> any(f.key == "os.py" for f in files), any("site-packages" in f.path for f in files)
+  (True, False)
+  """
+  if source is None:
+    files = _walk(stdlib_dir(), suffix=".py", skip_dirs=_STDLIB_SKIP_DIRS)
+  elif isinstance(source, str | os.PathLike):
+    spec = os.path.abspath(os.fspath(source))
+    if any(c in _GLOB_MAGIC for c in spec):
+      root = _glob_root(spec)
+      paths = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+      files = [SourceFile(path=p, key=os.path.relpath(p, root)) for p in paths]
+    elif os.path.isdir(spec):
+      files = _walk(spec, suffix="", skip_dirs=frozenset())
+    elif os.path.isfile(spec):
+      files = [SourceFile(path=spec, key=os.path.basename(spec))]
+    else:
+      raise FileNotFoundError(f"{source=} is not a file, a directory or a glob pattern")
+  else:
+    listed = sorted({os.fspath(p) for p in source})
+    missing = [p for p in listed if not os.path.isfile(p)]
+    if missing:
+      raise FileNotFoundError(f"these listed source files do not exist: {missing}")
+    files = [SourceFile(path=os.path.abspath(p), key=p) for p in listed]
+  if not files:
+    raise FileNotFoundError(f"{source=} selects no file")
+  return sorted(files, key=lambda f: f.key)
+
+
+def split_of(key: str, validation_percent: float = DEFAULT_VALIDATION_PERCENT) -> str:
+  """The split ("train" or "validation") of a file with this split key.
+
+  A hash, not the file's position, decides, so adding files never moves others.
+
+  >>> split_of("os.py"), split_of("os.py", validation_percent=100)
+  ('train', 'validation')
+  """
+  digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+  bucket = int.from_bytes(digest[:8], "big") % _HASH_BUCKETS
+  return VALIDATION if bucket < validation_percent * (_HASH_BUCKETS / 100) else TRAIN
+
+
+@dataclasses.dataclass(eq=False)
+class TextCorpusConfig(tfds.core.BuilderConfig):
+  """A `text_corpus` config: where the text comes from and how it is cut.
+
+  Make one with `text_corpus_config`, which derives `name` from the rest.
+  """
+
+  source: str | tuple[str, ...] | None = None
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES
+  validation_percent: float = DEFAULT_VALIDATION_PERCENT
+
+
+def text_corpus_config(
+  source: SourceSpec = None,
+  *,
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+  validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+) -> TextCorpusConfig:
+  """A config whose name is unique to the source, chunk size and split fraction.
+
+  The name is `<label>-<chunk_bytes>b-<hash>`; the hash covers the absolute
+  source spec (for the default, also the Python version, since the stdlib
+  changes with it), so a different source never reuses another's cache.
+  Only the spec is hashed, not file contents: rebuild after editing files.
+
+  >>> text_corpus_config().name.startswith("stdlib-4096b-")
+  True
+  >>> text_corpus_config("/data/*.txt").name == text_corpus_config("/data/*.md").name
+  False
+  """
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    raise ValueError(f"{chunk_bytes=} must be a positive int")
+  if not 0 <= validation_percent <= 100:
+    raise ValueError(f"{validation_percent=} must be between 0 and 100")
+  validation_percent = float(validation_percent)  # So that 2 and 2.0 name the same config.
+  if source is None:
+    label, spec = "stdlib", None
+    what = f"the .py files of the Python {platform.python_version()} standard library"
+    identity = ["stdlib", stdlib_dir(), platform.python_version()]
+  elif isinstance(source, str | os.PathLike):
+    label, spec = "files", os.path.abspath(os.fspath(source))
+    what = f"the files selected by {spec!r}"
+    identity = ["path", spec]
+  else:
+    label, spec = "files", tuple(sorted({os.fspath(p) for p in source}))
+    if not spec:
+      raise ValueError(f"{source=} is an empty list of files")
+    what = f"{len(spec)} listed files"
+    # A listed path counts as written (its split key) and as resolved (what is read).
+    identity = ["list", *[[p, os.path.abspath(p)] for p in spec]]
+  digest = hashlib.sha256(
+    json.dumps([*identity, chunk_bytes, validation_percent]).encode("utf-8", "surrogateescape")
+  ).hexdigest()[:12]
+  return TextCorpusConfig(
+    name=f"{label}-{chunk_bytes}b-{digest}",
+    description=(
+      f"Byte-level text from {what}, in chunks of at most {chunk_bytes} bytes, "
+      f"{validation_percent}% of files in validation."
+    ),
+    source=spec,
+    chunk_bytes=chunk_bytes,
+    validation_percent=validation_percent,
+  )
+
+
+class TextCorpus(tfds.core.GeneratorBasedBuilder):
+  """Byte-level LM data from local text files, one example per chunk of a file."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {
+    "1.0.0": "First version: tokens (uint8 bytes), source, offset."
+  }
+  # The default config, the one "text_corpus" means without a config name.
+  BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [text_corpus_config()]
+  # tfds 4.9.10 works this out for package modules through `importlib_resources`,
+  # a backport it only installs for Python < 3.9; the answer is simply this file.
+  code_path = epath.Path(__file__)
+
+  def __init__(self, **kwargs):
+    # ArrayRecord is the format that `tfds.data_source` reads without TensorFlow.
+    kwargs.setdefault("file_format", "array_record")
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # DatasetInfo directly: `dataset_info_from_configs` looks for metadata
+    # files next to a dataset package, which this module is not.
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=self.builder_config.description,
+      features=tfds.features.FeaturesDict(
+        {
+          # BYTES keeps a chunk as raw bytes on disk (1 byte a token), not as int64s.
+          "tokens": tfds.features.Tensor(shape=(None,), dtype=np.uint8, encoding="bytes"),
+          "source": tfds.features.Text(),
+          "offset": tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
+    )
+
+  def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    del dl_manager  # Everything is local.
+    config = self.builder_config
+    # A data_dir inside the source directory must not feed the build its own output.
+    output = os.path.join(os.path.abspath(os.fspath(self.data_dir_root)), "")
+    files = [f for f in list_source_files(config.source) if not f.path.startswith(output)]
+    by_split = {TRAIN: [], VALIDATION: []}
+    for f in files:
+      by_split[split_of(f.key, config.validation_percent)].append(f)
+    # TFDS cannot write a split without examples, so a split with no text is left out
+    # (e.g. "validation" of a handful of files); opening it names the splits there are.
+    nonempty = {
+      split: split_files
+      for split, split_files in by_split.items()
+      if any(os.path.getsize(f.path) for f in split_files)
+    }
+    if not nonempty:
+      raise ValueError(f"{config.source=} has no text: its {len(files)} files are empty")
+    return {split: self._generate_examples(split_files) for split, split_files in nonempty.items()}
+
+  def _generate_examples(self, files: list[SourceFile]) -> Iterator[tuple[str, dict]]:
+    chunk = self.builder_config.chunk_bytes
+    for f in files:
+      with open(f.path, "rb") as fh:
+        data = fh.read()
+      for offset in range(0, len(data), chunk):
+        piece = np.frombuffer(
+          data, dtype=np.uint8, count=min(chunk, len(data) - offset), offset=offset
+        )
+        yield (
+          f"{f.key}@{offset}",
+          {"tokens": piece, "source": os.fsencode(f.path), "offset": offset},
+        )
