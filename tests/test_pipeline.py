@@ -1,0 +1,138 @@
+"""Step-indexed global batches in one process (8 CPU devices)."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from spmd.mesh import create_mesh
+from tests.data_fixtures import SEQ_LEN, build_corpus
+from trainers.data import pipeline
+from trainers.data.datasets import open_source
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return build_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def records(corpus):
+  name, data_dir = corpus
+  return open_source(name, "train", data_dir)
+
+
+def make(records, global_batch=16, seed=3, train=True, mesh="data=-1"):
+  return pipeline.GlobalBatches(
+    records, pipeline.lm_example(SEQ_LEN), global_batch, create_mesh(mesh), seed=seed, train=train
+  )
+
+
+def test_every_record_once_per_epoch_and_epochs_differ(records):
+  b = make(records)
+  n, spe = len(records), b.steps_per_epoch
+  assert spe == n // 16
+  for epoch in range(3):
+    seen = np.concatenate([b.record_indices(s) for s in range(epoch * spe, (epoch + 1) * spe)])
+    assert len(seen) == spe * 16 and len(set(seen.tolist())) == len(seen)
+    assert set(seen.tolist()) <= set(range(n))
+  first = b.record_indices(0)
+  assert not np.array_equal(first, b.record_indices(spe))  # reshuffled next epoch
+  assert np.array_equal(first, make(records).record_indices(0))  # deterministic
+  assert not np.array_equal(first, make(records, seed=4).record_indices(0))
+
+
+def test_host_batch_holds_exactly_those_records(records):
+  b = make(records)
+  batch = b.host_batch(5)
+  to_example = pipeline.lm_example(SEQ_LEN)
+  for row, index in enumerate(b.record_indices(5)):
+    expected = to_example(records[int(index)])
+    for key in ("inputs", "targets", "mask"):
+      np.testing.assert_array_equal(batch[key][row], expected[key])
+  assert batch["inputs"].shape == (16, SEQ_LEN) and batch["inputs"].dtype == np.int32
+  assert b.expected_host_shapes() == {
+    "inputs": (16, SEQ_LEN),
+    "targets": (16, SEQ_LEN),
+    "mask": (16, SEQ_LEN),
+  }
+
+
+def test_lm_example_shifts_and_masks_short_records():
+  ex = pipeline.lm_example(4)({"tokens": np.array([10, 11, 12], np.uint8)})
+  assert ex["inputs"].tolist() == [10, 11, 12, 0] and ex["targets"].tolist() == [11, 12, 0, 0]
+  assert ex["mask"].tolist() == [1, 1, 0, 0]
+
+
+def test_eval_pads_with_a_mask_and_counts_every_example_once(records):
+  b = make(records, global_batch=24, train=False)
+  n = len(records)
+  assert b.steps_per_epoch == -(-n // 24)
+  counts = collections.Counter()
+  for step in range(b.steps_per_epoch):
+    idx = b.record_indices(step)
+    mask = b.host_batch(step)["mask"]
+    for i, m in zip(idx, mask):
+      if i >= 0:
+        counts[int(i)] += 1
+      else:
+        assert not m.any()  # padding counts for nothing
+  assert counts == collections.Counter(range(n))
+
+
+def test_global_arrays_are_split_over_the_batch_axes(records):
+  b = make(records, mesh="data=-1,tensor=2")
+  arrays = b.global_batch_arrays(0)
+  assert arrays["inputs"].shape == (16, SEQ_LEN)
+  assert arrays["inputs"].sharding == b.layout.sharding
+  np.testing.assert_array_equal(np.asarray(arrays["inputs"]), b.host_batch(0)["inputs"])
+
+
+def test_prefetching_iterator_matches_and_resumes(records):
+  b = make(records)
+  plain = [(s, np.asarray(x["inputs"])) for s, x in b.iterator(0, prefetch=0, num_steps=6)]
+  it = b.iterator(0, prefetch=3)
+  fetched = [next(it) for _ in range(3)]
+  state = it.state()
+  it.close()
+  assert state.next_step == 3
+  resumed = list(b.iterator(pipeline.PipelineState.from_dict(state.to_dict()), num_steps=3))
+  got = [(s, np.asarray(x["inputs"])) for s, x in fetched + resumed]
+  assert [s for s, _ in got] == [s for s, _ in plain]
+  for (_, a), (_, c) in zip(got, plain):
+    np.testing.assert_array_equal(a, c)
+  with pytest.raises(ValueError, match="another stream .*'seed': \\(3, 4\\)"):
+    make(records, seed=4).iterator(state)
+
+
+def test_errors_in_the_prefetch_thread_reach_the_caller(records):
+  class Broken(list):
+    def __getitems__(self, indices):
+      raise OSError("disk went away")
+
+  b = pipeline.GlobalBatches(
+    Broken(records[i] for i in range(40)), pipeline.lm_example(SEQ_LEN), 16, create_mesh("data=-1")
+  )
+  with pytest.raises(OSError, match="disk went away"):
+    next(b.iterator(0, prefetch=2))
+
+
+def test_bad_sizes_are_clear_errors(records):
+  with pytest.raises(
+    ValueError, match="global_batch=12 is not divisible by the data-parallel size 8"
+  ):
+    make(records, global_batch=12)
+  with pytest.raises(ValueError, match="fewer than one global_batch=4096"):
+    make(records, global_batch=4096)
+
+
+def test_missing_data_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="not prepared in data_dir="):
+    pipeline.open_global_batches(
+      "text_corpus",
+      "train",
+      str(tmp_path),
+      pipeline.lm_example(SEQ_LEN),
+      16,
+      create_mesh("data=-1"),
+    )

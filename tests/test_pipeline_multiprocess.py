@@ -1,0 +1,102 @@
+"""The input pipeline on 1, 2 and 4 real processes: same global batches, each row once."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.data_fixtures import build_corpus
+from tests.multiprocess import assert_ok, run_worker
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return build_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def run(mode, corpus, out_dir, num_processes, *opts, devices=2):
+  name, data_dir = corpus
+  out_dir.mkdir(parents=True, exist_ok=True)
+  return run_worker(
+    "data_worker",
+    mode,
+    name,
+    data_dir,
+    str(out_dir),
+    *opts,
+    num_processes=num_processes,
+    devices_per_process=devices,
+  )
+
+
+def load(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def test_global_batches_identical_for_1_2_4_processes_and_each_row_once(corpus, tmp_path):
+  hashes = {}
+  for n in (1, 2, 4):
+    result = run("stream", corpus, tmp_path / f"n{n}", n, "steps=14")
+    assert_ok(result)
+    hashes[n] = load(tmp_path / f"n{n}" / "hashes.json")
+  assert hashes[1] == hashes[2] == hashes[4] and len(hashes[1]) == 14
+
+  # Over one epoch, the hosts of the 4-process run fed every used record once.
+  per_host = [load(tmp_path / "n4" / f"indices_p{p}.json") for p in range(4)]
+  spe, n = per_host[0]["steps_per_epoch"], per_host[0]["num_records"]
+  assert 14 > spe  # the run crossed an epoch boundary
+  fed = [i for h in per_host for s in range(spe) for i in h["indices"][str(s)]]
+  assert len(fed) == len(set(fed)) == spe * 16 and set(fed) <= set(range(n))
+  rows = sorted(tuple(h["rows"]) for h in per_host)
+  assert rows == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_resume_continues_the_same_stream_on_another_process_count(corpus, tmp_path):
+  reference = run("stream", corpus, tmp_path / "ref", 2, "steps=9")
+  assert_ok(reference)
+  saved = run("save", corpus, tmp_path / "resume", 2, "steps=5")
+  assert_ok(saved)
+  assert load(tmp_path / "resume" / "state.json")["next_step"] == 5
+  resumed = run("resume", corpus, tmp_path / "resume", 4, "steps=4")
+  assert_ok(resumed)
+  expected = load(tmp_path / "ref" / "hashes.json")
+  got = load(tmp_path / "resume" / "resumed.json")
+  assert got == {str(s): expected[str(s)] for s in range(5, 9)}
+
+
+@pytest.mark.parametrize(
+  "opts,message",
+  [
+    (("global_batch=12",), "global_batch=12 is not divisible by the data-parallel size 8"),
+    (("global_batch=4096",), "fewer than one global_batch=4096"),
+  ],
+)
+def test_bad_sizes_fail_on_every_process(corpus, tmp_path, opts, message):
+  result = run("open", corpus, tmp_path, 4, *opts)
+  assert not result.ok
+  for p in result.processes:
+    assert message in p.output, result.report()
+
+
+def test_missing_data_dir_fails_on_every_process(tmp_path):
+  result = run("open", ("text_corpus", str(tmp_path / "nowhere")), tmp_path / "out", 2)
+  for p in result.processes:
+    assert "FileNotFoundError" in p.output and "not prepared in data_dir=" in p.output, (
+      result.report()
+    )
+
+
+def test_one_host_with_a_corrupt_copy_stops_every_host(corpus, tmp_path):
+  _, data_dir = corpus
+  broken = tmp_path / "broken"
+  shutil.copytree(data_dir, broken)
+  shard = next(broken.rglob("*train.array_record*"))
+  shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+  result = run("open", corpus, tmp_path / "out", 2, f"data_dir_p1={broken}")
+  assert not result.ok
+  for p in result.processes:
+    assert "truncated or corrupt" in p.output, result.report()
+  assert "AgreementError" in result.processes[0].output

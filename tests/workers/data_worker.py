@@ -1,0 +1,99 @@
+"""One process of a multi-process input-pipeline test.
+
+Usage: data_worker.py MODE DATASET DATA_DIR OUT_DIR [options as key=value]
+  stream   write each step's global-batch hash and this host's record indices
+  resume   restore from OUT_DIR/state.json and write the next steps' hashes
+  save     run some steps and write the state to OUT_DIR/state.json
+  open     just open (for the error cases)
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+import spmd
+
+spmd.initialize()
+
+import jax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from spmd.mesh import create_mesh  # noqa: E402
+from trainers.data import pipeline  # noqa: E402
+
+mode, dataset, data_dir, out_dir = sys.argv[1:5]
+opts = dict(a.split("=", 1) for a in sys.argv[5:])
+pid = jax.process_index()
+if f"data_dir_p{pid}" in opts:  # this host has its own (maybe broken) copy
+  data_dir = opts[f"data_dir_p{pid}"]
+global_batch = int(opts.get("global_batch", 16))
+steps = int(opts.get("steps", 4))
+seq_len = int(opts.get("seq_len", 16))
+mesh = create_mesh(opts.get("mesh", "data=-1"))
+
+try:
+  batches = pipeline.open_global_batches(
+    dataset,
+    "train",
+    data_dir,
+    pipeline.lm_example(seq_len),
+    global_batch,
+    mesh,
+    seed=int(opts.get("seed", 7)),
+  )
+except ValueError as e:
+  print(f"ERROR {type(e).__name__}: {e}", flush=True)
+  sys.exit(3)
+except OSError as e:
+  print(f"ERROR {type(e).__name__}: {e}", flush=True)
+  sys.exit(3)
+
+
+def global_hash(batch):
+  digest = hashlib.sha256()
+  for key in sorted(batch):
+    digest.update(np.asarray(multihost_utils.process_allgather(batch[key], tiled=True)).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def write(name, obj):
+  with open(os.path.join(out_dir, name), "w") as f:
+    json.dump(obj, f)
+
+
+if mode == "stream":
+  hashes, indices = {}, {}
+  it = batches.iterator(0, prefetch=2, num_steps=steps)
+  for step, batch in it:
+    hashes[step] = global_hash(batch)
+    indices[step] = batches.record_indices(step, batches._rows).tolist()
+  if pid == 0:
+    write("hashes.json", hashes)
+  write(
+    f"indices_p{pid}.json",
+    {
+      "rows": [batches.layout.host().rows.start, batches.layout.host().rows.stop],
+      "steps_per_epoch": batches.steps_per_epoch,
+      "num_records": batches.num_records,
+      "indices": indices,
+    },
+  )
+elif mode == "save":
+  it = batches.iterator(0, prefetch=2)
+  for _ in range(steps):
+    next(it)
+  if pid == 0:
+    write("state.json", it.state().to_dict())
+  it.close()
+elif mode == "resume":
+  with open(os.path.join(out_dir, "state.json")) as f:
+    state = pipeline.PipelineState.from_dict(json.load(f))
+  hashes = {}
+  for step, batch in batches.iterator(state, prefetch=1, num_steps=steps):
+    hashes[step] = global_hash(batch)
+  if pid == 0:
+    write("resumed.json", hashes)
+print("WORKER DONE", flush=True)

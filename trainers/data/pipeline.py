@@ -1,0 +1,356 @@
+"""Step-indexed global batches: each host reads exactly its own rows.
+
+The global batch at step `s` is a pure function of (records, seed, step,
+global batch size): the same records in the same order whatever the number
+of processes. Positions are laid out epoch after epoch; grain's random-access
+`MapDataset` gives each epoch its own permutation (`shuffle` reseeds per
+epoch) and reads records by index. A host turns the rows the per-host data
+layout gives it (`spmd.layout`, never its own arithmetic) into positions,
+reads only those records, and builds the global `jax.Array`.
+
+Policies, written down:
+  * train: each epoch's first `steps_per_epoch * global_batch` positions of
+    its permutation are used and the remaining `len % global_batch` records
+    are skipped that epoch (logged); a different set is skipped each epoch, and
+    every used record appears exactly once per epoch across all hosts.
+  * eval: one pass in order, padded up to a whole number of global batches;
+    padding rows have `mask == 0`, so every example counts exactly once.
+  * Every host computes the same step count from the same numbers, so no
+    host runs a step the others do not.
+
+The iterator's state is just the next step (plus what it must match), so a
+run can resume on any number of processes.
+
+Example:
+  >>> import numpy as np, jax
+  >>> from spmd.mesh import create_mesh
+  >>> records = [{"tokens": np.arange(i, i + 5, dtype=np.uint8)} for i in range(10)]
+  >>> batches = GlobalBatches(records, lm_example(seq_len=4), global_batch=8,
+  ...                         mesh=create_mesh("data=-1"), seed=0)
+  >>> batches.steps_per_epoch, batches.positions(0).tolist() == batches.positions(0).tolist()
+  (1, True)
+  >>> len(set(batches.record_indices(0).tolist()))  # 8 of the 10 records, each once
+  8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from spmd import layout as layout_lib
+from spmd import multihost
+
+log = logging.getLogger(__name__)
+
+Example = dict[str, np.ndarray]
+
+
+def lm_example(seq_len: int) -> Callable[[dict[str, Any]], Example]:
+  """Record -> next-token example: `inputs`, `targets` (int32) and `mask`.
+
+  A record's first `seq_len + 1` tokens are used; a shorter record is padded
+  with zeros and its padding masked out of the loss.
+  """
+
+  def to_example(record: dict[str, Any]) -> Example:
+    tokens = np.asarray(record["tokens"])[: seq_len + 1].astype(np.int32)
+    n = len(tokens)
+    padded = np.zeros(seq_len + 1, np.int32)
+    padded[:n] = tokens
+    mask = np.zeros(seq_len, np.float32)
+    mask[: max(n - 1, 0)] = 1.0
+    return {"inputs": padded[:-1], "targets": padded[1:], "mask": mask}
+
+  return to_example
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineState:
+  """Where a stream stands; enough to resume it on any number of processes."""
+
+  next_step: int
+  seed: int
+  global_batch: int
+  num_records: int
+  fingerprint: str
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> PipelineState:
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+class GlobalBatches:
+  """The global batch of any step, as this host's rows or as a global array.
+
+  Args:
+    records: a random-access source (`len()`, `[i]`), e.g. `open_source(...)`.
+    to_example: record -> dict of fixed-shape numpy arrays.
+    global_batch: rows per step, the same for any number of hosts.
+    mesh: the global mesh; the batch is split over its batch axes.
+    seed: the shuffle seed (train).
+    train: True for shuffled epochs that drop the tail; False for one padded
+      pass in order (eval).
+    batch_axes: mesh axes that split the batch (default: data axes present).
+    name: what the records are, for messages and the state's fingerprint.
+  """
+
+  def __init__(
+    self,
+    records: Sequence[Any],
+    to_example: Callable[[Any], Example],
+    global_batch: int,
+    mesh: jax.sharding.Mesh,
+    seed: int = 0,
+    train: bool = True,
+    batch_axes: Sequence[str] | None = None,
+    name: str = "records",
+  ):
+    self.num_records = len(records)
+    self.global_batch = global_batch
+    self.seed = seed
+    self.train = train
+    self.name = name
+    self.layout = layout_lib.data_layout(mesh, global_batch, batch_axes)
+    if self.num_records == 0:
+      raise ValueError(f"{name} has no records")
+    if train:
+      self.steps_per_epoch = self.num_records // global_batch
+      if self.steps_per_epoch == 0:
+        raise ValueError(
+          f"{name} has {self.num_records} records, fewer than one {global_batch=}; "
+          "use a smaller batch or more data"
+        )
+      dropped = self.num_records - self.steps_per_epoch * global_batch
+      if dropped:
+        log.info(
+          "%s: %d of %d records are skipped each epoch (global_batch=%d does not "
+          "divide them); a different set each epoch",
+          name,
+          dropped,
+          self.num_records,
+          global_batch,
+        )
+    else:
+      self.steps_per_epoch = -(-self.num_records // global_batch)
+    # shuffle() reseeds for every epoch of indices past len(); see grain's MapDataset.
+    self._order = (
+      grain.MapDataset.range(self.num_records).seed(seed).shuffle()
+      if train
+      else grain.MapDataset.range(self.num_records)
+    )
+    self._records = records
+    self._to_example = to_example
+    host = self.layout.host()
+    self._rows = np.arange(host.rows.start, host.rows.stop)
+    self._example_spec = to_example(records[0])
+    self.fingerprint = hashlib.sha256(
+      f"{name}|{self.num_records}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
+    ).hexdigest()[:16]
+
+  # -- positions and records ---------------------------------------------------
+
+  def positions(self, step: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """Global stream positions of `rows` (default: all) of the batch at `step`."""
+    rows = np.arange(self.global_batch) if rows is None else rows
+    if not self.train:
+      return step * self.global_batch + rows
+    epoch, within = divmod(step, self.steps_per_epoch)
+    return epoch * self.num_records + within * self.global_batch + rows
+
+  def record_indices(self, step: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """Which records the rows of step `step` hold (eval padding: -1)."""
+    positions = self.positions(step, rows)
+    if not self.train:
+      return np.where(positions < self.num_records, positions, -1)
+    return np.array([self._order[int(p)] % self.num_records for p in positions], np.int64)
+
+  def host_batch(self, step: int) -> Example:
+    """This host's rows of the global batch at `step`, as numpy arrays."""
+    indices = self.record_indices(step, self._rows)
+    valid = indices >= 0
+    wanted = [int(i) for i in indices[valid]]
+    # One batched read: an ArrayRecord source reads a batch ~10x faster than
+    # the same records one by one.
+    getitems = getattr(self._records, "__getitems__", None)
+    read = getitems(wanted) if getitems else [self._records[i] for i in wanted]
+    it = iter(self._to_example(r) for r in read)
+    examples = [next(it) if ok else None for ok in valid]
+    out = {}
+    for key, spec in self._example_spec.items():
+      out[key] = np.stack([e[key] if e is not None else np.zeros_like(spec) for e in examples])
+    if not self.train:  # eval padding counts for nothing
+      mask = out.get("mask", np.ones((len(indices),), np.float32))
+      out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
+    return out
+
+  def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
+    """The global batch at `step` as `jax.Array`s split over the batch axes."""
+    local = self.host_batch(step)
+    return {
+      k: jax.make_array_from_process_local_data(
+        self.layout.sharding, v, (self.global_batch, *v.shape[1:])
+      )
+      for k, v in local.items()
+    }
+
+  def expected_host_shapes(self) -> dict[str, tuple[int, ...]]:
+    """The shapes every host's rows must have: the trainer checks them each step."""
+    return {k: (len(self._rows), *v.shape) for k, v in self._example_spec.items()}
+
+  # -- iteration and state ----------------------------------------------------
+
+  def state(self, next_step: int) -> PipelineState:
+    return PipelineState(
+      next_step, self.seed, self.global_batch, self.num_records, self.fingerprint
+    )
+
+  def iterator(
+    self, start: int | PipelineState = 0, prefetch: int = 2, num_steps: int | None = None
+  ) -> BatchIterator:
+    """Batches from `start` (a step or a saved state), prefetched to devices."""
+    if isinstance(start, PipelineState):
+      self.check_resumable(start)
+      start = start.next_step
+    return BatchIterator(self, start, prefetch, num_steps)
+
+  def check_resumable(self, state: PipelineState) -> None:
+    """Raises `ValueError` when `state` belongs to a different stream."""
+    mine = self.state(state.next_step)
+    diffs = {
+      f: (getattr(state, f), getattr(mine, f))
+      for f in ("seed", "global_batch", "num_records", "fingerprint")
+      if getattr(state, f) != getattr(mine, f)
+    }
+    if diffs:
+      raise ValueError(
+        f"cannot resume {self.name}: the saved data position belongs to another stream "
+        f"(saved, now): {diffs}"
+      )
+
+
+def open_global_batches(
+  name: str,
+  split: str,
+  data_dir: str,
+  to_example: Callable[[Any], Example],
+  global_batch: int,
+  mesh: jax.sharding.Mesh,
+  seed: int = 0,
+  train: bool = True,
+  batch_axes: Sequence[str] | None = None,
+) -> GlobalBatches:
+  """Opens a prepared TFDS split and its global batches, on every host together.
+
+  All hosts compare what they opened (dataset, size, batch, seed): a host
+  with another copy of the data, or one whose open failed (missing or
+  corrupt files), makes every host raise the same clear error instead of
+  some hosts running on while others stop.
+  """
+  from trainers.data.datasets import open_source  # tfds is imported only when used
+
+  what = f"input pipeline {name}[{split}]"
+  try:
+    records = open_source(name, split, data_dir)
+    batches = GlobalBatches(
+      records,
+      to_example,
+      global_batch,
+      mesh,
+      seed=seed,
+      train=train,
+      batch_axes=batch_axes,
+      name=f"{records.name}[{split}]",
+    )
+  except (OSError, ValueError) as e:
+    multihost.check_agreement(what, {multihost.ERROR_KEY: f"{type(e).__name__}: {e}"})
+    raise
+  multihost.check_agreement(
+    what,
+    {
+      "dataset": batches.name,
+      "records": batches.num_records,
+      "fingerprint": batches.fingerprint,
+      "global_batch": global_batch,
+      "seed": seed,
+      "train": train,
+    },
+  )
+  return batches
+
+
+class BatchIterator(Iterator[tuple[int, dict[str, jax.Array]]]):
+  """Yields `(step, global batch)`; a background thread reads ahead.
+
+  The thread prepares up to `prefetch` steps (read records, build host rows,
+  copy them to this host's devices) while the accelerator runs the current
+  one. Errors in the thread are raised by `next()`.
+  """
+
+  def __init__(self, batches: GlobalBatches, start: int, prefetch: int, num_steps: int | None):
+    if prefetch < 0:
+      raise ValueError(f"{prefetch=} must be >= 0")
+    self._batches = batches
+    self._next = start
+    self._stop_at = None if num_steps is None else start + num_steps
+    self._prefetch = prefetch
+    self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+    self._halt = threading.Event()
+    self._thread = None
+    if prefetch:
+      self._thread = threading.Thread(
+        target=self._fill, args=(start,), daemon=True, name="spmd-input-prefetch"
+      )
+      self._thread.start()
+
+  def _fill(self, step: int) -> None:
+    while not self._halt.is_set() and (self._stop_at is None or step < self._stop_at):
+      try:
+        item = (step, self._batches.global_batch_arrays(step), None)
+      except Exception as e:  # handed to the consumer, which raises it
+        item = (step, None, e)
+      while not self._halt.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if item[2] is not None:
+        return
+      step += 1
+
+  def __next__(self) -> tuple[int, dict[str, jax.Array]]:
+    if self._stop_at is not None and self._next >= self._stop_at:
+      raise StopIteration
+    if self._thread is None:
+      step, batch = self._next, self._batches.global_batch_arrays(self._next)
+    else:
+      step, batch, error = self._queue.get()
+      if error is not None:
+        raise error
+    self._next = step + 1
+    return step, batch
+
+  def state(self) -> PipelineState:
+    """The position to save: the next step this iterator would yield."""
+    return self._batches.state(self._next)
+
+  def close(self) -> None:
+    self._halt.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5)
+
+  def __del__(self):
+    self._halt.set()
