@@ -136,3 +136,22 @@ def test_missing_data_is_a_clear_error(tmp_path):
       16,
       create_mesh("data=-1"),
     )
+
+
+def test_windows_split_long_records_into_examples(records):
+  per = 2  # records hold SEQ_LEN + 1 tokens, so window 1 is empty (all masked)
+  b = pipeline.GlobalBatches(
+    records,
+    pipeline.lm_example(SEQ_LEN // 2 - 1),
+    16,
+    create_mesh("data=-1"),
+    examples_per_record=per,
+  )
+  assert b.num_records == per * len(records)
+  seen = np.concatenate([b.record_indices(s) for s in range(b.steps_per_epoch)])
+  assert len(set(seen.tolist())) == len(seen)
+  batch = b.host_batch(0)
+  to_example = pipeline.lm_example(SEQ_LEN // 2 - 1)
+  for row, e in enumerate(b.record_indices(0)):
+    expected = to_example(records[int(e) // per], int(e) % per)
+    np.testing.assert_array_equal(batch["targets"][row], expected["targets"])

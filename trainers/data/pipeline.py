@@ -55,15 +55,17 @@ log = logging.getLogger(__name__)
 Example = dict[str, np.ndarray]
 
 
-def lm_example(seq_len: int) -> Callable[[dict[str, Any]], Example]:
-  """Record -> next-token example: `inputs`, `targets` (int32) and `mask`.
+def lm_example(seq_len: int) -> Callable[..., Example]:
+  """(record, window) -> next-token example: `inputs`, `targets` (int32), `mask`.
 
-  A record's first `seq_len + 1` tokens are used; a shorter record is padded
-  with zeros and its padding masked out of the loss.
+  Window `w` of a record is its tokens `[w * (seq_len + 1), (w + 1) * (seq_len + 1))`,
+  so long records give several examples (see `GlobalBatches(examples_per_record=...)`).
+  A short window is padded with zeros and its padding masked out of the loss.
   """
 
-  def to_example(record: dict[str, Any]) -> Example:
-    tokens = np.asarray(record["tokens"])[: seq_len + 1].astype(np.int32)
+  def to_example(record: dict[str, Any], window: int = 0) -> Example:
+    start = window * (seq_len + 1)
+    tokens = np.asarray(record["tokens"])[start : start + seq_len + 1].astype(np.int32)
     n = len(tokens)
     padded = np.zeros(seq_len + 1, np.int32)
     padded[:n] = tokens
@@ -72,6 +74,11 @@ def lm_example(seq_len: int) -> Callable[[dict[str, Any]], Example]:
     return {"inputs": padded[:-1], "targets": padded[1:], "mask": mask}
 
   return to_example
+
+
+def windows_per_record(record_tokens: int, seq_len: int) -> int:
+  """How many `seq_len` examples fit in a record of `record_tokens` tokens."""
+  return max(1, record_tokens // (seq_len + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,9 @@ class GlobalBatches:
       pass in order (eval).
     batch_axes: mesh axes that split the batch (default: data axes present).
     name: what the records are, for messages and the state's fingerprint.
+    examples_per_record: each record holds this many examples (windows);
+      example `e` is window `e % n` of record `e // n`, read as
+      `to_example(record, window)`.
   """
 
   def __init__(
@@ -117,8 +127,12 @@ class GlobalBatches:
     train: bool = True,
     batch_axes: Sequence[str] | None = None,
     name: str = "records",
+    examples_per_record: int = 1,
   ):
-    self.num_records = len(records)
+    if examples_per_record < 1:
+      raise ValueError(f"{examples_per_record=} must be at least 1")
+    self.examples_per_record = examples_per_record
+    self.num_records = len(records) * examples_per_record  # examples, really
     self.global_batch = global_batch
     self.seed = seed
     self.train = train
@@ -155,9 +169,9 @@ class GlobalBatches:
     self._to_example = to_example
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
-    self._example_spec = to_example(records[0])
+    self._example_spec = self._example(records[0], 0)
     self.fingerprint = hashlib.sha256(
-      f"{name}|{self.num_records}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
+      f"{name}|{self.num_records}|{examples_per_record}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
     ).hexdigest()[:16]
 
   # -- positions and records ---------------------------------------------------
@@ -181,12 +195,15 @@ class GlobalBatches:
     """This host's rows of the global batch at `step`, as numpy arrays."""
     indices = self.record_indices(step, self._rows)
     valid = indices >= 0
+    per = self.examples_per_record
     wanted = [int(i) for i in indices[valid]]
-    # One batched read: an ArrayRecord source reads a batch ~10x faster than
-    # the same records one by one.
+    # One batched read of the distinct records: an ArrayRecord source reads a
+    # batch ~10x faster than the same records one by one.
+    distinct = sorted({i // per for i in wanted})
     getitems = getattr(self._records, "__getitems__", None)
-    read = getitems(wanted) if getitems else [self._records[i] for i in wanted]
-    it = iter(self._to_example(r) for r in read)
+    read = getitems(distinct) if getitems else [self._records[i] for i in distinct]
+    by_record = dict(zip(distinct, read))
+    it = iter(self._example(by_record[i // per], i % per) for i in wanted)
     examples = [next(it) if ok else None for ok in valid]
     out = {}
     for key, spec in self._example_spec.items():
@@ -196,9 +213,26 @@ class GlobalBatches:
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
 
+  def _example(self, record: Any, window: int) -> Example:
+    if self.examples_per_record == 1:
+      return self._to_example(record)
+    return self._to_example(record, window)
+
   def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
-    """The global batch at `step` as `jax.Array`s split over the batch axes."""
+    """The global batch at `step` as `jax.Array`s split over the batch axes.
+
+    Each host checks its own rows' shapes and dtypes every step (free): a
+    host whose batch changed shape while the others reuse the compiled step
+    would otherwise hang in a collective or compute garbage.
+    """
     local = self.host_batch(step)
+    for key, value in local.items():
+      spec = self._example_spec[key]
+      if value.shape != (len(self._rows), *spec.shape) or value.dtype != spec.dtype:
+        raise ValueError(
+          f"process {jax.process_index()}: batch[{key!r}] at {step=} has local shape "
+          f"{value.shape} {value.dtype}, expected {(len(self._rows), *spec.shape)} {spec.dtype}"
+        )
     return {
       k: jax.make_array_from_process_local_data(
         self.layout.sharding, v, (self.global_batch, *v.shape[1:])
@@ -251,6 +285,7 @@ def open_global_batches(
   seed: int = 0,
   train: bool = True,
   batch_axes: Sequence[str] | None = None,
+  examples_per_record: int = 1,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
 
@@ -273,6 +308,7 @@ def open_global_batches(
       train=train,
       batch_axes=batch_axes,
       name=f"{records.name}[{split}]",
+      examples_per_record=examples_per_record,
     )
   except (OSError, ValueError) as e:
     multihost.check_agreement(what, {multihost.ERROR_KEY: f"{type(e).__name__}: {e}"})
