@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo sharded-jit-demo test lint bench clean
 
 $(BIN)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,10 @@ $(BIN)/.installed: setup.py pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
+	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 900 -- \
+		$(BIN)/spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny
+
+sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
 		$(BIN)/python examples/sharded_jit_demo.py
 

@@ -35,6 +35,9 @@ setup(
     # tfds 4.9.10 imports it when building but only declares it for Python < 3.9
     # (tensorflow/datasets#11212).
     "importlib_resources>=6.0",
+    "tensorboardX>=2.6",
+    "matplotlib>=3.8",
+    "tqdm>=4.66",
   ],
   extras_require={
     "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],
@@ -44,6 +47,7 @@ setup(
     "console_scripts": [
       "spmd-launch=launch.main:main",
       "spmd-mesh=spmd.mesh_cli:main",
+      "spmd-train=trainers.main:main",
     ]
   },
 )

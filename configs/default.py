@@ -1,9 +1,10 @@
 """The default experiment config; other configs import it and change a few fields.
 
-  spmd-mesh --config=configs/default.py --config.mesh.ici=data=-1,tensor=2
+  spmd-train --config=configs/default.py --workdir=/tmp/run [--config.train.steps=100]
 
-Unknown keys are rejected (the ConfigDict is locked by the flag parser), so a
-typo in an override is an error, not a silently ignored setting.
+Unknown keys and wrong types are rejected (the ConfigDict is locked by the
+flag parser), so a typo in an override is an error, not a silently ignored
+setting.
 """
 
 import ml_collections
@@ -11,6 +12,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
+  config.seed = 0
 
   # The device assignment (spmd.mesh.create_mesh). One -1 fills the rest.
   config.mesh = ml_collections.ConfigDict()
@@ -21,4 +23,58 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Global batch: the same whatever the number of hosts.
   config.global_batch = 32
+
+  # Data: a TFDS dataset prepared in data.dir. "text_corpus" is built on
+  # first use from data.source (default: this Python's standard library).
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "text_corpus"
+  config.data.source = ""  # text_corpus only: a directory, glob or "" for the stdlib
+  config.data.dir = ""  # default: <workdir>/../data (shared between runs)
+  config.data.validation_percent = 2.0  # text_corpus only: share of files held out
+  config.data.train_split = "train"
+  config.data.eval_split = "validation"
+  config.data.prefetch = 2
+
+  # Model: a byte-level decoder-only transformer.
+  config.model = ml_collections.ConfigDict()
+  config.model.kind = "transformer"
+  config.model.seq_len = 128
+  config.model.num_layers = 4
+  config.model.d_model = 256
+  config.model.num_heads = 4
+  config.model.d_ff = 1024
+  config.model.vocab_size = 256
+  config.model.dtype = "float32"  # compute dtype; "bfloat16" for mixed precision
+  config.model.param_dtype = "float32"
+
+  # Optimisation: adamw, linear warmup then cosine decay, global-norm clipping.
+  config.train = ml_collections.ConfigDict()
+  config.train.steps = 1000
+  config.train.learning_rate = 3e-3
+  config.train.warmup_steps = 100
+  config.train.end_learning_rate_fraction = 0.1
+  config.train.weight_decay = 0.1
+  config.train.b1 = 0.9
+  config.train.b2 = 0.95
+  config.train.grad_clip_norm = 1.0
+  config.train.micro_batches = 1  # gradient accumulation
+  config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
+  config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
+  config.train.inject_nonfinite_at = ()  # fault injection for tests: steps with NaN grads
+
+  # Periodic work: each hook has its own schedule (0 = never).
+  config.log_every = 10
+  config.eval_every = 200
+  config.eval_batches = 8  # 0 = the whole eval split
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every = 200
+  config.checkpoint.keep = 3  # the last K ...
+  config.checkpoint.keep_period = 0  # ... plus every M-th step (0 = none)
+  config.checkpoint.init_from = ""  # initial weights from another run's checkpoint dir
+  config.profile = ml_collections.ConfigDict()
+  config.profile.start_step = -1  # -1 = no trace
+  config.profile.num_steps = 5
+  config.sample_tokens = 96  # greedy sample printed at the end (LM only)
+  config.transfer_guard = ""  # "disallow" makes implicit host<->device transfers errors
+  config.report_param_hash = False  # tests: a hash of the final parameters in the summary
   return config

@@ -207,3 +207,16 @@ def local_pieces(sharding: jax.sharding.NamedSharding, ndim: int, name: str) -> 
   spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
   local_shape = sharding.mesh.local_mesh.shape
   return tuple(math.prod(local_shape[n] for n in axis_names(e)) for e in spec)
+
+
+def barrier(name: str, timeout_s: float | None = None) -> None:
+  """Waits until every process reaches `name` (a no-op for one process).
+
+  Uses the distributed runtime's barrier, not a device collective, so it
+  works before any computation and never compiles anything.
+  """
+  client = _client()
+  if client is None or jax.process_count() == 1:
+    return
+  timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
+  client.wait_at_barrier(f"spmd_harness/barrier/{name}", int(timeout_s * 1000))

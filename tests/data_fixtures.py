@@ -29,3 +29,38 @@ def build_corpus(root: pathlib.Path) -> tuple[str, str]:
     data_dir, source=str(src / "*.txt"), chunk_bytes=SEQ_LEN + 1, validation_percent=10.0
   )
   return name, str(data_dir)
+
+
+WORDS = (
+  "the",
+  "model",
+  "learns",
+  "bytes",
+  "of",
+  "text",
+  "and",
+  "every",
+  "host",
+  "feeds",
+  "its",
+  "own",
+  "rows",
+  "while",
+  "devices",
+  "share",
+  "one",
+  "program",
+)
+
+
+def write_training_text(
+  root: pathlib.Path, files: int = 12, words: int = 1500, seed: int = 0
+) -> str:
+  """Files of word-salad text a tiny LM can learn from; returns their glob."""
+  rng = np.random.default_rng(seed)
+  src = root / "train_src"
+  src.mkdir(parents=True, exist_ok=True)
+  for i in range(files):
+    text = " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=words))
+    (src / f"doc_{i:02d}.txt").write_text(text + "\n")
+  return str(src / "*.txt")

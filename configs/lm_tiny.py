@@ -1,0 +1,27 @@
+"""The README's main job: a tiny byte-level LM that learns in minutes on 2 CPU cores.
+
+  spmd-launch local --num-processes 2 --devices-per-process 2 -- \\
+      spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny
+
+(`make demo` runs exactly this.) On one process: drop the spmd-launch part.
+"""
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.model.seq_len = 64
+  config.model.num_layers = 2
+  config.model.d_model = 128
+  config.model.num_heads = 4
+  config.model.d_ff = 512
+  config.global_batch = 32
+  config.train.steps = 300
+  config.train.learning_rate = 3e-3
+  config.train.warmup_steps = 30
+  config.log_every = 10
+  config.eval_every = 100
+  config.eval_batches = 4
+  config.checkpoint.every = 100
+  return config

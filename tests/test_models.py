@@ -1,0 +1,323 @@
+"""The models: shapes, causality, annotations, and sharded init and training on 8 CPU devices."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from spmd import rules
+from spmd.mesh import create_mesh
+from trainers.models import logical_axes, param
+from trainers.models.mlp import MLPClassifier, MLPConfig
+from trainers.models.transformer import (
+  TransformerConfig,
+  TransformerLM,
+  flops_per_token,
+  generate,
+  param_count,
+)
+
+P = jax.sharding.PartitionSpec
+# Every size divides a fsdp=2 x tensor=2 mesh.
+# One layer: every extra layer adds compile time, not coverage (param_count checks three).
+SMALL = TransformerConfig(
+  vocab_size=256, seq_len=32, num_layers=1, d_model=64, num_heads=4, d_ff=128
+)
+# Enough for the loss on a fixed batch of repetitive text to halve (it does by ~10).
+STEPS = 20
+TEXT = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 8, np.uint8)
+
+
+def _is_var(x):
+  return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass
+class Init:
+  """A compiled parameter init: `init(seed)` is the state, placed by `shardings`."""
+
+  graphdef: nnx.GraphDef
+  shardings: object
+  init: object
+
+
+def _compile_init(config, mesh=None, rule_set=rules.FSDP_TP) -> Init:
+  """One jitted init, as a trainer does it: the parameters are born sharded.
+
+  One compiled init is much faster than eager op-by-op init, and the key is
+  an argument, so another seed reuses the compiled program.
+  """
+  make = lambda key: TransformerLM(config, rngs=nnx.Rngs(key))  # noqa: E731
+  graphdef, abstract = nnx.split(nnx.eval_shape(make, jax.random.key(0)))
+  shardings = None
+  if mesh is not None:
+    shardings = rules.logical_to_sharding(logical_axes(abstract), mesh, rule_set, shapes=abstract)
+  init = jax.jit(lambda key: nnx.split(make(key))[1], out_shardings=shardings)
+  return Init(graphdef, shardings, lambda seed: init(jax.random.key(seed)))
+
+
+# Compiling is most of these tests' time (a CI machine may have 2 cores), so
+# the meshes, inits and forward pass are built once per module and shared.
+@pytest.fixture(scope="module")
+def mesh():
+  return create_mesh("data=-1,fsdp=2,tensor=2")
+
+
+@pytest.fixture(scope="module")
+def sharded_init(mesh):
+  return _compile_init(SMALL, mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def small(sharded_init):
+  """The small model's (graphdef, params), params sharded as the trainer would."""
+  return sharded_init.graphdef, sharded_init.init(0)
+
+
+@pytest.fixture(scope="module")
+def forward():
+  return jax.jit(
+    lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0
+  )
+
+
+def _windows(batch, length):
+  """Overlapping windows of a repetitive text: learnable next-token targets."""
+  return jnp.asarray(np.stack([TEXT[i * 3 : i * 3 + length] for i in range(batch)]), jnp.int32)
+
+
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
+    (dict(d_model=64, num_heads=3), "d_model=64 is not divisible by num_heads=3"),
+    (dict(num_layers=0), "num_layers=0 must be a positive integer"),
+    (dict(vocab_size=-1), "vocab_size=-1 must be a positive integer"),
+    (dict(dtype="int32"), "dtype='int32' is not a floating point dtype"),
+    (dict(param_dtype="floaty"), "param_dtype='floaty' is not a dtype"),
+  ],
+)
+def test_config_errors_name_the_values(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    TransformerConfig(**kwargs)
+
+
+def test_logits_shape_and_dtype(small, forward):
+  graphdef, state = small
+  logits = forward(graphdef, state, _windows(4, SMALL.seq_len))
+  assert logits.shape == (4, SMALL.seq_len, SMALL.vocab_size)
+  assert logits.dtype == jnp.float32
+  assert np.isfinite(np.asarray(logits)).all()
+  assert {x.dtype for x in jax.tree.leaves(state)} == {jnp.dtype("float32")}
+  assert forward(graphdef, state, _windows(2, 5)).shape == (2, 5, SMALL.vocab_size)
+  with pytest.raises(ValueError, match="longer than seq_len=32"):
+    forward(graphdef, state, _windows(1, SMALL.seq_len + 1))
+
+
+def test_logits_at_t_do_not_depend_on_later_tokens(small, forward):
+  graphdef, state = small
+  a = _windows(2, SMALL.seq_len)
+  t = 10
+  b = a.at[:, t + 1 :].set((a[:, t + 1 :] + 7) % SMALL.vocab_size)
+  la, lb = forward(graphdef, state, a), forward(graphdef, state, b)
+  # Masked scores get probability exactly 0, so earlier positions match bit for bit.
+  np.testing.assert_array_equal(la[:, : t + 1], lb[:, : t + 1])
+  assert not np.allclose(la[:, t + 1 :], lb[:, t + 1 :])  # the test can see a change
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    SMALL,
+    TransformerConfig(vocab_size=100, seq_len=7, num_layers=3, d_model=24, num_heads=3, d_ff=40),
+  ],
+)
+def test_param_count_matches_the_model(config):
+  abstract = nnx.state(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))), nnx.Param)
+  assert param_count(config) == sum(x.size for x in jax.tree.leaves(abstract))
+
+
+def test_flops_per_token_is_palm_accounting():
+  d, f, v, s, n = 64, 128, 256, 32, 1
+  non_embedding = n * (4 * d * d + 2 * d * f + 4 * d) + 2 * d + d * v
+  assert flops_per_token(SMALL) == 6 * non_embedding + 12 * n * d * s
+
+
+def _names_and_shapes(state):
+  axes = jax.tree.leaves(logical_axes(state), is_leaf=_is_var)
+  return [(a.get_value(), x.shape) for a, x in zip(axes, jax.tree.leaves(state), strict=True)]
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_logical_axes_line_up_with_param_leaves(model):
+  if model == "transformer":
+    make = lambda: TransformerLM(SMALL, rngs=nnx.Rngs(0))  # noqa: E731
+  else:
+    config = MLPConfig(input_dim=12, hidden_sizes=(16, 8, 4), num_classes=5)
+    make = lambda: MLPClassifier(config, rngs=nnx.Rngs(0))  # noqa: E731
+  abstract_model = nnx.eval_shape(make)
+  state = nnx.state(abstract_model, nnx.Param)
+  axes = logical_axes(state)
+  # A module gives the same answer as its state.
+  assert jax.tree.structure(logical_axes(abstract_model)) == jax.tree.structure(axes)
+  tuples = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+  assert len(tuples) == len(jax.tree.leaves(state))
+  for names, shape in _names_and_shapes(state):
+    assert len(names) == len(shape)
+    assert set(names) <= set(rules.LOGICAL_AXES), names
+  # With variables as leaves both trees have one structure: the shardings can be jit's.
+  assert jax.tree.structure(axes, is_leaf=_is_var) == jax.tree.structure(state, is_leaf=_is_var)
+
+
+def test_logical_axes_names_a_parameter_without_annotations():
+  class Mixed(nnx.Module):
+    def __init__(self, rngs):
+      self.good = param(rngs, nnx.initializers.zeros, (2,), ("embed",))
+      self.plain = nnx.Linear(2, 3, rngs=rngs)
+
+  with pytest.raises(ValueError, match=r"\['plain'\]\['bias'\].*no logical axes"):
+    logical_axes(Mixed(nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="not in LOGICAL_AXES"):
+    param(nnx.Rngs(0), nnx.initializers.zeros, (2,), ("hidden",))
+
+
+def test_fsdp_tp_puts_model_dims_on_tensor_and_embed_on_fsdp():
+  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  state = nnx.state(nnx.eval_shape(lambda: TransformerLM(SMALL, rngs=nnx.Rngs(0))), nnx.Param)
+  shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
+  assert jax.tree.structure(shardings) == jax.tree.structure(state)
+  expected_axis = {"mlp": "tensor", "heads": "tensor", "vocab": "tensor", "embed": "fsdp"}
+  specs = [s.spec for s in jax.tree.leaves(shardings)]
+  for (names, shape), spec in zip(_names_and_shapes(state), specs, strict=True):
+    padded = (*spec, *[None] * (len(shape) - len(spec)))
+    assert padded == tuple(expected_axis.get(n) for n in names), (names, spec)
+  assert shardings["token_embed"].get_value().spec == P("tensor", "fsdp")
+  assert shardings["blocks"][0]["attn"]["out"].get_value().spec == P("tensor", None, "fsdp")
+  assert shardings["blocks"][0]["mlp"]["wo"].get_value().spec == P("tensor", "fsdp")
+  assert shardings["final_norm"]["scale"].get_value().spec == P()
+
+
+def _optimizer_shardings(opt_state, mesh, rule_set=rules.FSDP_TP):
+  """Moments placed like their parameters; anything else (the step count) replicated.
+
+  optax builds its moments with tree maps over the parameter state, so they
+  are the same `nnx.Param`s with the same `out_sharding` metadata and
+  `logical_axes` reads them too.
+  """
+  replicated = jax.sharding.NamedSharding(mesh, P())
+
+  def place(x):
+    if _is_var(x):
+      return rules.logical_to_sharding(logical_axes(x), mesh, rule_set)
+    return replicated
+
+  return jax.tree.map(place, opt_state, is_leaf=_is_var)
+
+
+def test_sharded_train_step_lowers_the_loss(mesh, sharded_init):
+  graphdef, shardings = sharded_init.graphdef, sharded_init.shardings
+  params = sharded_init.init(0)
+  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  batch_sharding = jax.sharding.NamedSharding(
+    mesh, rules.logical_to_spec(("batch", "length"), rules.FSDP_TP, mesh)
+  )
+  tokens = jax.device_put(_windows(8, SMALL.seq_len + 1), batch_sharding)
+  tx = optax.adamw(3e-3)
+  opt_shardings = _optimizer_shardings(jax.eval_shape(tx.init, params), mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+
+  # Outputs pinned to the input shardings: otherwise XLA may return another
+  # layout and the second call compiles the step again.
+  @functools.partial(
+    jax.jit,
+    out_shardings=(shardings, opt_shardings, jax.sharding.NamedSharding(mesh, P())),
+    donate_argnums=(0, 1),
+  )
+  def step(params, opt_state, tokens):
+    def loss_fn(params):
+      logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  # Nothing crosses a device or host boundary in the loop (a stray float(loss) would raise).
+  with jax.transfer_guard("disallow"):
+    for _ in range(STEPS):
+      params, opt_state, loss = step(params, opt_state, tokens)
+      losses.append(loss)
+  assert step._cache_size() == 1
+  losses = np.asarray(jnp.stack(losses))
+  assert np.isfinite(losses).all()
+  assert losses[-1] < 0.5 * losses[0], losses
+  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits(small, forward):
+  graphdef, state = small
+  bf16 = dataclasses.replace(SMALL, dtype="bfloat16")
+  bf16_graphdef = nnx.split(nnx.eval_shape(lambda: TransformerLM(bf16, rngs=nnx.Rngs(0))))[0]
+  tokens = _windows(2, SMALL.seq_len)
+  logits = forward(bf16_graphdef, state, tokens)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, forward(graphdef, state, tokens), atol=0.1)
+  jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(bf16_graphdef, s)(tokens))(state))
+  assert "bf16" in jaxpr and "dot_general" in jaxpr
+  # Gradients come back in the parameters' float32 (shapes only: no compile needed).
+  grads = jax.eval_shape(jax.grad(lambda s: nnx.merge(bf16_graphdef, s)(tokens).mean()), state)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
+
+
+def test_generate_is_greedy_and_deterministic(small, forward):
+  graphdef, state = small
+  model = nnx.merge(graphdef, state)
+  prompt = _windows(2, 4)
+  out = generate(model, prompt, num_tokens=SMALL.seq_len - 4)
+  assert out.shape == (2, SMALL.seq_len) and out.dtype == jnp.int32
+  np.testing.assert_array_equal(out[:, :4], prompt)
+  np.testing.assert_array_equal(out, generate(model, prompt, num_tokens=SMALL.seq_len - 4))
+  # Every added token is the argmax after the tokens before it (a host round
+  # trip makes the input look like the other tests', so the forward is cached).
+  logits = forward(graphdef, state, jnp.asarray(np.asarray(out)))
+  np.testing.assert_array_equal(jnp.argmax(logits[:, 3:-1], axis=-1), out[:, 4:])
+  with pytest.raises(ValueError, match="exceeds seq_len=32"):
+    generate(model, prompt, num_tokens=SMALL.seq_len)
+
+
+def test_same_seed_gives_identical_params_on_any_mesh(small, sharded_init):
+  # Partitionable threefry makes each random bit depend on its index only,
+  # not on which device computes it (JAX's default since 0.5).
+  assert jax.config.jax_threefry_partitionable
+  _, sharded = small
+  one_device = _compile_init(SMALL, mesh=create_mesh("data=1", devices=jax.devices()[:1]))
+  unsharded = one_device.init(0)
+  assert sharded["token_embed"].get_value().sharding.spec == P("tensor", "fsdp")
+  assert len(unsharded["token_embed"].get_value().sharding.device_set) == 1
+  for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(unsharded), strict=True):
+    np.testing.assert_array_equal(a, b)
+  other_seed = sharded_init.init(1)
+  assert not np.array_equal(sharded["unembed"].get_value(), other_seed["unembed"].get_value())
+
+
+def test_mlp_classifier_shapes_and_shardings():
+  config = MLPConfig(input_dim=16, hidden_sizes=(32, 32), num_classes=10, dtype="bfloat16")
+  model = nnx.eval_shape(lambda: MLPClassifier(config, rngs=nnx.Rngs(0)))
+  state = nnx.state(model, nnx.Param)
+  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
+  assert shardings["hidden"][0]["kernel"].get_value().spec == P("fsdp", "tensor")
+  assert shardings["hidden"][1]["kernel"].get_value().spec == P("tensor", "fsdp")
+  assert shardings["head"]["kernel"].get_value().spec == P("fsdp")
+  # Shapes only (the doctests run the MLP for real).
+  logits = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+  assert logits.shape == (8, 10) and logits.dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"hidden_sizes\[1\]=0 must be a positive integer"):
+    MLPConfig(input_dim=4, hidden_sizes=(8, 0))

@@ -1,0 +1,45 @@
+"""`spmd-train`: flags -> config -> `train_and_evaluate`.
+
+  spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny [--config.train.steps=50]
+
+The same command runs single-process and under any launcher: it calls
+`spmd.initialize()` itself, which reads the launcher's environment or the
+cluster's own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
+
+
+def _main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None or _WORKDIR.value is None:
+    raise app.UsageError("--config and --workdir are required")
+  if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+    # orbax and tfds log every file they touch at INFO; keep the console for
+    # the progress bar and what matters unless asked otherwise.
+    logging.set_verbosity(logging.WARNING)
+  from trainers.train import Preempted, train_and_evaluate
+
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except Preempted as e:
+    print(f"spmd-train: {e}; resume with the same command", flush=True)
+    sys.exit(0)
+
+
+def main() -> None:
+  app.run(_main)
+
+
+if __name__ == "__main__":
+  main()

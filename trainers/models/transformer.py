@@ -1,0 +1,314 @@
+"""A decoder-only transformer language model in Flax NNX, every weight annotated.
+
+Byte-level by default (vocabulary 256). Learned token and position
+embeddings, pre-LayerNorm blocks of causal multi-head self-attention and a
+GELU MLP, a final LayerNorm and an untied output projection. There are no
+biases outside the norms (as in PaLM), which keeps `param_count` short.
+
+Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
+
+  token_embed                  [vocab, d_model]             (vocab, embed)
+  pos_embed                    [seq_len, d_model]           (length, embed)
+  blocks/i/attn_norm/scale     [d_model]                    (norm,)   also /bias
+  blocks/i/attn/query|key|value [d_model, heads, head_dim]  (embed, heads, kv)
+  blocks/i/attn/out            [heads, head_dim, d_model]   (heads, kv, embed)
+  blocks/i/mlp_norm/scale      [d_model]                    (norm,)   also /bias
+  blocks/i/mlp/wi              [d_model, d_ff]              (embed, mlp)
+  blocks/i/mlp/wo              [d_ff, d_model]              (mlp, embed)
+  final_norm/scale             [d_model]                    (norm,)   also /bias
+  unembed                      [d_model, vocab]             (embed, vocab)
+
+Parameters are stored in `param_dtype` and cast to `dtype` for compute;
+norms and softmax run in float32 and logits come back in float32. The model
+sets no sharding constraints itself: the trainer places parameters (see
+`trainers.models.logical_axes`) and inputs, and XLA propagates the rest.
+
+A trainer reads the annotations off an abstract model (no memory, no
+compile) and turns them into shardings; then
+`jax.jit(lambda: nnx.state(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param),
+out_shardings=shardings)()` creates the parameters already placed, with the
+same values on any mesh (tests/test_models.py does it):
+
+  >>> from flax import nnx
+  >>> from spmd import rules
+  >>> from spmd.mesh import create_mesh
+  >>> config = TransformerConfig(seq_len=16, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+  >>> abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+  >>> state = nnx.state(abstract, nnx.Param)
+  >>> mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+  >>> shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
+  >>> shardings["blocks"][0]["attn"]["query"].get_value().spec
+  P('fsdp', 'tensor')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainers.models import logical_axes as logical_axes
+from trainers.models import param
+
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+def _fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
+  """LeCun normal (untruncated: it compiles faster) over the input dimensions."""
+  return nnx.initializers.variance_scaling(
+    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+  )
+
+
+def _float_dtype(name: str, value: str) -> jnp.dtype:
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise ValueError(f"{name}={value!r} is not a dtype") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name}={value!r} is not a floating point dtype")
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Sizes and dtypes of a `TransformerLM`.
+
+  Example:
+    >>> TransformerConfig(d_model=64, num_heads=4).head_dim
+    16
+    >>> TransformerConfig(d_model=64, num_heads=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: d_model=64 is not divisible by num_heads=3
+  """
+
+  vocab_size: int = 256
+  """Token ids are in [0, vocab_size); 256 is byte-level."""
+  seq_len: int = 128
+  """The longest input (the learned position table has this many rows)."""
+  num_layers: int = 2
+  d_model: int = 128
+  num_heads: int = 4
+  d_ff: int = 512
+  """Hidden width of each block's MLP."""
+  dtype: str = "float32"
+  """Compute dtype, e.g. "float32" or "bfloat16"."""
+  param_dtype: str = "float32"
+  """Storage dtype of the parameters."""
+
+  def __post_init__(self):
+    for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    _float_dtype("dtype", self.dtype)
+    _float_dtype("param_dtype", self.param_dtype)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+class _LayerNorm(nnx.Module):
+  def __init__(self, dim: int, param_dtype: jnp.dtype, *, rngs: nnx.Rngs):
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+    self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("norm",), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # Statistics in float32: a bf16 variance of d_model terms loses most bits.
+    y = x.astype(jnp.float32)
+    mean = y.mean(axis=-1, keepdims=True)
+    var = jnp.square(y - mean).mean(axis=-1, keepdims=True)
+    y = (y - mean) * jax.lax.rsqrt(var + 1e-6)
+    return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+class _Attention(nnx.Module):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    d, h, k = config.d_model, config.num_heads, config.head_dim
+    pdt = jnp.dtype(config.param_dtype)
+    qkv_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+    self.query = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
+    self.key = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
+    self.value = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
+    self.out = param(
+      rngs, _fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    length, head_dim = x.shape[1], self.query.shape[-1]
+    # Scaling q rather than the logits keeps the bf16 product in range.
+    q = jnp.einsum("bld,dhk->blhk", x, self.query[...].astype(dt)) * jnp.asarray(head_dim**-0.5, dt)
+    k = jnp.einsum("bld,dhk->blhk", x, self.key[...].astype(dt))
+    v = jnp.einsum("bld,dhk->blhk", x, self.value[...].astype(dt))
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    # A finite minimum rather than -inf: no NaN even if a row were all masked.
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    return jnp.einsum("blhk,hkd->bld", y, self.out[...].astype(dt))
+
+
+class _MLP(nnx.Module):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    d, f, pdt = config.d_model, config.d_ff, jnp.dtype(config.param_dtype)
+    self.wi = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.wo = param(rngs, _fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jax.nn.gelu(jnp.einsum("bld,df->blf", x, self.wi[...].astype(x.dtype)))
+    return jnp.einsum("blf,fd->bld", h, self.wo[...].astype(x.dtype))
+
+
+class _Block(nnx.Module):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(config.param_dtype)
+    self.attn_norm = _LayerNorm(config.d_model, pdt, rngs=rngs)
+    self.attn = _Attention(config, rngs=rngs)
+    self.mlp_norm = _LayerNorm(config.d_model, pdt, rngs=rngs)
+    self.mlp = _MLP(config, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerLM(nnx.Module):
+  """Decoder-only transformer: int tokens [B, L] -> float32 logits [B, L, vocab].
+
+  The logits at position t depend only on tokens 0..t (causal attention).
+  L may be anything up to `config.seq_len`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> config = TransformerConfig(seq_len=16, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+    >>> model = TransformerLM(config, rngs=nnx.Rngs(0))
+    >>> model(jnp.ones((3, 5), jnp.int32)).shape
+    (3, 5, 256)
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    d, pdt = config.d_model, jnp.dtype(config.param_dtype)
+    self.token_embed = param(rngs, _EMBED_INIT, (config.vocab_size, d), ("vocab", "embed"), pdt)
+    self.pos_embed = param(rngs, _EMBED_INIT, (config.seq_len, d), ("length", "embed"), pdt)
+    self.blocks = nnx.List([_Block(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = _LayerNorm(d, pdt, rngs=rngs)
+    self.unembed = param(rngs, _fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    config = self.config
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, length], got {tokens.shape=}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be integers, got {tokens.dtype=}")
+    length = tokens.shape[1]
+    if length > config.seq_len:
+      raise ValueError(f"{tokens.shape=} is longer than seq_len={config.seq_len}")
+    dt = jnp.dtype(config.dtype)
+    x = jnp.take(self.token_embed[...], tokens, axis=0).astype(dt)
+    x = x + self.pos_embed[:length].astype(dt)
+    for block in self.blocks:
+      x = block(x)
+    x = self.final_norm(x)
+    # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
+    return jnp.einsum(
+      "bld,dv->blv", x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32
+    )
+
+
+def generate(model: TransformerLM, prompt: jax.Array, num_tokens: int) -> jax.Array:
+  """Greedy decoding: the prompt followed by `num_tokens` argmax tokens.
+
+  Each step reruns the whole forward pass on a fixed-length buffer (one
+  compiled program, no KV cache): fine for samples from small models.
+
+  Args:
+    model: the language model.
+    prompt: int [B, P] with P >= 1.
+    num_tokens: how many tokens to add; P + num_tokens <= `config.seq_len`.
+
+  Returns:
+    int32 [B, P + num_tokens], starting with `prompt`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> config = TransformerConfig(seq_len=16, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+    >>> out = generate(TransformerLM(config, rngs=nnx.Rngs(0)), jnp.array([[1, 2]]), 4)
+    >>> out.shape, out.dtype, out[0, :2].tolist()
+    ((1, 6), dtype('int32'), [1, 2])
+  """
+  prompt = jnp.asarray(prompt)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be [batch, length >= 1], got {prompt.shape=}")
+  if num_tokens < 0:
+    raise ValueError(f"{num_tokens=} must be >= 0")
+  total, seq_len = prompt.shape[1] + num_tokens, model.config.seq_len
+  if total > seq_len:
+    raise ValueError(
+      f"prompt length {prompt.shape[1]} + {num_tokens=} = {total} exceeds {seq_len=}"
+    )
+  graphdef, state = nnx.split(model)
+  return _greedy(graphdef, state, prompt.astype(jnp.int32), num_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _greedy(graphdef, state, prompt: jax.Array, num_tokens: int) -> jax.Array:
+  model = nnx.merge(graphdef, state)
+  batch, start = prompt.shape
+  tokens = jnp.zeros((batch, start + num_tokens), jnp.int32).at[:, :start].set(prompt)
+
+  def step(i, tokens):
+    # Causality makes the zeros after position start + i - 1 harmless.
+    logits = jax.lax.dynamic_index_in_dim(model(tokens), start + i - 1, axis=1, keepdims=False)
+    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.dynamic_update_index_in_dim(tokens, nxt, start + i, axis=1)
+
+  return jax.lax.fori_loop(0, num_tokens, step, tokens)
+
+
+def param_count(config: TransformerConfig) -> int:
+  """The number of parameters of `TransformerLM(config)`, computed from the sizes.
+
+  Example:
+    >>> param_count(TransformerConfig(vocab_size=256, seq_len=16, num_layers=1,
+    ...                               d_model=32, num_heads=2, d_ff=64))
+    25280
+  """
+  d, f = config.d_model, config.d_ff
+  # q, k, v, out (heads * head_dim == d_model), MLP in/out, two norms of scale + bias.
+  per_layer = 4 * d * d + 2 * d * f + 2 * 2 * d
+  embeddings = (config.vocab_size + config.seq_len) * d
+  return embeddings + config.num_layers * per_layer + 2 * d + d * config.vocab_size
+
+
+def flops_per_token(config: TransformerConfig) -> float:
+  """Training FLOPs per token (forward + backward), PaLM's accounting.
+
+  `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, Chowdhery et al. 2022,
+  appendix B; Chinchilla's 6N plus the attention term): N counts the
+  non-embedding parameters, every parameter except the token and position
+  embedding tables (lookups, not matmuls); the untied output projection is a
+  matmul and is counted. Each parameter costs 2 FLOPs forward and 4 backward;
+  the attention scores and weighted sum cost 12 * d_model * seq_len per
+  layer, counted for the full square (causal masking is not subtracted), as
+  MFU tables conventionally do. Norms, softmax and GELU are not counted.
+
+  Example:
+    >>> config = TransformerConfig(vocab_size=256, seq_len=16, num_layers=1, d_model=32,
+    ...                            num_heads=2, d_ff=64)
+    >>> flops_per_token(config)  # 6 * (25280 - (256 + 16) * 32) + 12 * 1 * 32 * 16
+    105600.0
+  """
+  non_embedding = param_count(config) - (config.vocab_size + config.seq_len) * config.d_model
+  return float(6 * non_embedding + 12 * config.num_layers * config.d_model * config.seq_len)

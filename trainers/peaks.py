@@ -1,0 +1,314 @@
+"""Peak FLOP/s per device, for model FLOPs utilisation (MFU).
+
+Accelerators get their peak from a built-in table keyed by JAX's
+`device.device_kind`; CPUs (and accelerators the table does not know) get the
+FLOP/s of a large jitted matmul, measured once and cached in a JSON file.
+
+MFU follows the PaLM paper (Chowdhery et al. 2022, appendix B): the FLOPs the
+model needs per step (not counting rematerialisation) over what the devices
+could do in the step time at their dense peak.
+
+Example:
+  >>> table_peak("NVIDIA H100 80GB HBM3", "bfloat16")
+  989000000000000.0
+  >>> table_peak("TPU v5 lite", "bfloat16") == table_peak("TPU v5e", "bfloat16") == 197e12
+  True
+  >>> f"{mfu(4e15, step_time_s=1.0, num_devices=8, peak_per_device=989e12):.3f}"
+  '0.506'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "peak_flops.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chip:
+  """Dense peak FLOP/s of one chip per matmul mode; None where not known."""
+
+  name: str
+  pattern: str  # searched in the normalised (lower-case, single-spaced) device_kind
+  tpu: bool
+  bf16: float
+  tf32: float | None = None  # NVIDIA tensor cores on float32 inputs
+  fp32: float | None = None  # full float32 (no tensor cores)
+
+
+# Dense (no 2:4 sparsity) vendor peaks per JAX device. On TPU v4 and later one
+# JAX device is one chip (megacore), so chip peaks are device peaks.
+#   TPU: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} system-architecture pages.
+#   H100 SXM / H100 PCIe / H100 NVL: NVIDIA H100 datasheet; the datasheet's
+#     tensor-core figures are "with sparsity", halved here. H200 and GH200 use
+#     the H100 SXM compute die at the same clocks (H200 datasheet), H200 NVL
+#     matches H100 NVL.
+#   A100 (SXM4 and PCIe, 40 and 80 GB share the peaks): A100 datasheet.
+# The first pattern found wins, so variants come before the plain name
+# ("h100 ... pcie" before "h100"); TPU patterns are anchored so that "TPU v5"
+# (v5p) is not "TPU v5 lite" (v5e) and "TPU v4 lite" (v4i) is not a v4.
+_CHIPS: tuple[_Chip, ...] = (
+  _Chip("TPU v4", r"^tpu v4$", tpu=True, bf16=275e12),
+  _Chip("TPU v5e", r"^tpu v5 ?(lite|e)$", tpu=True, bf16=197e12),
+  _Chip("TPU v5p", r"^tpu v5p?$", tpu=True, bf16=459e12),
+  _Chip("TPU v6e", r"^tpu v6 ?(lite|e)$", tpu=True, bf16=918e12),
+  _Chip("H100 PCIe", r"\bh100\b.*\bpcie\b", tpu=False, bf16=756e12, tf32=378e12, fp32=51.2e12),
+  _Chip("H100/H200 NVL", r"\bh[12]00\b.*\bnvl\b", tpu=False, bf16=835e12, tf32=418e12, fp32=60e12),
+  _Chip("H100/H200 SXM", r"\b(h100|h200|gh200)\b", tpu=False, bf16=989e12, tf32=495e12, fp32=67e12),
+  _Chip("A100", r"\ba100\b", tpu=False, bf16=312e12, tf32=156e12, fp32=19.5e12),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakInfo:
+  """A device's peak FLOP/s and where the number came from.
+
+  `source` is "table" or "measured on YYYY-MM-DD ..." so a reader of the run
+  summary knows whether the MFU is against a vendor peak or a measured one.
+  """
+
+  flops_per_s: float
+  source: str
+
+
+def _normalise_kind(device_kind: str) -> str:
+  return " ".join(device_kind.lower().replace("-", " ").replace("_", " ").split())
+
+
+def _find_chip(device_kind: str) -> _Chip | None:
+  kind = _normalise_kind(device_kind)
+  for chip in _CHIPS:
+    if re.search(chip.pattern, kind):
+      return chip
+  return None
+
+
+def _dtype_name(dtype: Any) -> str:
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError as e:
+    raise ValueError(f"{dtype=} is not a dtype") from e
+  if not jnp.issubdtype(name, jnp.floating):
+    raise ValueError(f"{dtype=} is not a floating-point dtype; peaks are for float matmuls")
+  return name
+
+
+def _matmul_mode(chip: _Chip, dtype: str) -> str | None:
+  """Which hardware path a dot of `dtype` takes: "bf16", "tf32", "fp32" or None.
+
+  float32 depends on `jax_default_matmul_precision`: at the default, JAX runs
+  float32 dots as one bfloat16 pass on TPU and in TF32 on NVIDIA Ampere and
+  later (docs.jax.dev "Matmul precision"), so their peak is the bf16 / TF32
+  one, not the much lower true-float32 one. Multi-pass TPU modes and
+  algorithm presets are not in the table (None: measure instead).
+  """
+  if dtype == "bfloat16" or (dtype == "float16" and not chip.tpu):
+    return "bf16"
+  if dtype != "float32":
+    return None
+  precision = jax.config.jax_default_matmul_precision
+  precision = None if precision is None else str(precision).lower()
+  if precision in (None, "default", "fastest", "bfloat16"):
+    return "bf16" if chip.tpu else "tf32"
+  if precision in ("high", "tensorfloat32") and not chip.tpu:
+    return "tf32"
+  if precision in ("highest", "float32") and not chip.tpu:
+    return "fp32"
+  return None
+
+
+def table_peak(device_kind: str, dtype: Any) -> float | None:
+  """The built-in dense peak FLOP/s for `device_kind` and `dtype`, or None.
+
+  Example:
+    >>> table_peak("NVIDIA A100-SXM4-80GB", "bfloat16")
+    312000000000000.0
+    >>> table_peak("TPU v4 lite", "bfloat16") is None  # v4i is not a v4
+    True
+  """
+  chip = _find_chip(device_kind)
+  if chip is None:
+    return None
+  mode = _matmul_mode(chip, _dtype_name(dtype))
+  return None if mode is None else getattr(chip, mode)
+
+
+def measure_matmul_peak(
+  dtype: Any = "float32",
+  size: int | None = None,
+  device: jax.Device | None = None,
+  repeats: int = 10,
+  budget_s: float = 2.0,
+) -> float:
+  """FLOP/s of a square jitted `size` x `size` matmul on one device.
+
+  The best of up to `repeats` timed runs after a compile-and-warm-up run;
+  repetitions stop early once `budget_s` seconds have been spent timing.
+  `size` defaults to 2048 on CPU (about 0.15 s a run on two cores) and 8192
+  elsewhere (smaller matmuls do not fill an accelerator). Runs no collectives,
+  so one process may call it alone.
+
+  Example:
+    >>> measure_matmul_peak(size=256, repeats=2) > 0
+    True
+  """
+  device = jax.local_devices()[0] if device is None else device
+  if size is None:
+    size = 2048 if device.platform == "cpu" else 8192
+  if size < 1 or repeats < 1:
+    raise ValueError(f"{size=} and {repeats=} must both be >= 1")
+  dtype = _dtype_name(dtype)
+  kx, ky = jax.random.split(jax.random.key(0))
+  x = jax.device_put(jax.random.normal(kx, (size, size), dtype), device)
+  y = jax.device_put(jax.random.normal(ky, (size, size), dtype), device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(x, y).block_until_ready()  # compile and warm caches; not timed
+  best = math.inf
+  start = time.perf_counter()
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    matmul(x, y).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+    if time.perf_counter() - start > budget_s:
+      break
+  return 2 * size**3 / best
+
+
+def _cpu_count() -> int:
+  # The cores this process may use (a container's cgroup may allow fewer than
+  # the machine has), which is what the matmul's thread pool gets.
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def _cache_key(device: jax.Device, dtype: str) -> str:
+  precision = jax.config.jax_default_matmul_precision
+  parts = [device.platform, device.device_kind, dtype, f"precision={precision}"]
+  if device.platform == "cpu":
+    parts.append(f"cores={_cpu_count()}")
+  parts.append(f"jaxlib={jaxlib.__version__}")  # a new XLA may be faster or slower
+  return "|".join(parts)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    return {}
+  except (OSError, ValueError) as e:
+    log.warning("ignoring unreadable peak cache %s (%s); measuring again", path, e)
+    return {}
+
+
+def _write_cache(path: Path, cache: dict[str, Any]) -> None:
+  # Write-then-rename so a process reading the file never sees half of it.
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+  with os.fdopen(fd, "w") as f:
+    json.dump(cache, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+_MEMORY_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def _measured_entry(
+  device: jax.Device, dtype: str, cache_dir: str | os.PathLike | None
+) -> dict[str, Any]:
+  key = _cache_key(device, dtype)
+  if cache_dir is None:
+    cache, path = _MEMORY_CACHE, None
+  else:
+    path = Path(cache_dir) / CACHE_FILE
+    cache = _read_cache(path)
+  if key not in cache:
+    t0 = time.perf_counter()
+    flops = measure_matmul_peak(dtype, device=device)
+    seconds = time.perf_counter() - t0
+    log.info("measured %s peak: %.3g FLOP/s in %.1f s", key, flops, seconds)
+    cache[key] = {
+      "flops_per_s": flops,
+      "measured_on": datetime.date.today().isoformat(),
+      "seconds": round(seconds, 2),
+    }
+    if path is not None:
+      _write_cache(path, cache)
+  return cache[key]
+
+
+def peak_flops(
+  device: jax.Device, dtype: Any, cache_dir: str | os.PathLike | None = None
+) -> PeakInfo:
+  """Peak dense FLOP/s of one `device` for matmuls of `dtype`.
+
+  Accelerators in the table get the vendor peak (source "table"). CPUs and
+  unknown kinds get `measure_matmul_peak`, measured on first use and cached
+  in `cache_dir/peak_flops.json` (keyed by platform, kind, dtype, matmul
+  precision, usable cores and jaxlib version); with `cache_dir=None` the
+  cache lives only in this process.
+
+  On CPU all local devices share the host's cores (one device's matmul
+  already uses every core), so the per-device peak is the measured host peak
+  divided by the number of local CPU devices. Several processes on one host
+  each divide by their own device count only, which understates their MFU by
+  the number of processes.
+
+  Example:
+    >>> import tempfile
+    >>> info = peak_flops(jax.devices()[0], "float32", cache_dir=tempfile.mkdtemp())
+    >>> info.flops_per_s > 0, info.source.startswith("measured on ")
+    (True, True)
+  """
+  dtype = _dtype_name(dtype)
+  if device.platform != "cpu":
+    peak = table_peak(device.device_kind, dtype)
+    if peak is not None:
+      return PeakInfo(peak, "table")
+  entry = _measured_entry(device, dtype, cache_dir)
+  source = f"measured on {entry['measured_on']}"
+  if device.platform != "cpu":
+    return PeakInfo(entry["flops_per_s"], source)
+  sharing = len(jax.local_devices(backend="cpu"))
+  if sharing > 1:
+    source += f" (host {entry['flops_per_s'] / 1e9:.1f} GFLOP/s shared by {sharing} CPU devices)"
+  return PeakInfo(entry["flops_per_s"] / sharing, source)
+
+
+def mfu(
+  model_flops_per_step: float, step_time_s: float, num_devices: int, peak_per_device: float
+) -> float:
+  """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak.
+
+  A fraction (0.42 means 42%); all devices of all processes count.
+
+  Example:
+    >>> mfu(1e12, step_time_s=0.5, num_devices=4, peak_per_device=1e12)
+    0.5
+  """
+  for name, value in (
+    ("model_flops_per_step", model_flops_per_step),
+    ("step_time_s", step_time_s),
+    ("num_devices", num_devices),
+    ("peak_per_device", peak_per_device),
+  ):
+    if not value > 0 or not math.isfinite(value):
+      raise ValueError(f"{name}={value!r} must be a positive finite number")
+  return model_flops_per_step / step_time_s / (num_devices * peak_per_device)

@@ -1,0 +1,125 @@
+"""The train and eval steps: one `sharded_jit` each, shardings from the mesh and rules.
+
+The train step is donated (the old state's buffers are reused) and decides
+inside itself whether the update is finite, so every host takes the same
+decision: a non-finite loss or gradient norm keeps the old parameters and
+optimizer state and counts a bad step; the loop stops after
+`train.max_bad_steps` in a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+import spmd
+from spmd.partition import NamedSpec
+from trainers.state import StateSetup, model_from_params
+
+
+def _specs(shardings: Any) -> Any:
+  return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def _sums(setup: StateSetup, params: Any, batch: dict) -> tuple[jax.Array, dict]:
+  """Summed next-token cross-entropy over the unmasked targets, and counts."""
+  logits = model_from_params(setup, params)(batch["inputs"])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  mask = batch["mask"]
+  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  return jnp.sum(ce * mask), {"count": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
+
+
+def make_train_step(
+  setup: StateSetup,
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh,
+  batch_axes: tuple[str, ...],
+) -> Callable:
+  """`(state, batch) -> (state, metrics)`, jitted over the mesh, state donated."""
+  micro = config.train.micro_batches
+  poisoned = tuple(int(s) for s in config.train.get("inject_nonfinite_at", ()))
+  value_and_grad = jax.value_and_grad(lambda p, b: _sums(setup, p, b), has_aux=True)
+
+  def sums_and_grads(params, batch):
+    if micro == 1:
+      (loss_sum, aux), grads = value_and_grad(params, batch)
+      return loss_sum, aux, grads
+    # Gradient accumulation: add up the summed-loss gradients of the micro-
+    # batches, so the result equals one big batch (up to addition order).
+    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+      (loss_sum, aux), grads = value_and_grad(params, mb)
+      return jax.tree.map(jnp.add, carry, (loss_sum, aux, grads)), None
+
+    zeros = (
+      jnp.zeros(()),
+      {"count": jnp.zeros(()), "correct": jnp.zeros(())},
+      jax.tree.map(jnp.zeros_like, params),
+    )
+    return jax.lax.scan(body, zeros, split)[0]
+
+  def train_step(state, batch):
+    params, opt_state = state["params"], state["opt_state"]
+    loss_sum, aux, grads = sums_and_grads(params, batch)
+    count = jnp.maximum(aux["count"], 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    loss = loss_sum / count
+    if poisoned:  # fault injection for tests: a non-finite gradient at these steps
+      bad = jnp.isin(state["step"], jnp.asarray(poisoned))
+      grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = setup.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    def keep_if_bad(new, old):
+      return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = {
+      "params": keep_if_bad(new_params, params),
+      "opt_state": keep_if_bad(new_opt, opt_state),
+      "step": state["step"] + 1,
+      "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
+    }
+    metrics = {
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "learning_rate": setup.schedule(state["step"]),
+      "finite": finite,
+      "bad_steps": new_state["bad_steps"],
+      "tokens": aux["count"],
+      "accuracy": aux["correct"] / count,
+    }
+    return new_state, metrics
+
+  state_specs = _specs(setup.shardings)
+  batch_spec = NamedSpec(batch_axes if batch_axes else None)
+  return spmd.sharded_jit(
+    train_step,
+    in_parts=(state_specs, batch_spec),
+    out_parts=(state_specs, None),
+    mesh=mesh,
+    donate_argnums=0,
+  )
+
+
+def make_eval_step(
+  setup: StateSetup, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...]
+) -> Callable:
+  """`(params, batch) -> sums` of loss, unmasked tokens and correct predictions."""
+
+  def eval_step(params, batch):
+    loss_sum, aux = _sums(setup, params, batch)
+    return {"loss_sum": loss_sum, **aux}
+
+  batch_spec = NamedSpec(batch_axes if batch_axes else None)
+  return spmd.sharded_jit(
+    eval_step, in_parts=(_specs(setup.shardings["params"]), batch_spec), out_parts=None, mesh=mesh
+  )

@@ -1,0 +1,292 @@
+"""`train_and_evaluate(config, workdir)`: the whole run, from mesh to summary.
+
+1. start the distributed runtime, build the mesh;
+2. prepare (process 0 first) and open the data, every host its own rows;
+3. build the sharded state; resume, warm-start or init (see checkpoint.py);
+4. hosts check they agree (config, shapes, layout, step) before any step;
+5. the loop with its hooks; a preemption saves and stops cleanly;
+6. final eval, a greedy sample, the summary and the loss curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import spmd
+from spmd import multihost
+from spmd.mesh import create_mesh
+from trainers import checkpoint, metrics, peaks
+from trainers.data import pipeline
+from trainers.loop import (
+  CheckpointHook,
+  EvalHook,
+  LoopState,
+  MetricsHook,
+  Preempted,
+  ProfileHook,
+  train_loop,
+)
+from trainers.models import logical_axes
+from trainers.models import transformer as lm
+from trainers.preemption import PreemptionWatch
+from trainers.state import make_state, model_from_params
+from trainers.step import make_eval_step, make_train_step
+
+__all__ = ["Preempted", "train_and_evaluate"]
+log = logging.getLogger(__name__)
+CORPUS_RECORD_BYTES = 4096  # text_corpus records; examples are windows of them
+
+
+def config_hash(config: ml_collections.ConfigDict) -> str:
+  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def state_hash(state: dict) -> str:
+  """SHA-256 of the parameters and optimizer state, gathered to every host."""
+  from jax.experimental import multihost_utils
+
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves({"params": state["params"], "opt_state": state["opt_state"]}):
+    digest.update(np.asarray(multihost_utils.process_allgather(leaf, tiled=True)).tobytes())
+  return digest.hexdigest()
+
+
+def _model_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:
+  m = config.model
+  if m.kind != "transformer":
+    raise ValueError(f"model.kind={m.kind!r}: spmd-train trains 'transformer' LMs")
+  return lm.TransformerConfig(
+    vocab_size=m.vocab_size,
+    seq_len=m.seq_len,
+    num_layers=m.num_layers,
+    d_model=m.d_model,
+    num_heads=m.num_heads,
+    d_ff=m.d_ff,
+    dtype=m.dtype,
+    param_dtype=m.param_dtype,
+  )
+
+
+def open_data(config: ml_collections.ConfigDict, workdir: str, mesh, batch_axes):
+  """(train batches, eval batches), the corpus built by process 0 first."""
+  data_dir = config.data.dir or os.path.join(os.path.dirname(workdir), "data")
+  name, per_record = config.data.name, 1
+  if name == "text_corpus":
+    from trainers.data.datasets import prepare_text_corpus
+
+    # Process 0 builds; the others wait, then find it built (no race on files).
+    if jax.process_index() == 0:
+      name = prepare_text_corpus(
+        data_dir,
+        config.data.source or None,
+        chunk_bytes=CORPUS_RECORD_BYTES,
+        validation_percent=config.data.validation_percent,
+      )
+    multihost.barrier("text_corpus_prepared", timeout_s=3600)
+    if jax.process_index() != 0:
+      name = prepare_text_corpus(
+        data_dir,
+        config.data.source or None,
+        chunk_bytes=CORPUS_RECORD_BYTES,
+        validation_percent=config.data.validation_percent,
+      )
+    per_record = pipeline.windows_per_record(CORPUS_RECORD_BYTES, config.model.seq_len)
+  example = pipeline.lm_example(config.model.seq_len)
+  common = dict(
+    global_batch=config.global_batch,
+    mesh=mesh,
+    batch_axes=batch_axes,
+    examples_per_record=per_record,
+  )
+  train = pipeline.open_global_batches(
+    name, config.data.train_split, data_dir, example, seed=config.seed, train=True, **common
+  )
+  evaluation = pipeline.open_global_batches(
+    name, config.data.eval_split, data_dir, example, train=False, **common
+  )
+  return train, evaluation
+
+
+def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
+  shapes = jax.tree.map(lambda s: [list(s.shape), str(s.dtype)], setup.abstract)
+  multihost.check_agreement(
+    "spmd-train start",
+    {
+      "config": config_hash(config),
+      "state": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16],
+      "data": train_batches.fingerprint,
+      "rows_per_host": train_batches.layout.per_host_batch,
+      "start_step": start_step,
+    },
+  )
+
+
+def _evaluate(eval_step, batches: pipeline.GlobalBatches, params, max_batches: int) -> dict:
+  steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
+  sums = [eval_step(params, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
+  totals = jax.device_get(sums)  # one transfer for the whole eval
+  loss = sum(float(t["loss_sum"]) for t in totals)
+  count = max(sum(float(t["count"]) for t in totals), 1.0)
+  correct = sum(float(t["correct"]) for t in totals)
+  return {
+    "eval_loss": loss / count,
+    "eval_accuracy": correct / count,
+    "eval_perplexity": float(np.exp(min(loss / count, 50.0))),
+    "eval_tokens": count,
+  }
+
+
+def _sample(setup, params, prompt: bytes, num_tokens: int, seq_len: int) -> str:
+  prompt_tokens = jnp.asarray(np.frombuffer(prompt, np.uint8).astype(np.int32)[None, :])
+  num_tokens = min(num_tokens, seq_len - prompt_tokens.shape[1])
+  out = lm.generate(model_from_params(setup, params), prompt_tokens, num_tokens)
+  tokens = np.asarray(jax.device_get(out))[0]
+  return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains, evaluates and summarises; returns the summary (all processes)."""
+  spmd.initialize()
+  workdir = os.path.abspath(workdir)
+  chief = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  started = time.perf_counter()
+  cache_dir = config.get("compilation_cache_dir", "") or os.path.join(
+    os.path.dirname(workdir), ".jax_cache"
+  )
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+
+  # 1-2. Mesh and data.
+  mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None)
+  batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  train_batches, eval_batches = open_data(config, workdir, mesh, batch_axes)
+
+  # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
+  model_config = _model_config(config)
+  setup = make_state(
+    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
+  )
+  manager = checkpoint.make_manager(
+    os.path.join(workdir, "checkpoints"),
+    config.checkpoint.every,
+    config.checkpoint.keep,
+    config.checkpoint.keep_period,
+  )
+  restored = checkpoint.restore_or_init(
+    manager, setup.abstract, setup.shardings, setup.init, config.checkpoint.init_from
+  )
+  start = restored.step
+  data_start: int | pipeline.PipelineState = start
+  if restored.data_state is not None:
+    data_start = pipeline.PipelineState.from_dict(restored.data_state)
+  if chief:
+    log.warning(
+      "spmd-train: %s on %d processes x %d devices, mesh %s; state from %s",
+      os.path.basename(workdir),
+      jax.process_count(),
+      jax.local_device_count(),
+      dict(mesh.shape),
+      restored.source,
+    )
+
+  # 4. Hosts agree before the first step.
+  _check_hosts_agree(config, setup, train_batches, start)
+
+  train_step = make_train_step(setup, config, mesh, batch_axes)
+  eval_step = make_eval_step(setup, mesh, batch_axes)
+  tokens_per_step = config.global_batch * config.model.seq_len
+  flops_per_step = lm.flops_per_token(model_config) * tokens_per_step
+  device = jax.local_devices()[0]
+  peak = peaks.peak_flops(device, config.model.dtype, cache_dir=cache_dir)
+  writer = metrics.MetricsWriter(workdir, enabled=chief)
+  progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
+
+  def save(step, state, force):
+    checkpoint.save(manager, step, state, train_batches.state(step).to_dict(), force=force)
+
+  def evaluate(params):
+    return _evaluate(eval_step, eval_batches, params, config.eval_batches)
+
+  hooks = [
+    MetricsHook(
+      config.log_every,
+      writer.write,
+      lambda step, row: progress.update(step, loss=row["loss"], tokens_per_s=row["tokens_per_s"]),
+      tokens_per_step,
+      config.train.max_bad_steps,
+      flops_per_step,
+      peak.flops_per_s * jax.device_count(),
+    ),
+    EvalHook(config.eval_every, evaluate, writer.write),
+    CheckpointHook(config.checkpoint.every, save, manager.wait_until_finished),
+    ProfileHook(
+      config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
+    ),
+  ]
+  watch = PreemptionWatch()
+  stop = config.train.stop_at_step or config.train.steps
+  loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
+  batches = train_batches.iterator(data_start, prefetch=config.data.prefetch)
+  guard = config.get("transfer_guard", "") or "allow"
+  try:
+    with jax.transfer_guard(guard):
+      train_loop(loop, train_step, batches, hooks, watch.reached)
+  except Preempted:
+    if chief:
+      log.warning("spmd-train: preempted; checkpoint saved at step %d", loop.step)
+    raise Preempted(
+      f"preempted at step {loop.step}; checkpoint saved in {os.path.join(workdir, 'checkpoints')}"
+    ) from None
+  finally:
+    batches.close()
+    watch.close()
+    progress.close()
+
+  # 6. Final eval, sample, summary, loss curve.
+  final_eval = evaluate(loop.state["params"])
+  writer.write(loop.step, final_eval)
+  sample = ""
+  if config.get("sample_tokens", 0):
+    sample = _sample(
+      setup, loop.state["params"], b"def ", config.sample_tokens, config.model.seq_len
+    )
+  writer.close()
+  manager.close()
+  last = loop.history[-1] if loop.history else {}
+  rates = [h["tokens_per_s"] for h in loop.history[1:]] or [last.get("tokens_per_s", 0.0)]
+  summary = {
+    "steps": loop.step,
+    "train_loss": last.get("loss"),
+    "eval_loss": final_eval["eval_loss"],
+    "eval_accuracy": final_eval["eval_accuracy"],
+    "tokens_per_s": float(np.median(rates)) if rates else None,
+    "mfu": float(np.median([h.get("mfu", 0.0) for h in loop.history])) if loop.history else None,
+    "peak_source": peak.source,
+    "wall_time_s": time.perf_counter() - started,
+    "workdir": workdir,
+    "checkpoints": os.path.join(workdir, "checkpoints"),
+    "metrics": os.path.join(workdir, "metrics.jsonl"),
+    "sample": sample,
+    "resumed_from": restored.source,
+    "loss_history": [(h["step"], h["loss"]) for h in loop.history],
+  }
+  if config.report_param_hash:
+    summary["param_hash"] = state_hash(loop.state)
+  if chief:
+    summary["loss_curve"] = metrics.plot_loss_curve(
+      os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss.png")
+    )
+    print(metrics.format_summary(summary), flush=True)
+    if sample:
+      print(f"sample (greedy, prompt 'def '):\n{sample}", flush=True)
+  return summary
