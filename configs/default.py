@@ -75,6 +75,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile.start_step = -1  # -1 = no trace
   config.profile.num_steps = 5
   config.sample_tokens = 96  # greedy sample printed at the end (LM only)
+  # Persistent compilation cache: restarts skip XLA compiles. Default: the
+  # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
+  config.compilation_cache_dir = ""
   config.transfer_guard = ""  # "disallow" makes implicit host<->device transfers errors
   config.report_param_hash = False  # tests: a hash of the final parameters in the summary
   return config

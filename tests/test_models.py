@@ -2,6 +2,8 @@
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,8 @@ class Init:
   """A compiled parameter init: `init(seed)` is the state, placed by `shardings`."""
 
   graphdef: nnx.GraphDef
-  shardings: object
-  init: object
+  shardings: Any  # None, or the state's NamedShardings
+  init: Callable[[int], Any]
 
 
 def _compile_init(config, mesh=None, rule_set=rules.FSDP_TP) -> Init:
@@ -185,8 +187,7 @@ def test_logical_axes_names_a_parameter_without_annotations():
     param(nnx.Rngs(0), nnx.initializers.zeros, (2,), ("hidden",))
 
 
-def test_fsdp_tp_puts_model_dims_on_tensor_and_embed_on_fsdp():
-  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+def test_fsdp_tp_puts_model_dims_on_tensor_and_embed_on_fsdp(mesh):
   state = nnx.state(nnx.eval_shape(lambda: TransformerLM(SMALL, rngs=nnx.Rngs(0))), nnx.Param)
   shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
   assert jax.tree.structure(shardings) == jax.tree.structure(state)
@@ -218,6 +219,7 @@ def _optimizer_shardings(opt_state, mesh, rule_set=rules.FSDP_TP):
   return jax.tree.map(place, opt_state, is_leaf=_is_var)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_lowers_the_loss(mesh, sharded_init):
   graphdef, shardings = sharded_init.graphdef, sharded_init.shardings
   params = sharded_init.init(0)
@@ -230,6 +232,8 @@ def test_sharded_train_step_lowers_the_loss(mesh, sharded_init):
   tx = optax.adamw(3e-3)
   opt_shardings = _optimizer_shardings(jax.eval_shape(tx.init, params), mesh)
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+  adam = opt_state[0]  # adamw = chain(scale_by_adam, add_decayed_weights, scale_by_lr)
+  assert adam.mu["unembed"].get_value().sharding.spec == P("fsdp", "tensor")
 
   # Outputs pinned to the input shardings: otherwise XLA may return another
   # layout and the second call compiles the step again.
@@ -253,7 +257,7 @@ def test_sharded_train_step_lowers_the_loss(mesh, sharded_init):
     for _ in range(STEPS):
       params, opt_state, loss = step(params, opt_state, tokens)
       losses.append(loss)
-  assert step._cache_size() == 1
+  assert step._cache_size() == 1  # one compile: the shardings are stable
   losses = np.asarray(jnp.stack(losses))
   assert np.isfinite(losses).all()
   assert losses[-1] < 0.5 * losses[0], losses
@@ -270,7 +274,8 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small, forward):
   assert logits.dtype == jnp.float32
   np.testing.assert_allclose(logits, forward(graphdef, state, tokens), atol=0.1)
   jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(bf16_graphdef, s)(tokens))(state))
-  assert "bf16" in jaxpr and "dot_general" in jaxpr
+  dots = [line.split("=")[0] for line in jaxpr.splitlines() if "dot_general" in line]
+  assert sum("bf16[" in out for out in dots) >= 6, dots  # q, k, v, probs @ v, out, MLP...
   # Gradients come back in the parameters' float32 (shapes only: no compile needed).
   grads = jax.eval_shape(jax.grad(lambda s: nnx.merge(bf16_graphdef, s)(tokens).mean()), state)
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
@@ -307,11 +312,10 @@ def test_same_seed_gives_identical_params_on_any_mesh(small, sharded_init):
   assert not np.array_equal(sharded["unembed"].get_value(), other_seed["unembed"].get_value())
 
 
-def test_mlp_classifier_shapes_and_shardings():
+def test_mlp_classifier_shapes_and_shardings(mesh):
   config = MLPConfig(input_dim=16, hidden_sizes=(32, 32), num_classes=10, dtype="bfloat16")
   model = nnx.eval_shape(lambda: MLPClassifier(config, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
-  mesh = create_mesh("data=-1,fsdp=2,tensor=2")
   shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
   assert shardings["hidden"][0]["kernel"].get_value().spec == P("fsdp", "tensor")
   assert shardings["hidden"][1]["kernel"].get_value().spec == P("tensor", "fsdp")

@@ -27,7 +27,12 @@ CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
   root = tmp_path_factory.mktemp("train_data")
-  return {"source": write_training_text(root), "dir": str(root / "data")}
+  # One compilation cache for every run here: each layout compiles once.
+  return {
+    "source": write_training_text(root),
+    "dir": str(root / "data"),
+    "cache": str(root / "jax_cache"),
+  }
 
 
 def flags(data, workdir, *overrides):
@@ -92,15 +97,22 @@ def test_two_processes_train_and_the_loss_falls(reference):
   )
 
 
-@pytest.mark.parametrize("num_processes,devices", [(1, 4), (4, 1)])
-def test_same_losses_for_any_process_count(data, tmp_path, reference, num_processes, devices):
-  result = spmd_train(
-    data, tmp_path / "run", num_processes, devices, "--config.train.stop_at_step=10"
-  )
+@pytest.fixture(scope="module")
+def four_processes_ten_steps(data, tmp_path_factory):
+  """4 processes x 1 device, stopped after 10 of the 20 steps."""
+  workdir = tmp_path_factory.mktemp("four") / "run"
+  result = spmd_train(data, workdir, 4, 1, "--config.train.stop_at_step=10")
   assert result.ok, result.report()
-  got = losses(tmp_path / "run")
-  for step in range(1, 11):
-    assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
+  return workdir
+
+
+def test_same_losses_for_any_process_count(data, tmp_path, reference, four_processes_ten_steps):
+  one = spmd_train(data, tmp_path / "run", 1, 4, "--config.train.stop_at_step=10")
+  assert one.ok, one.report()
+  for workdir in (tmp_path / "run", four_processes_ten_steps):
+    got = losses(workdir)
+    for step in range(1, 11):
+      assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), (workdir, step)
 
 
 def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
@@ -115,13 +127,11 @@ def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
   assert [got[s] for s in range(11, 21)] == [reference["losses"][s] for s in range(11, 21)]
 
 
-def test_resume_on_another_process_count(data, tmp_path, reference):
-  workdir = tmp_path / "run"
-  first = spmd_train(data, workdir, 4, 1, "--config.train.stop_at_step=10")
-  assert first.ok, first.report()
-  second = spmd_train(data, workdir, 1, 2)
-  assert second.ok, second.report()
-  got = losses(workdir)
+def test_resume_on_another_process_count(data, reference, four_processes_ten_steps):
+  # Saved by 4 processes x 1 device, resumed by 1 process x 2 devices.
+  resumed = spmd_train(data, four_processes_ten_steps, 1, 2)
+  assert resumed.ok, resumed.report()
+  got = losses(four_processes_ten_steps)
   for step in range(11, 21):
     assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
 

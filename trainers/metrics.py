@@ -29,11 +29,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, TYPE_CHECKING, Any, Self
 
 import jax
 import tqdm
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+  import matplotlib.figure
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
@@ -175,7 +177,7 @@ def loss_figure(
   records: Iterable[Mapping[str, Any]],
   keys: Iterable[str] = ("loss", "eval_loss"),
   title: str = "Loss",
-) -> Figure:
+) -> matplotlib.figure.Figure:
   """A matplotlib figure with one line per key of `keys` found in `records`.
 
   Made without pyplot, so it touches no global backend state.
@@ -192,6 +194,8 @@ def loss_figure(
   if not series:
     present = sorted({k for r in records for k in r} - set(_RESERVED))
     raise ValueError(f"none of {keys=} is in the records; they have {present}")
+  from matplotlib.figure import Figure  # here: importing matplotlib costs ~1 s at start-up
+
   fig = Figure(figsize=(7, 4.5), layout="tight")
   ax = fig.subplots()
   for key, (steps, values) in series.items():

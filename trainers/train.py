@@ -206,8 +206,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   eval_step = make_eval_step(setup, mesh, batch_axes)
   tokens_per_step = config.global_batch * config.model.seq_len
   flops_per_step = lm.flops_per_token(model_config) * tokens_per_step
-  device = jax.local_devices()[0]
-  peak = peaks.peak_flops(device, config.model.dtype, cache_dir=cache_dir)
+  # Only process 0 reports MFU; the others skip the (measured, on CPU) peak.
+  peak = (
+    peaks.peak_flops(jax.local_devices()[0], config.model.dtype, cache_dir=cache_dir)
+    if chief
+    else peaks.PeakInfo(0.0, "not measured on this process")
+  )
   writer = metrics.MetricsWriter(workdir, enabled=chief)
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 

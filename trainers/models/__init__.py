@@ -12,8 +12,10 @@ Annotations use NNX's own sharding metadata, `out_sharding`, with names from
 `spmd.rules.LOGICAL_AXES` (not mesh axes). Parameters are created with
 `eager_sharding=False`: NNX's default (`flax_always_shard_variable`) would
 otherwise shard each value on creation, which needs a mesh in context and
-treats the names as mesh axes, so a bare `TransformerLM(...)` would fail. Placing
-parameters is the trainer's job (`jax.jit(..., out_shardings=...)`).
+treats the names as mesh axes, so a bare `TransformerLM(...)` would fail
+("An auto mesh context or metadata is required", or with a mesh "Resource
+axis: embed ... is not found in mesh"). Placing parameters is the trainer's
+job (`jax.jit(..., out_shardings=...)`).
 
 Example:
   >>> import jax
@@ -21,7 +23,8 @@ Example:
   >>> from spmd import rules
   >>> from spmd.mesh import create_mesh
   >>> from trainers.models.mlp import MLPClassifier, MLPConfig
-  >>> model = MLPClassifier(MLPConfig(input_dim=8, hidden_sizes=(16,), num_classes=4), rngs=nnx.Rngs(0))
+  >>> config = MLPConfig(input_dim=8, hidden_sizes=(16,), num_classes=4)
+  >>> model = nnx.eval_shape(lambda: MLPClassifier(config, rngs=nnx.Rngs(0)))  # shapes only
   >>> state = nnx.state(model, nnx.Param)
   >>> logical_axes(state)["hidden"][0]["kernel"].get_value()
   ('embed', 'mlp')

@@ -2,7 +2,7 @@
 
 Hidden layers alternate `(embed, mlp)` and `(mlp, embed)` kernels, the
 Megatron pattern: under tensor parallelism a column-split layer feeds a
-row-split one, so activations are gathered once per pair rather than after
+row-split one, so each pair needs one all-reduce instead of a gather after
 every layer. The head is `(embed|mlp, classes)` following the last hidden
 width's name. Parameters:
 

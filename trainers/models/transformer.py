@@ -7,16 +7,16 @@ biases outside the norms (as in PaLM), which keeps `param_count` short.
 
 Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
 
-  token_embed                  [vocab, d_model]             (vocab, embed)
-  pos_embed                    [seq_len, d_model]           (length, embed)
-  blocks/i/attn_norm/scale     [d_model]                    (norm,)   also /bias
-  blocks/i/attn/query|key|value [d_model, heads, head_dim]  (embed, heads, kv)
-  blocks/i/attn/out            [heads, head_dim, d_model]   (heads, kv, embed)
-  blocks/i/mlp_norm/scale      [d_model]                    (norm,)   also /bias
-  blocks/i/mlp/wi              [d_model, d_ff]              (embed, mlp)
-  blocks/i/mlp/wo              [d_ff, d_model]              (mlp, embed)
-  final_norm/scale             [d_model]                    (norm,)   also /bias
-  unembed                      [d_model, vocab]             (embed, vocab)
+  token_embed                    [vocab, d_model]            (vocab, embed)
+  pos_embed                      [seq_len, d_model]          (length, embed)
+  blocks/i/attn_norm/scale, bias [d_model]                   (norm,)
+  blocks/i/attn/query, key, value [d_model, heads, head_dim] (embed, heads, kv)
+  blocks/i/attn/out              [heads, head_dim, d_model]  (heads, kv, embed)
+  blocks/i/mlp_norm/scale, bias  [d_model]                   (norm,)
+  blocks/i/mlp/wi                [d_model, d_ff]             (embed, mlp)
+  blocks/i/mlp/wo                [d_ff, d_model]             (mlp, embed)
+  final_norm/scale, bias         [d_model]                   (norm,)
+  unembed                        [d_model, vocab]            (embed, vocab)
 
 Parameters are stored in `param_dtype` and cast to `dtype` for compute;
 norms and softmax run in float32 and logits come back in float32. The model
@@ -144,11 +144,13 @@ class _Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
     length, head_dim = x.shape[1], self.query.shape[-1]
-    # Scaling q rather than the logits keeps the bf16 product in range.
-    q = jnp.einsum("bld,dhk->blhk", x, self.query[...].astype(dt)) * jnp.asarray(head_dim**-0.5, dt)
+    q = jnp.einsum("bld,dhk->blhk", x, self.query[...].astype(dt))
     k = jnp.einsum("bld,dhk->blhk", x, self.key[...].astype(dt))
     v = jnp.einsum("bld,dhk->blhk", x, self.value[...].astype(dt))
+    # Scores and softmax in float32 whatever the compute dtype: bf16 scores
+    # lose the small differences that decide which tokens get attention.
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    logits = logits * head_dim**-0.5
     causal = jnp.tril(jnp.ones((length, length), bool))
     # A finite minimum rather than -inf: no NaN even if a row were all masked.
     logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
@@ -185,7 +187,8 @@ class TransformerLM(nnx.Module):
   """Decoder-only transformer: int tokens [B, L] -> float32 logits [B, L, vocab].
 
   The logits at position t depend only on tokens 0..t (causal attention).
-  L may be anything up to `config.seq_len`.
+  L may be anything up to `config.seq_len`; a token id outside
+  [0, vocab_size) embeds as zeros.
 
   Example:
     >>> import jax.numpy as jnp
@@ -215,7 +218,13 @@ class TransformerLM(nnx.Module):
     if length > config.seq_len:
       raise ValueError(f"{tokens.shape=} is longer than seq_len={config.seq_len}")
     dt = jnp.dtype(config.dtype)
-    x = jnp.take(self.token_embed[...], tokens, axis=0).astype(dt)
+    # A one-hot matmul, not a gather: with the table split over (vocab, embed)
+    # the gather's gradient is a scatter-add that XLA's SPMD partitioner can only
+    # do by replicating [B, L, d_model] ("Involuntary full rematerialization"),
+    # while a matmul partitions like the rest. For a byte vocabulary it costs
+    # less than one MLP layer; revisit for vocabularies of tens of thousands.
+    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
+    x = jnp.einsum("blv,vd->bld", one_hot, self.token_embed[...].astype(dt))
     x = x + self.pos_embed[:length].astype(dt)
     for block in self.blocks:
       x = block(x)
@@ -298,7 +307,8 @@ def flops_per_token(config: TransformerConfig) -> float:
   `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, Chowdhery et al. 2022,
   appendix B; Chinchilla's 6N plus the attention term): N counts the
   non-embedding parameters, every parameter except the token and position
-  embedding tables (lookups, not matmuls); the untied output projection is a
+  embedding tables (lookups by convention, although the token lookup is a
+  one-hot matmul here, for sharding); the untied output projection is a
   matmul and is counted. Each parameter costs 2 FLOPs forward and 4 backward;
   the attention scores and weighted sum cost 12 * d_model * seq_len per
   layer, counted for the full square (causal masking is not subtracted), as
