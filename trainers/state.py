@@ -73,16 +73,16 @@ def make_state(
   rules = rules_lib.preset(config.mesh.rules)
   abstract_model = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-  param_shapes = abstract_params.to_pure_dict()
+  param_shapes = nnx.to_pure_dict(abstract_params)
   logical = logical_axes_fn(abstract_params)
   if isinstance(logical, nnx.State):  # same nesting as the pure-dict params
-    logical = logical.to_pure_dict()
+    logical = nnx.to_pure_dict(logical)
   param_shardings = rules_lib.logical_to_sharding(logical, mesh, rules, shapes=param_shapes)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def init_values():
     model = model_fn(nnx.Rngs(config.seed))
-    params = nnx.state(model, nnx.Param).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return {
       "params": params,
       "opt_state": tx.init(params),

@@ -74,7 +74,7 @@ def make_train_step(
     if poisoned:  # fault injection for tests: a non-finite gradient at these steps
       bad = jnp.isin(state["step"], jnp.asarray(poisoned))
       grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = setup.tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
