@@ -26,6 +26,8 @@ test: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/dispatch.py
+	$(BIN)/python benchmarks/input.py
+	$(BIN)/python benchmarks/trainer.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
