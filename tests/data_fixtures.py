@@ -64,3 +64,16 @@ def write_training_text(
     text = " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=words))
     (src / f"doc_{i:02d}.txt").write_text(text + "\n")
   return str(src / "*.txt")
+
+
+def training_data(root: pathlib.Path) -> dict[str, str]:
+  """Trainer test data under `root`: a text glob, a data dir, a shared compile cache.
+
+  One compilation cache for all the runs of a test module: each layout
+  compiles once.
+  """
+  return {
+    "source": write_training_text(root),
+    "dir": str(root / "data"),
+    "cache": str(root / "jax_cache"),
+  }

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from launch.local import run_local
-from tests.data_fixtures import write_training_text
+from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
@@ -26,13 +26,7 @@ CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-  root = tmp_path_factory.mktemp("train_data")
-  # One compilation cache for every run here: each layout compiles once.
-  return {
-    "source": write_training_text(root),
-    "dir": str(root / "data"),
-    "cache": str(root / "jax_cache"),
-  }
+  return training_data(tmp_path_factory.mktemp("train_data"))
 
 
 def flags(data, workdir, *overrides):

@@ -7,7 +7,7 @@ import pytest
 
 from launch.local import run_local
 from tests.configs import train_tiny
-from tests.data_fixtures import write_training_text
+from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
 from trainers.loop import NonFiniteError
 from trainers.metrics import read_metrics
@@ -16,12 +16,7 @@ from trainers.train import train_and_evaluate
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-  root = tmp_path_factory.mktemp("fault_data")
-  return {
-    "source": write_training_text(root),
-    "dir": str(root / "data"),
-    "cache": str(root / "jax_cache"),
-  }
+  return training_data(tmp_path_factory.mktemp("fault_data"))
 
 
 def tiny(data, **train):
