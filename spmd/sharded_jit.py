@@ -238,6 +238,12 @@ class _Plan:
   in_cache: dict[Any, list[_Leaf]] = dataclasses.field(default_factory=dict)
   out_cache: dict[Any, list[_Leaf]] = dataclasses.field(default_factory=dict)
 
+  @property
+  def all_global(self) -> bool:
+    """True when every input and output crosses processes as a global array."""
+    leaves = jax.tree_util.tree_leaves((self.in_leaves, self.out_leaves), is_leaf=_is_leaf_plan)
+    return all(leaf.mode == _GLOBAL for leaf in leaves)
+
 
 class ShardedJitFunction:
   """What a `sharded_jit` function runs: plans, checks and conversions.
@@ -368,8 +374,12 @@ class ShardedJitFunction:
     plan = self._plan or self._plan_for_call(args, kwargs)
     key = (tuple(kwargs), len(args)) if kwargs else ()
     jitted = plan.jitted.get(key) or self._jit(plan, key)
-    if not key and not plan.cross_process and plan is self._plan:
-      self.fast = jitted  # later plain calls go straight to jax.jit
+    if not key and plan is self._plan and (not plan.cross_process or plan.all_global):
+      # Later plain calls go straight to jax.jit: on this process's devices
+      # always; across processes when nothing needs converting (global arrays
+      # in and out). Anything else fails inside jax.jit and is redone on the
+      # full path, which explains it.
+      self.fast = jitted
     return jitted, args, kwargs, plan
 
   def _bind(self, args, kwargs):

@@ -140,6 +140,33 @@ def global_arrays_pass_through():
   close(local, X[mine] - 1, "global array in, global array out")
 
 
+def named_global_fast_path():
+  # Named specs, no local parts: global arrays in and out, straight to jax.jit
+  # after the first call; a numpy input still gets the clear error.
+  mesh = jax.make_mesh(
+    (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+  )
+  rows = jax.sharding.PartitionSpec("rows")
+  f = sharded_jit(lambda x: x * 3, in_parts=rows, out_parts=rows, mesh=mesh)
+  gx = jax.make_array_from_process_local_data(
+    jax.sharding.NamedSharding(mesh, rows), X[mine], X.shape
+  )
+  for _ in range(3):
+    out = f(gx)
+  assert f.sharded_jit.fast is not None, "the all-global plan should use the fast path"
+  local = np.concatenate(
+    [np.asarray(s.data) for s in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
+  )
+  close(local, X[mine] * 3, "named specs, global arrays, fast path")
+  try:
+    f(X[mine])
+  except ValueError as e:
+    assert "must be a global jax.Array" in str(e), e
+    print("PASS numpy into a global-only call is a clear error", flush=True)
+  else:
+    raise AssertionError("numpy input to a global-only cross-process call was accepted")
+
+
 def replicated_only():
   f = sharded_jit(
     lambda w: w @ w.T, in_parts=None, out_parts=None, num_partitions=N, local_num_partitions=L
@@ -183,6 +210,7 @@ def main(mode):
       grad_through,
       constraint_inside,
       global_arrays_pass_through,
+      named_global_fast_path,
       replicated_only,
       compiles_once,
     ):
