@@ -459,6 +459,8 @@ class ShardedJitFunction:
       if multihost.is_global_array(x):
         if not x.sharding.is_equivalent_to(leaf.sharding, x.ndim):
           x = jax.device_put(x, leaf.sharding)  # device to device, no host trip
+      elif isinstance(x, jax.ShapeDtypeStruct):  # lower() for planning: global shapes
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding)
       elif leaf.mode == _GLOBAL:
         paths = paths or _paths(dyn)
         raise ValueError(

@@ -111,3 +111,23 @@ def test_spmd_mesh_cli_on_a_v5p_64(capsys):
   out = capsys.readouterr().out
   assert "mesh on v5p-64: 32 devices (TPU v5), 8 hosts, 1 slice(s)" in out
   assert "data=0 tensor=0..3" in out and "224..255" in out
+
+
+def test_sharded_jit_compiles_for_a_tpu_slice():
+  # The same sharded_jit, ahead of time, for the 16 chips and 4 hosts of a v5e-16.
+  import spmd
+
+  mesh = create_mesh("data=-1,tensor=2", devices=topology_devices("v5e-16"))
+  rows, cols = jax.sharding.PartitionSpec("data", None), jax.sharding.PartitionSpec(None, "tensor")
+  f = spmd.sharded_jit(
+    lambda x, w: jax.nn.relu(x @ w),
+    in_parts=(rows, cols),
+    out_parts=jax.sharding.PartitionSpec("data", "tensor"),
+    mesh=mesh,
+  )
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+  compiled = f.lower(x, w).compile()
+  assert compiled.input_shardings[0][0].mesh.devices.flat[0].device_kind == "TPU v5 lite"
+  assert compiled.output_shardings.spec == jax.sharding.PartitionSpec("data", "tensor")
+  assert compiled.memory_analysis().argument_size_in_bytes == (256 * 512 // 8 + 512 * 1024 // 2) * 2
