@@ -3,6 +3,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from launch.local import run_local
@@ -100,3 +101,35 @@ def test_hosts_with_different_configs_stop_before_the_first_step(data, tmp_path)
     not os.path.exists(tmp_path / "run" / "metrics.jsonl")
     or not open(tmp_path / "run" / "metrics.jsonl").read().strip()
   )
+
+
+def test_gradient_accumulation_and_bf16_compute(data, tmp_path):
+  whole = train_and_evaluate(tiny(data, stop_at_step=3), str(tmp_path / "whole"))
+  split = train_and_evaluate(tiny(data, stop_at_step=3, micro_batches=2), str(tmp_path / "split"))
+  for (step_a, loss_a), (step_b, loss_b) in zip(whole["loss_history"], split["loss_history"]):
+    assert step_a == step_b and loss_b == pytest.approx(loss_a, rel=1e-4)
+  config = tiny(data, stop_at_step=5)
+  config.model.dtype = "bfloat16"
+  mixed = train_and_evaluate(config, str(tmp_path / "bf16"))
+  losses = [loss for _, loss in mixed["loss_history"]]
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_checkpoints_keep_policy_temp_dirs_and_init_from(data, tmp_path):
+  run = tmp_path / "run"
+  leftover = run / "checkpoints" / "7.orbax-checkpoint-tmp-1234567"
+  leftover.mkdir(parents=True)
+  (leftover / "half_written").write_text("x")
+  config = tiny(data, stop_at_step=12)
+  config.checkpoint.every, config.checkpoint.keep, config.checkpoint.keep_period = 2, 2, 4
+  summary = train_and_evaluate(config, str(run))
+  assert summary["resumed_from"] == "fresh init"  # the leftover was never a checkpoint
+  kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+  assert kept == [4, 8, 10, 12]  # the last 2, plus every 4th
+  assert not leftover.exists()
+  config = tiny(data, stop_at_step=2)
+  config.checkpoint.init_from = str(run / "checkpoints")
+  warm = train_and_evaluate(config, str(tmp_path / "warm"))
+  assert warm["resumed_from"] == f"init_from {run / 'checkpoints'} step 12"
+  assert warm["steps"] == 2  # optimizer, step and data start fresh
+  assert warm["loss_history"][0][1] < summary["loss_history"][0][1]  # but the weights learned
