@@ -32,10 +32,10 @@ from ml_collections import config_flags  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers.models import logical_axes  # noqa: E402
-from trainers.models import transformer as lm  # noqa: E402
 from trainers.state import make_state  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
-from trainers.train import _model_config, open_data  # noqa: E402
+from trainers.tasks import make_task  # noqa: E402
+from trainers.train import open_data  # noqa: E402
 
 
 def load_config(path: str):
@@ -59,7 +59,8 @@ def main() -> None:
   workdir = os.path.abspath(args.workdir)
   mesh = create_mesh(config.mesh.ici)
   batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
-  train, _ = open_data(config, workdir, mesh, batch_axes)
+  task = make_task(config)
+  train, _ = open_data(config, task, workdir, mesh, batch_axes)
 
   # Pipeline: build global batches back to back.
   jax.block_until_ready(train.global_batch_arrays(0))
@@ -70,9 +71,7 @@ def main() -> None:
   pipeline_s = (time.perf_counter() - start) / args.steps
 
   # Trainer: the real train step on a batch already on the devices.
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(_model_config(config), rngs=rngs), logical_axes, config, mesh
-  )
+  setup = make_state(task.model_fn, logical_axes, config, mesh)
   state = setup.init()
   step_fn = make_train_step(setup, config, mesh, batch_axes)
   for _ in range(3):

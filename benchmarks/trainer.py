@@ -39,7 +39,7 @@ from trainers.models import logical_axes  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.state import make_state, model_from_params  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
-from trainers.train import _model_config  # noqa: E402
+from trainers.tasks import transformer_config  # noqa: E402
 
 
 def hand_written_step(setup, mesh, batch_spec):
@@ -86,7 +86,7 @@ def main() -> None:
   config.model.d_model, config.model.num_heads, config.model.d_ff = 512, 8, 2048
   mesh = create_mesh("data=-1")
   batch_axes = ("data",)
-  model_config = _model_config(config)
+  model_config = transformer_config(config)
   setup = make_state(
     lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
   )

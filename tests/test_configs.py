@@ -9,22 +9,24 @@ from spmd.mesh import create_mesh
 from trainers.models import logical_axes
 from trainers.models import transformer as lm
 from trainers.state import make_state
-from trainers.train import _model_config
+from trainers.tasks import make_task, transformer_config
 
 
-@pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_small"])
+@pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_small", "mlp"])
 def test_config_builds_its_state_shapes_and_shardings(name):
   config = importlib.import_module(f"configs.{name}").get_config()
   module_doc = importlib.import_module(f"configs.{name}").__doc__
   assert "spmd-train --config=configs/" in module_doc or "spmd-mesh" in module_doc
   mesh = create_mesh("data=-1,fsdp=2,tensor=2")
   config.mesh.rules = "fsdp_tp"
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(_model_config(config), rngs=rngs), logical_axes, config, mesh
-  )
+  setup = make_state(make_task(config).model_fn, logical_axes, config, mesh)
   leaves = jax.tree.leaves(setup.abstract["params"])
   count = sum(leaf.size for leaf in leaves)
-  assert count == lm.param_count(_model_config(config))
+  if config.model.kind == "transformer":
+    assert count == lm.param_count(transformer_config(config))
+  else:  # 6 x parameters x batch: the FLOP count says how many parameters there are
+    assert make_task(config).flops_per_step == 6.0 * count * config.global_batch
   kernel_specs = {s.spec for s in jax.tree.leaves(setup.shardings["params"])}
-  assert any("tensor" in str(spec) for spec in kernel_specs)
   assert any("fsdp" in str(spec) for spec in kernel_specs)
+  if config.model.kind == "transformer":
+    assert any("tensor" in str(spec) for spec in kernel_specs)

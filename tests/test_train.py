@@ -189,3 +189,31 @@ def _process_id(pid):
   if not cmd.startswith(sys.executable.encode()):
     return None  # the `timeout` wrapper, not python
   return env.get(b"SPMD_PROCESS_ID", b"").decode()
+
+
+def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
+  command = [
+    sys.executable,
+    "-m",
+    "trainers.main",
+    f"--config={ROOT / 'configs' / 'mlp.py'}",
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.data.dir={data['dir']}",
+    "--config.train.steps=60",
+    "--config.eval_every=60",
+    "--config.log_every=20",
+  ]
+  result = run_local(
+    command,
+    num_processes=2,
+    devices_per_process=2,
+    timeout_s=240,
+    grace_s=10,
+    echo=False,
+    cwd=str(ROOT),
+    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
+  )
+  assert result.ok, result.report()
+  accuracy = re.search(r"eval accuracy\s+: ([\d.]+)%", result.processes[0].output)
+  assert accuracy and float(accuracy.group(1)) > 60.0, result.report()
+  assert "examples/s" in result.processes[0].output

@@ -65,14 +65,16 @@ class MetricsHook(Hook):
     every: int,
     write: Callable[[int, dict], None],
     progress: Callable[[int, dict], None],
-    tokens_per_step: int,
+    units_per_step: int,
     max_bad_steps: int,
     flops_per_step: float = 0.0,
     peak_flops_total: float = 0.0,
+    unit: str = "tokens",
   ):
     self.every = every
     self._write, self._progress = write, progress
-    self._tokens_per_step = tokens_per_step
+    self._units_per_step = units_per_step
+    self._rate = f"{unit}_per_s"
     self._max_bad = max_bad_steps
     self._flops_per_step, self._peak = flops_per_step, peak_flops_total
 
@@ -87,7 +89,7 @@ class MetricsHook(Hook):
     for (step, _), values in zip(loop.pending, fetched):
       row = {k: float(np.asarray(v)) for k, v in values.items()}
       row["step_time_s"] = step_time
-      row["tokens_per_s"] = self._tokens_per_step / step_time
+      row[self._rate] = self._units_per_step / step_time
       if self._flops_per_step and self._peak:
         row["mfu"] = self._flops_per_step / step_time / self._peak
       loop.history.append({"step": step + 1, **row})

@@ -41,10 +41,10 @@ from trainers.models import transformer as lm
 from trainers.preemption import PreemptionWatch
 from trainers.state import make_state, model_from_params
 from trainers.step import make_eval_step, make_train_step
+from trainers.tasks import Task, make_task
 
 __all__ = ["Preempted", "train_and_evaluate"]
 log = logging.getLogger(__name__)
-CORPUS_RECORD_BYTES = 4096  # text_corpus records; examples are windows of them
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
@@ -61,58 +61,26 @@ def state_hash(state: dict) -> str:
   return digest.hexdigest()
 
 
-def _model_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:
-  m = config.model
-  if m.kind != "transformer":
-    raise ValueError(f"model.kind={m.kind!r}: spmd-train trains 'transformer' LMs")
-  return lm.TransformerConfig(
-    vocab_size=m.vocab_size,
-    seq_len=m.seq_len,
-    num_layers=m.num_layers,
-    d_model=m.d_model,
-    num_heads=m.num_heads,
-    d_ff=m.d_ff,
-    dtype=m.dtype,
-    param_dtype=m.param_dtype,
-  )
-
-
-def open_data(config: ml_collections.ConfigDict, workdir: str, mesh, batch_axes):
-  """(train batches, eval batches), the corpus built by process 0 first."""
+def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh, batch_axes):
+  """(train batches, eval batches); process 0 prepares the data first."""
   data_dir = config.data.dir or os.path.join(os.path.dirname(workdir), "data")
-  name, per_record = config.data.name, 1
-  if name == "text_corpus":
-    from trainers.data.datasets import prepare_text_corpus
-
-    # Process 0 builds; the others wait, then find it built (no race on files).
-    if jax.process_index() == 0:
-      name = prepare_text_corpus(
-        data_dir,
-        config.data.source or None,
-        chunk_bytes=CORPUS_RECORD_BYTES,
-        validation_percent=config.data.validation_percent,
-      )
-    multihost.barrier("text_corpus_prepared", timeout_s=3600)
-    if jax.process_index() != 0:
-      name = prepare_text_corpus(
-        data_dir,
-        config.data.source or None,
-        chunk_bytes=CORPUS_RECORD_BYTES,
-        validation_percent=config.data.validation_percent,
-      )
-    per_record = pipeline.windows_per_record(CORPUS_RECORD_BYTES, config.model.seq_len)
-  example = pipeline.lm_example(config.model.seq_len)
+  # Process 0 builds; the others wait, then find it built (no race on files).
+  if jax.process_index() == 0:
+    name = task.prepare(data_dir)
+  multihost.barrier("data_prepared", timeout_s=3600)
+  if jax.process_index() != 0:
+    name = task.prepare(data_dir)
   common = dict(
     global_batch=config.global_batch,
     mesh=mesh,
     batch_axes=batch_axes,
-    examples_per_record=per_record,
+    examples_per_record=task.examples_per_record,
   )
   train = pipeline.open_global_batches(
-    name, config.data.train_split, data_dir, example, seed=config.seed, train=True, **common
+    name, config.data.train_split, data_dir, task.to_example, seed=config.seed, train=True, **common
   )
   evaluation = pipeline.open_global_batches(
-    name, config.data.eval_split, data_dir, example, train=False, **common
+    name, config.data.eval_split, data_dir, task.to_example, train=False, **common
   )
   return train, evaluation
 
@@ -169,13 +137,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # 1-2. Mesh and data.
   mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None)
   batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
-  train_batches, eval_batches = open_data(config, workdir, mesh, batch_axes)
+  task = make_task(config)
+  train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
-  model_config = _model_config(config)
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-  )
+  setup = make_state(task.model_fn, logical_axes, config, mesh)
   manager = checkpoint.make_manager(
     os.path.join(workdir, "checkpoints"),
     config.checkpoint.every,
@@ -204,8 +170,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   train_step = make_train_step(setup, config, mesh, batch_axes)
   eval_step = make_eval_step(setup, mesh, batch_axes)
-  tokens_per_step = config.global_batch * config.model.seq_len
-  flops_per_step = lm.flops_per_token(model_config) * tokens_per_step
   # Only process 0 reports MFU; the others skip the (measured, on CPU) peak.
   peak = (
     peaks.peak_flops(jax.local_devices()[0], config.model.dtype, cache_dir=cache_dir)
@@ -221,15 +185,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def evaluate(params):
     return _evaluate(eval_step, eval_batches, params, config.eval_batches)
 
+  rate = f"{task.unit}_per_s"
   hooks = [
     MetricsHook(
       config.log_every,
       writer.write,
-      lambda step, row: progress.update(step, loss=row["loss"], tokens_per_s=row["tokens_per_s"]),
-      tokens_per_step,
+      lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
+      task.units_per_step,
       config.train.max_bad_steps,
-      flops_per_step,
+      task.flops_per_step,
       peak.flops_per_s * jax.device_count(),
+      task.unit,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
     CheckpointHook(config.checkpoint.every, save, manager.wait_until_finished),
@@ -260,20 +226,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   final_eval = evaluate(loop.state["params"])
   writer.write(loop.step, final_eval)
   sample = ""
-  if config.get("sample_tokens", 0):
+  if config.get("sample_tokens", 0) and task.language_model:
     sample = _sample(
       setup, loop.state["params"], b"def ", config.sample_tokens, config.model.seq_len
     )
   writer.close()
   manager.close()
   last = loop.history[-1] if loop.history else {}
-  rates = [h["tokens_per_s"] for h in loop.history[1:]] or [last.get("tokens_per_s", 0.0)]
+  rates = [h[rate] for h in loop.history[1:]] or [last.get(rate, 0.0)]
   summary = {
     "steps": loop.step,
     "train_loss": last.get("loss"),
     "eval_loss": final_eval["eval_loss"],
     "eval_accuracy": final_eval["eval_accuracy"],
-    "tokens_per_s": float(np.median(rates)) if rates else None,
+    rate: float(np.median(rates)) if rates else None,
     "mfu": float(np.median([h.get("mfu", 0.0) for h in loop.history])) if loop.history else None,
     "peak_source": peak.source,
     "wall_time_s": time.perf_counter() - started,
