@@ -29,18 +29,24 @@ def data(tmp_path_factory):
   return training_data(tmp_path_factory.mktemp("train_data"))
 
 
-def flags(data, workdir, *overrides):
+def flags(data, workdir, *overrides, config=CONFIG):
+  source = [f"--config.data.source={data['source']}"] if config == CONFIG else []
   return [
-    f"--config={CONFIG}",
+    f"--config={config}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",
-    f"--config.data.source={data['source']}",
+    *source,
     *overrides,
   ]
 
 
-def spmd_train(data, workdir, num_processes, devices, *overrides, timeout_s=240):
-  command = [sys.executable, "-m", "trainers.main", *flags(data, workdir, *overrides)]
+def spmd_train(data, workdir, num_processes, devices, *overrides, timeout_s=240, config=CONFIG):
+  command = [
+    sys.executable,
+    "-m",
+    "trainers.main",
+    *flags(data, workdir, *overrides, config=config),
+  ]
   return run_local(
     command,
     num_processes=num_processes,
@@ -49,7 +55,12 @@ def spmd_train(data, workdir, num_processes, devices, *overrides, timeout_s=240)
     grace_s=10,
     echo=False,
     cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "SPMD_AGREEMENT_TIMEOUT_S": "60"},
+    env={
+      "PYTHONPATH": str(ROOT),
+      "SPMD_AGREEMENT_TIMEOUT_S": "60",
+      # One compilation cache for every run here: each layout compiles once.
+      "JAX_COMPILATION_CACHE_DIR": data["cache"],
+    },
   )
 
 
@@ -192,26 +203,15 @@ def _process_id(pid):
 
 
 def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
-  command = [
-    sys.executable,
-    "-m",
-    "trainers.main",
-    f"--config={ROOT / 'configs' / 'mlp.py'}",
-    f"--workdir={tmp_path / 'run'}",
-    f"--config.data.dir={data['dir']}",
+  result = spmd_train(
+    data,
+    tmp_path / "run",
+    2,
+    2,
     "--config.train.steps=60",
     "--config.eval_every=60",
     "--config.log_every=20",
-  ]
-  result = run_local(
-    command,
-    num_processes=2,
-    devices_per_process=2,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
+    config=str(ROOT / "configs" / "mlp.py"),
   )
   assert result.ok, result.report()
   accuracy = re.search(r"eval accuracy\s+: ([\d.]+)%", result.processes[0].output)
