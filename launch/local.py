@@ -59,6 +59,7 @@ class LocalJobResult:
   processes: list[ProcessResult]
   first_failure: int | None
   timed_out: bool
+  stopped: bool = False  # the launcher was asked to stop and forwarded SIGTERM
 
   @property
   def ok(self) -> bool:
@@ -66,8 +67,11 @@ class LocalJobResult:
 
   def summary(self) -> str:
     if self.ok:
-      return f"all {len(self.processes)} processes exited 0"
+      done = f"all {len(self.processes)} processes exited 0"
+      return f"stopped by a signal; {done} (saved)" if self.stopped else done
     lines = []
+    if self.stopped:
+      lines.append("stopped by a signal to the launcher (SIGTERM forwarded to every process)")
     if self.timed_out:
       lines.append("the job ran past its time limit and was killed")
     if self.first_failure is not None:
@@ -140,6 +144,9 @@ def run_local(
   echo: bool = True,
   cwd: str | None = None,
   platform: str | None = "cpu",
+  log_dir: str | None = None,
+  stop: threading.Event | None = None,
+  term_grace_s: float = 60.0,
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
@@ -155,6 +162,11 @@ def run_local(
     echo: print each line as it arrives, prefixed with `[pN]`.
     cwd: working directory of the processes.
     platform: JAX_PLATFORMS for the processes; None keeps the environment's.
+    log_dir: also write each process's output to `log_dir/process_N.log`.
+    stop: when set (the launcher got SIGINT/SIGTERM), every process gets
+      SIGTERM so the job can save (its preemption path), then SIGKILL after
+      `term_grace_s`.
+    term_grace_s: how long a stopped job may take to save and exit.
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
@@ -167,21 +179,31 @@ def run_local(
   wrapper = []
   if shutil.which("timeout"):
     # A backstop for when this launcher itself dies: our own deadline fires first.
-    backstop = timeout_s + 2 * grace_s + 10
-    wrapper = ["timeout", "-k", str(max(1, round(grace_s))), str(round(backstop))]
+    # Its -k also bounds how long a forwarded SIGTERM may take to save.
+    backstop = timeout_s + 2 * grace_s + term_grace_s + 10
+    wrapper = ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
   procs: list[subprocess.Popen] = []
   readers = []
   lock = threading.Lock()
 
+  if log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+
   def pump(i, stream):
+    log = open(os.path.join(log_dir, f"process_{i}.log"), "a") if log_dir else None
     for line in iter(stream.readline, ""):
       outputs[i].append(line)
+      if log:
+        log.write(line)
+        log.flush()
       if echo:
         with lock:
           sys.stdout.write(f"[p{i}] {line}")
           sys.stdout.flush()
     stream.close()
+    if log:
+      log.close()
 
   for i in range(num_processes):
     p = subprocess.Popen(
@@ -207,14 +229,20 @@ def run_local(
   timed_out = False
   deadline = time.monotonic() + timeout_s
   kill_at = None
+  stopping = False
   try:
     while True:
+      if stop is not None and stop.is_set() and not stopping:
+        stopping = True  # forward once; the job's preemption path saves
+        for p in procs:
+          _signal_group(p, signal.SIGTERM)
+        kill_at = time.monotonic() + term_grace_s
       codes = [p.poll() for p in procs]
       if first_failure is None:
         for i, c in enumerate(codes):
           if c not in (None, 0):
             first_failure = i
-            kill_at = time.monotonic() + grace_s
+            kill_at = min(kill_at or float("inf"), time.monotonic() + grace_s)
             break
       if all(c is not None for c in codes):
         break
@@ -240,11 +268,44 @@ def run_local(
   results = [
     ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
   ]
-  return LocalJobResult(results, first_failure, timed_out)
+  return LocalJobResult(results, first_failure, timed_out, stopped=stopping)
+
+
+def run_with_restarts(
+  command: Sequence[str],
+  num_processes: int,
+  max_restarts: int = 0,
+  stop: threading.Event | None = None,
+  echo: bool = True,
+  **kwargs,
+) -> list[LocalJobResult]:
+  """Runs the job; after a failure runs it again (new port), up to `max_restarts` times.
+
+  The command is expected to resume from its own checkpoints (spmd-train
+  does, from its workdir). A job stopped by a signal is not restarted.
+  Returns every attempt's result, the last one last.
+  """
+  attempts = []
+  while True:
+    result = run_local(command, num_processes, stop=stop, echo=echo, **kwargs)
+    attempts.append(result)
+    if result.ok or result.stopped or len(attempts) > max_restarts:
+      return attempts
+    if echo:
+      print(
+        f"spmd-launch: attempt {len(attempts)} failed ({result.summary().splitlines()[0]}); "
+        f"restarting ({len(attempts)} of {max_restarts} restarts)",
+        file=sys.stderr,
+        flush=True,
+      )
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+  try:
+    os.killpg(p.pid, sig)
+  except ProcessLookupError:
+    pass
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-  try:
-    os.killpg(p.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  _signal_group(p, signal.SIGKILL)

@@ -7,7 +7,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from launch import local
 
@@ -24,6 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
   )
   loc.add_argument("--heartbeat-timeout", type=float, default=5.0)
   loc.add_argument(
+    "--max-restarts",
+    type=int,
+    default=0,
+    help="restart the whole job this many times after a failure; the "
+    "command resumes from its checkpoints",
+  )
+  loc.add_argument("--log-dir", default=None, help="also write process_N.log files here")
+  loc.add_argument(
+    "--term-grace",
+    type=float,
+    default=60.0,
+    help="after Ctrl-C/SIGTERM: seconds the job may take to save, then SIGKILL",
+  )
+  loc.add_argument(
     "--platform", default="cpu", help="JAX_PLATFORMS for the processes ('' keeps the environment's)"
   )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
@@ -36,15 +52,39 @@ def main(argv: list[str] | None = None) -> int:
   if not command:
     print("spmd-launch: give the command after --", file=sys.stderr)
     return 2
-  result = local.run_local(
-    command,
-    args.num_processes,
-    args.devices_per_process,
-    timeout_s=args.timeout,
-    grace_s=args.grace,
-    heartbeat_timeout_s=args.heartbeat_timeout,
-    platform=args.platform or None,
-  )
+  stop = threading.Event()
+
+  def request_stop(signum, frame):
+    # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
+    print(
+      f"spmd-launch: {signal.Signals(signum).name}: asking the job to save and stop "
+      f"(SIGKILL in {args.term_grace:g}s)",
+      file=sys.stderr,
+      flush=True,
+    )
+    stop.set()
+
+  previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    attempts = local.run_with_restarts(
+      command,
+      args.num_processes,
+      max_restarts=args.max_restarts,
+      stop=stop,
+      devices_per_process=args.devices_per_process,
+      timeout_s=args.timeout,
+      grace_s=args.grace,
+      heartbeat_timeout_s=args.heartbeat_timeout,
+      platform=args.platform or None,
+      log_dir=args.log_dir,
+      term_grace_s=args.term_grace,
+    )
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  result = attempts[-1]
+  if len(attempts) > 1:
+    print(f"spmd-launch: {len(attempts)} attempts ({len(attempts) - 1} restarts)", file=sys.stderr)
   print(f"spmd-launch: {result.summary()}", file=sys.stderr if not result.ok else sys.stdout)
   return 0 if result.ok else 1
 

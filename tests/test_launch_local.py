@@ -1,5 +1,7 @@
 """spmd-launch local: N processes, fail-fast, timeouts, and what it reports."""
 
+import signal
+import subprocess
 import sys
 import time
 
@@ -76,3 +78,63 @@ def test_cli_exit_code_and_prefixed_output(capsys):
   assert "process 1 failed first: exit code 7" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     main.main(["nowhere"])
+
+
+def _launcher(*args):
+  return subprocess.Popen(
+    [PY, "-m", "launch.main", "local", *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
+
+
+def test_sigterm_to_the_launcher_is_forwarded_so_the_job_can_save(tmp_path):
+  code = (
+    "import signal, sys, time\n"
+    "def save(*_):\n"
+    "  print('saving', flush=True); time.sleep(0.5); print('saved', flush=True)\n"
+    "  sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, save)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(120)\n"
+  )
+  launcher = _launcher(
+    "--num-processes", "2", "--term-grace", "20", "--log-dir", str(tmp_path), "--", PY, "-c", code
+  )
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline:
+    logs = [tmp_path / f"process_{i}.log" for i in range(2)]
+    if all(p.exists() and "ready" in p.read_text() for p in logs):
+      break
+    time.sleep(0.05)
+  launcher.send_signal(signal.SIGTERM)
+  out, _ = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, out
+  assert "stopped by a signal; all 2 processes exited 0 (saved)" in out
+  for i in range(2):
+    assert (tmp_path / f"process_{i}.log").read_text().splitlines()[-1] == "saved"
+
+
+def test_max_restarts_runs_the_job_again_after_a_failure(tmp_path):
+  marker = tmp_path / "attempted"
+  code = (
+    "import os, pathlib, sys\n"
+    f"marker = pathlib.Path({str(marker)!r})\n"
+    "if os.environ['SPMD_PROCESS_ID'] == '0' and not marker.exists():\n"
+    "  marker.touch(); sys.exit(5)\n"
+    "print('done', os.environ['SPMD_COORDINATOR_ADDRESS'])\n"
+  )
+  launcher = _launcher(
+    "--num-processes", "2", "--max-restarts", "1", "--grace", "1", "--", PY, "-c", code
+  )
+  out, _ = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, out
+  assert "attempt 1 failed (process 0 failed first: exit code 5)" in out
+  assert "2 attempts (1 restarts)" in out
+  none = _launcher(
+    "--num-processes", "1", "--max-restarts", "0", "--", PY, "-c", "import sys; sys.exit(3)"
+  )
+  out, _ = none.communicate(timeout=60)
+  assert none.returncode == 1 and "process 0 failed first: exit code 3" in out
