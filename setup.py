@@ -42,6 +42,7 @@ setup(
   extras_require={
     "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],
     "tpu": ["jax[tpu]>=0.10.2"],
+    "cuda": ["jax[cuda12]>=0.10.2"],
   },
   entry_points={
     "console_scripts": [
