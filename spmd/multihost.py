@@ -172,8 +172,8 @@ def _to_global_fwd(x, sharding):
 
 
 def _to_global_bwd(sharding, _, ct):
-  # Each process gets its block of the cotangent; a replicated input gets the
-  # whole cotangent, which is the gradient of every process's loss together.
+  # Each process gets its block of the one global cotangent; a replicated
+  # input gets the whole of it (the gradient of the one global function).
   return (multihost_utils.global_array_to_host_local_array(ct, sharding.mesh, sharding.spec),)
 
 
