@@ -43,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     "--platform", default="cpu", help="JAX_PLATFORMS for the processes ('' keeps the environment's)"
   )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
+  slurm = targets.add_parser("slurm", help="write (and --submit) an sbatch script")
+  slurm.add_argument("--nodes", type=int, required=True)
+  slurm.add_argument("--tasks-per-node", type=int, default=1)
+  slurm.add_argument("--gpus-per-node", type=int, default=0)
+  slurm.add_argument("--time", default="")
+  slurm.add_argument("--partition", default="")
+  slurm.add_argument("--job-name", default="spmd")
+  slurm.add_argument("--script", default="spmd_job.sbatch", help="where to write the script")
+  slurm.add_argument("--submit", action="store_true", help="run sbatch on it")
+  slurm.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   return parser
 
 
@@ -52,6 +62,20 @@ def main(argv: list[str] | None = None) -> int:
   if not command:
     print("spmd-launch: give the command after --", file=sys.stderr)
     return 2
+  if args.target == "slurm":
+    from launch import slurm
+
+    script = slurm.sbatch_script(
+      command,
+      args.nodes,
+      args.tasks_per_node,
+      args.gpus_per_node,
+      args.time,
+      args.job_name,
+      args.partition,
+    )
+    print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
+    return 0
   stop = threading.Event()
 
   def request_stop(signum, frame):

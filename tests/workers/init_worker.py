@@ -1,6 +1,7 @@
 """Checks what spmd.initialize() set up, and where the coordinator listens."""
 
 import os
+import sys
 
 import spmd
 
@@ -11,6 +12,9 @@ print(
   f"devices {jax.device_count()} local {jax.local_device_count()} processes {jax.process_count()}",
   flush=True,
 )
+if sys.argv[1:] == ["slurm"]:  # started by srun: JAX's SLURM detection did the rest
+  assert info.process_index == int(os.environ["SLURM_PROCID"])
+  sys.exit(0)
 assert info.process_index == int(os.environ["SPMD_PROCESS_ID"])
 
 if info.process_index == 0:
