@@ -279,7 +279,6 @@ class ShardedJitFunction:
     self._in_parts, self._out_parts = in_parts, out_parts
     self._in_pairs = _pair_local(in_parts, local_in_parts, "in_parts")
     self._out_pairs = _pair_local(out_parts, local_out_parts, "out_parts")
-    self._has_local = local_in_parts is not None or local_out_parts is not None
     self._local_num_partitions = local_num_partitions or infer_num_partitions(
       local_in_parts=local_in_parts, local_out_parts=local_out_parts
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import ml_collections
 
@@ -116,11 +115,3 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
       False,
     )
   raise ValueError(f"model.kind={kind!r}: choose 'transformer' or 'mlp'")
-
-
-def describe(task: Task) -> dict[str, Any]:
-  return {
-    "unit": task.unit,
-    "units_per_step": task.units_per_step,
-    "flops_per_step": task.flops_per_step,
-  }
