@@ -38,6 +38,7 @@ setup(
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
     "tqdm>=4.66",
+    "pyyaml>=6.0",  # spmd-launch k8s writes its manifest as YAML
   ],
   extras_require={
     "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],

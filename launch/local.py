@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -27,69 +27,20 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 
+from launch.processes import (
+  JobResult,
+  ProcessResult,
+  kill_group,
+  popen,
+  read_lines,
+  signal_group,
+  watch,
+)
 from spmd import distributed as env_names
 
-
-@dataclasses.dataclass
-class ProcessResult:
-  """How one process of a local job ended."""
-
-  process_id: int
-  returncode: int | None  # negative: killed by that signal
-  output: str  # stdout and stderr, interleaved as printed
-  killed_by_launcher: bool = False
-
-  def describe(self) -> str:
-    if self.returncode is None:
-      return "still running"
-    if self.returncode < 0:
-      return f"killed by {signal.Signals(-self.returncode).name}"
-    if self.returncode == 124:
-      return "timed out (exit 124 from timeout)"
-    return f"exit code {self.returncode}"
-
-
-@dataclasses.dataclass
-class LocalJobResult:
-  """How a local job ended: per process, and which failed first."""
-
-  processes: list[ProcessResult]
-  first_failure: int | None
-  timed_out: bool
-  stopped: bool = False  # the launcher was asked to stop and forwarded SIGTERM
-
-  @property
-  def ok(self) -> bool:
-    return self.first_failure is None and not self.timed_out
-
-  def summary(self) -> str:
-    if self.ok:
-      done = f"all {len(self.processes)} processes exited 0"
-      return f"stopped by a signal; {done} (saved)" if self.stopped else done
-    lines = []
-    if self.stopped:
-      lines.append("stopped by a signal to the launcher (SIGTERM forwarded to every process)")
-    if self.timed_out:
-      lines.append("the job ran past its time limit and was killed")
-    if self.first_failure is not None:
-      p = self.processes[self.first_failure]
-      lines.append(f"process {p.process_id} failed first: {p.describe()}")
-    for p in self.processes:
-      lines.append(
-        f"  process {p.process_id}: {p.describe()}"
-        + (" (stopped by the launcher)" if p.killed_by_launcher else "")
-      )
-    return "\n".join(lines)
-
-  def report(self) -> str:
-    """The summary followed by every process's output, for test failures."""
-    parts = [self.summary()]
-    for p in self.processes:
-      parts.append(f"----- process {p.process_id} ({p.describe()}) -----\n{p.output}")
-    return "\n".join(parts)
+LocalJobResult = JobResult  # how a local job ended; `report()` has every output
 
 
 def free_port() -> int:
@@ -185,90 +136,50 @@ def run_local(
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
   procs: list[subprocess.Popen] = []
   readers = []
-  lock = threading.Lock()
-
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
-
-  def pump(i, stream):
-    log = open(os.path.join(log_dir, f"process_{i}.log"), "a") if log_dir else None
-    for line in iter(stream.readline, ""):
-      outputs[i].append(line)
-      if log:
-        log.write(line)
-        log.flush()
-      if echo:
-        with lock:
-          sys.stdout.write(f"[p{i}] {line}")
-          sys.stdout.flush()
-    stream.close()
-    if log:
-      log.close()
-
   for i in range(num_processes):
-    p = subprocess.Popen(
-      wrapper + list(command),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      stdin=subprocess.DEVNULL,
-      text=True,
-      errors="replace",
-      cwd=cwd,
-      env=process_env(
-        i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
-      ),
-      start_new_session=True,
-    )  # its own group: killpg reaches its children
-    procs.append(p)
-    t = threading.Thread(target=pump, args=(i, p.stdout), daemon=True)
-    t.start()
-    readers.append(t)
+    env_i = process_env(
+      i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
+    )
+    procs.append(popen(wrapper + list(command), cwd=cwd, env=env_i))
+    log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
+    readers.append(read_lines(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log))
 
   killed = [False] * num_processes
-  first_failure = None
-  timed_out = False
-  deadline = time.monotonic() + timeout_s
-  kill_at = None
-  stopping = False
-  try:
-    while True:
-      if stop is not None and stop.is_set() and not stopping:
-        stopping = True  # forward once; the job's preemption path saves
-        for p in procs:
-          _signal_group(p, signal.SIGTERM)
-        kill_at = time.monotonic() + term_grace_s
-      codes = [p.poll() for p in procs]
-      if first_failure is None:
-        for i, c in enumerate(codes):
-          if c not in (None, 0):
-            first_failure = i
-            kill_at = min(kill_at or float("inf"), time.monotonic() + grace_s)
-            break
-      if all(c is not None for c in codes):
-        break
-      now = time.monotonic()
-      if now > deadline and kill_at is None:
-        timed_out = True
-        kill_at = now
-      if kill_at is not None and now >= kill_at:
-        for i, p in enumerate(procs):
-          if p.poll() is None:
-            killed[i] = True
-            _kill_group(p)
-        kill_at = now + 1e9
-      time.sleep(0.05)
-  finally:
+
+  def forward_sigterm() -> float:
+    for p in procs:
+      signal_group(p, signal.SIGTERM)
+    return math.inf
+
+  def kill_running() -> float:
     for i, p in enumerate(procs):
       if p.poll() is None:
         killed[i] = True
-        _kill_group(p)
+        kill_group(p)
+    return math.inf  # SIGKILL here always works: wait for them
+
+  try:
+    outcome = watch(
+      procs,
+      grace_s,
+      timeout_s,
+      stop,
+      on_kill=kill_running,
+      on_stop=forward_sigterm,
+      kill_after_stop_s=term_grace_s,
+    )
+  finally:
+    kill_running()
+    for p in procs:
       p.wait()
     for t in readers:
       t.join(timeout=5)
   results = [
     ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
   ]
-  return LocalJobResult(results, first_failure, timed_out, stopped=stopping)
+  return LocalJobResult(results, outcome.first_failure, outcome.timed_out, outcome.stopped)
 
 
 def run_with_restarts(
@@ -298,14 +209,3 @@ def run_with_restarts(
         file=sys.stderr,
         flush=True,
       )
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-  try:
-    os.killpg(p.pid, sig)
-  except ProcessLookupError:
-    pass
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-  _signal_group(p, signal.SIGKILL)

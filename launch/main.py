@@ -7,11 +7,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from launch import local
+from launch.processes import stop_on_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
   slurm.add_argument("--script", default="spmd_job.sbatch", help="where to write the script")
   slurm.add_argument("--submit", action="store_true", help="run sbatch on it")
   slurm.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
+  from launch import tpu
+
+  tpu.add_arguments(
+    targets.add_parser("tpu", help="every worker of a Cloud TPU VM slice, over gcloud ssh")
+  )
+  from launch import k8s
+
+  k8s.add_arguments(
+    targets.add_parser("k8s", help="write (and --apply) a Kubernetes JobSet manifest")
+  )
   return parser
 
 
@@ -62,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
   if not command:
     print("spmd-launch: give the command after --", file=sys.stderr)
     return 2
+  if args.target == "k8s":
+    from launch import k8s
+
+    return k8s.main(args, command)
+  if args.target == "tpu":
+    from launch import tpu
+
+    return tpu.main(args, command)
   if args.target == "slurm":
     from launch import slurm
 
@@ -76,20 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
     return 0
-  stop = threading.Event()
-
-  def request_stop(signum, frame):
-    # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
-    print(
-      f"spmd-launch: {signal.Signals(signum).name}: asking the job to save and stop "
-      f"(SIGKILL in {args.term_grace:g}s)",
-      file=sys.stderr,
-      flush=True,
-    )
-    stop.set()
-
-  previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-  try:
+  # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
+  saving = f"asking the job to save and stop (SIGKILL in {args.term_grace:g}s)"
+  with stop_on_signals(saving) as stop:
     attempts = local.run_with_restarts(
       command,
       args.num_processes,
@@ -103,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
       log_dir=args.log_dir,
       term_grace_s=args.term_grace,
     )
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
   result = attempts[-1]
   if len(attempts) > 1:
     print(f"spmd-launch: {len(attempts)} attempts ({len(attempts) - 1} restarts)", file=sys.stderr)

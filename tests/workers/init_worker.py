@@ -15,6 +15,26 @@ print(
 if sys.argv[1:] == ["slurm"]:  # started by srun: JAX's SLURM detection did the rest
   assert info.process_index == int(os.environ["SLURM_PROCID"])
   sys.exit(0)
+if sys.argv[1:] == ["k8s"]:  # a pod's command: the manifest's shell wrapper set the id
+  expected = int(os.environ["EXPECTED_PROCESS_ID"])  # from the test, computed independently
+  assert info.process_index == int(os.environ["SPMD_PROCESS_ID"]) == expected, (
+    f"{info.process_index=} {os.environ['SPMD_PROCESS_ID']=} {expected=}"
+  )
+  print(f"k8s process {info.process_index}", flush=True)
+  sys.exit(0)
+if sys.argv[1:] == ["tpu"]:  # over (fake) gcloud ssh: the remote shell exported the id
+  assert info.process_index == int(os.environ["SPMD_PROCESS_ID"])
+  slices = int(os.environ.get("MEGASCALE_NUM_SLICES", "1"))
+  slice_id = int(os.environ.get("MEGASCALE_SLICE_ID", "0"))
+  # Process ids run slice by slice, as JAX numbers them on a multislice TPU job.
+  assert slice_id == info.process_index // (info.process_count // slices), (slice_id, info)
+  print(
+    f"tpu process {info.process_index} slice {slice_id} of {slices} "
+    f"megascale {os.environ.get('MEGASCALE_COORDINATOR_ADDRESS', '-')} "
+    f"spmd from {os.path.dirname(os.path.dirname(spmd.__file__))}",
+    flush=True,
+  )
+  sys.exit(0)
 assert info.process_index == int(os.environ["SPMD_PROCESS_ID"])
 
 if info.process_index == 0:
