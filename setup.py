@@ -49,6 +49,7 @@ setup(
     "console_scripts": [
       "spmd-launch=launch.main:main",
       "spmd-mesh=spmd.mesh_cli:main",
+      "spmd-plan=trainers.plan_main:main",
       "spmd-train=trainers.main:main",
     ]
   },

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 
@@ -87,6 +88,10 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
       "planning for a TPU topology needs libtpu: pip install -e '.[tpu]' "
       "(it compiles for TPUs without having one)"
     )
+  # libtpu takes a machine-wide lock on first load, so a second planner (or a
+  # test next to a running one) fails; compiling for a description never
+  # touches a chip, so several may load it at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
 
   full = topology_name(name)

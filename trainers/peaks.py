@@ -149,6 +149,36 @@ def table_peak(device_kind: str, dtype: Any) -> float | None:
   return None if mode is None else getattr(chip, mode)
 
 
+# Memory per JAX device (bytes). TPU: the Cloud TPU system-architecture pages
+# (v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB per chip). NVIDIA: datasheets
+# (decimal GB, as sold). First match wins, so specific variants come first.
+_GiB, _GB = 2**30, 10**9
+_MEMORY: tuple[tuple[str, int], ...] = (
+  (r"^tpu v4$", 32 * _GiB),
+  (r"^tpu v5 ?(lite|e)$", 16 * _GiB),
+  (r"^tpu v5p?$", 95 * _GiB),
+  (r"^tpu v6 ?(lite|e)$", 32 * _GiB),
+  (r"\bgh200\b.*\b144\s?gb\b", 144 * _GB),
+  (r"\bgh200\b", 96 * _GB),
+  (r"\bh200\b", 141 * _GB),
+  (r"\bh100\b.*\bnvl\b", 94 * _GB),
+  (r"\bh100\b", 80 * _GB),
+  (r"\ba100\b.*\b40\s?gb\b", 40 * _GB),
+  (r"\ba100\b", 80 * _GB),
+)
+
+
+def device_memory_bytes(device_kind: str) -> int | None:
+  """HBM per device for `device_kind` (as JAX names it), or None if not in the table.
+
+  Example:
+    >>> device_memory_bytes("TPU v5 lite") / 2**30, device_memory_bytes("NVIDIA H200") / 1e9
+    (16.0, 141.0)
+  """
+  kind = _normalise_kind(device_kind)
+  return next((size for pattern, size in _MEMORY if re.search(pattern, kind)), None)
+
+
 def measure_matmul_peak(
   dtype: Any = "float32",
   size: int | None = None,

@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
 
 from trainers.data import pipeline
 from trainers.models import mlp
@@ -36,6 +37,7 @@ class Task:
   units_per_step: int
   flops_per_step: float
   language_model: bool  # a greedy sample at the end
+  record_template: dict  # a record of the data's format (zeros): example shapes without data
 
 
 def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:
@@ -91,6 +93,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
       tokens,
       lm.flops_per_token(model_config) * tokens,
       True,
+      {"tokens": np.zeros(CORPUS_RECORD_BYTES, np.uint8)},
     )
   if kind == "mlp":
     from trainers.data.blobs import classification_example
@@ -113,5 +116,6 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
       config.global_batch,
       6.0 * params * config.global_batch,
       False,
+      {"features": np.zeros(model_config.input_dim, np.float32), "label": 0},
     )
   raise ValueError(f"model.kind={kind!r}: choose 'transformer' or 'mlp'")

@@ -61,6 +61,14 @@ def state_hash(state: dict) -> str:
   return digest.hexdigest()
 
 
+def build_mesh(
+  config: ml_collections.ConfigDict, devices=None
+) -> tuple[jax.sharding.Mesh, tuple[str, ...]]:
+  """The run's mesh and the mesh axes that split the batch (also `spmd-plan`'s)."""
+  mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None, devices=devices)
+  return mesh, tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+
+
 def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh, batch_axes):
   """(train batches, eval batches); process 0 prepares the data first."""
   data_dir = config.data.dir or os.path.join(os.path.dirname(workdir), "data")
@@ -135,8 +143,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   jax.config.update("jax_compilation_cache_dir", cache_dir)
 
   # 1-2. Mesh and data.
-  mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None)
-  batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  mesh, batch_axes = build_mesh(config)
   task = make_task(config)
   train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
 

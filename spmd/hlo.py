@@ -1,0 +1,246 @@
+"""The collectives of a compiled program, read from its optimised HLO text.
+
+XLA's SPMD partitioner decides which collectives a sharded program needs; the
+only place to see them is the compiled module. For each collective this
+reads its kind, the bytes of its result per device, how many times a step
+runs it (instructions inside a `while` body count once per known iteration),
+and which devices form each group, so a planner can tell whether it crosses
+DCN (devices of different slices in one group). On multislice TPU the
+compiler splits a collective into its in-slice part and a DCN part that it
+hands to the megascale runtime as a host-transfer `send`; those count as
+crossing DCN (group size 0: the slices, not devices, take part).
+
+Replica groups come in three spellings, all handled: explicit
+(`{{0,1},{2,3}}`), iota (`[2,2]<=[4]` or `[2,2]<=[2,2]T(1,0)`) and mesh axes
+(`mesh['x'=2,'y'=2] {'y'}`). Group members are the program's partition ids,
+the positions in its device assignment (for `jax.jit` over a mesh: the
+mesh's devices in flat order).
+
+Example:
+  >>> text = '''ENTRY %main (p: f32[8]) -> f32[8] {
+  ...   %p = f32[8]{0} parameter(0)
+  ...   ROOT %ar = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  ... }'''
+  >>> [c] = collectives(text, device_slices=[0, 0, 1, 1])
+  >>> c.kind, c.count, c.bytes, c.group_size, c.crosses_dcn
+  ('all-reduce', 1, 32, 2, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(
+  r"=\s*(?P<shape>.+?)\s(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+# Multislice TPU programs hand the DCN part of a collective to the megascale
+# runtime as a host-transfer `send`, tagged with the collective's kind.
+_MEGASCALE_SEND = re.compile(
+  r"=\s*(?P<shape>.+?)\ssend\(.*_xla_megascale_transfer_type=\"(?P<kind>\w+)\""
+)
+_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective kind over one kind of group, summed over a step."""
+
+  kind: str
+  count: int  # executions per step
+  bytes: int  # result bytes per device, summed over the executions
+  group_size: int  # devices per group (0: not known)
+  crosses_dcn: bool | None  # a group spans slices; None: groups not known
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+  sizes = []
+  for dtype, dims in _ARRAY.findall(shape_text):
+    if dtype in _DTYPE_BYTES:
+      size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+      sizes.append(size * _DTYPE_BYTES[dtype])
+  return sizes
+
+
+def _result_bytes(shape_text: str, kind: str, is_async: bool) -> int:
+  sizes = _array_bytes(shape_text)
+  if not sizes:
+    return 0
+  if is_async:
+    # An async start returns (operands..., results..., context scalars): the
+    # results are the second half of the arrays that are not scalars.
+    arrays = [s for s in sizes if s > 4] or sizes
+    return sum(arrays[len(arrays) // 2 :]) if len(arrays) > 1 else arrays[0]
+  return sum(sizes)
+
+
+def _iota_groups(text: str) -> list[list[int]] | None:
+  m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  if not m:
+    return None
+  group_shape = [int(x) for x in m.group(1).split(",")]
+  dims = [int(x) for x in m.group(2).split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if m.group(3):
+    ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+  return ids.reshape(group_shape[0], -1).tolist()
+
+
+def _mesh_groups(text: str) -> list[list[int]] | None:
+  m = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+  if not m:
+    return None
+  axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+  names = [a for a, _ in axes]
+  sizes = [int(s) for _, s in axes]
+  grouped = re.findall(r"'([^']+)'", m.group(2))
+  if any(g not in names for g in grouped):
+    return None
+  ids = np.arange(math.prod(sizes)).reshape(sizes)
+  inner = [names.index(g) for g in grouped]
+  outer = [i for i in range(len(names)) if i not in inner]
+  size = math.prod(sizes[i] for i in inner)
+  return ids.transpose(outer + inner).reshape(-1, size).tolist()
+
+
+def parse_groups(line: str) -> list[list[int]] | None:
+  """The device groups of a collective instruction, or None if not recognised.
+
+  Example:
+    >>> parse_groups("x = f32[4] all-gather(y), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}")
+    [[0, 2], [1, 3]]
+  """
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+  if pairs:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
+  m = re.search(r"replica_groups=(.*)", line)
+  if not m:
+    return None
+  text = m.group(1)
+  if text.startswith("{"):
+    body = re.match(r"\{((?:\{[\d,]*\},?)*)\}", text)
+    if not body:
+      return None
+    groups = [
+      [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", body.group(1))
+    ]
+    return groups or None
+  if text.startswith("mesh["):
+    return _mesh_groups(text)
+  return _iota_groups(text)
+
+
+def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+    elif current is not None:
+      if line.strip() == "}":
+        current = None
+      else:
+        computations[current].append(line)
+  return computations, entry
+
+
+def _executions(computations: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+  """How often each computation runs per call of the entry (while trip counts)."""
+  if entry is None:
+    return {name: 1 for name in computations}
+  runs: dict[str, int] = {}
+  stack = [(entry, 1)]
+  while stack:
+    name, times = stack.pop()
+    if name not in computations or runs.get(name, 0) >= times:
+      continue
+    runs[name] = times
+    for line in computations[name]:
+      loop = _WHILE.search(line)
+      trips = _TRIP_COUNT.search(line)
+      body = loop.group(1) if loop else None
+      for called in _CALLS.findall(line):
+        for callee in called.replace("%", "").split(","):
+          callee = callee.strip()
+          if callee:
+            stack.append((callee, times * (int(trips.group(1)) if trips and callee == body else 1)))
+  return runs
+
+
+def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> list[Collective]:
+  """The collectives in an optimised HLO module, grouped by kind and group shape.
+
+  Args:
+    hlo_text: `compiled.as_text()`.
+    device_slices: slice index of each partition id (the program's device
+      assignment in order), to tell whether a group crosses DCN.
+  """
+  computations, entry = _split_computations(hlo_text)
+  runs = _executions(computations, entry)
+  totals: dict[tuple[str, int, bool | None], list[int]] = {}
+  for name, lines in computations.items():
+    times = runs.get(name, 0 if entry else 1)
+    for line in lines:
+      if times == 0:
+        continue
+      dcn = _MEGASCALE_SEND.search(line)
+      if dcn:
+        kind = dcn.group("kind").lower().replace("_", "-")
+        key = (kind, 0, True)
+        nbytes = (_array_bytes(dcn.group("shape")) or [0])[0]
+        count, total = totals.get(key, [0, 0])
+        totals[key] = [count + times, total + times * nbytes]
+        continue
+      m = _INSTRUCTION.search(line)
+      if not m:
+        continue
+      kind = m.group("kind")
+      groups = parse_groups(line)
+      size = len(groups[0]) if groups else 0
+      crosses = None
+      if groups is not None and device_slices is not None:
+        crosses = any(len({device_slices[i] for i in g}) > 1 for g in groups)
+      key = (kind, size, crosses)
+      nbytes = _result_bytes(m.group("shape"), kind, bool(m.group("start")))
+      count, total = totals.get(key, [0, 0])
+      totals[key] = [count + times, total + times * nbytes]
+  order = {kind: i for i, kind in enumerate(KINDS)}
+  return [
+    Collective(kind, count, nbytes, size, crosses)
+    for (kind, size, crosses), (count, nbytes) in sorted(
+      totals.items(), key=lambda kv: (order.get(kv[0][0], len(KINDS)), -kv[1][1])
+    )
+  ]

@@ -1,0 +1,182 @@
+"""spmd-plan: byte counts against hand-computed figures, and real TPU topologies.
+
+The TPU plans compile lm_small's real train step with libtpu for slices of
+up to 256 chips on this CPU machine (tens of seconds each).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from configs import lm_tiny
+from spmd import hlo
+from spmd.mesh import create_mesh
+from spmd.topology import libtpu_available
+from tests.multiprocess import ROOT
+from trainers import plan as plan_lib
+
+needs_libtpu = pytest.mark.skipif(
+  not libtpu_available(), reason="needs libtpu: pip install -e '.[tpu]' (CI installs it)"
+)
+
+# lm_tiny by hand: token + position embeddings, per layer q/k/v/out + MLP in/out +
+# two norms (scale, bias), final norm, output projection (no biases elsewhere).
+D, F, V, L, LAYERS = 128, 512, 256, 64, 2
+LM_TINY_PARAMS = (V + L) * D + LAYERS * (4 * D * D + 2 * D * F + 4 * D) + 2 * D + D * V
+
+
+def test_sharded_matmul_bytes_match_hand_computed():
+  mesh = create_mesh("data=2,tensor=4", devices=jax.devices()[:8])
+  w_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+  x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+  w = jax.ShapeDtypeStruct((1024, 4096), jnp.float32, sharding=w_sharding)
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16, sharding=x_sharding)
+  assert plan_lib._per_device_bytes(w) == 1024 * (4096 // 4) * 4
+  assert plan_lib._per_device_bytes(x) == (64 // 2) * 1024 * 2
+  matmul = spmd.sharded_jit(
+    lambda x, w: x.astype(jnp.float32) @ w,
+    in_parts=(P("data", None), P(None, "tensor")),
+    out_parts=P("data", None),
+    mesh=mesh,
+  )
+  compiled = matmul.lower(x, w).compile()
+  stats = compiled.memory_analysis()
+  assert stats.argument_size_in_bytes == 1024 * 1024 * 4 + 32 * 1024 * 2
+  # The output is replicated over `tensor`, so the step all-gathers its columns.
+  kinds = {c.kind for c in hlo.collectives(compiled.as_text())}
+  assert kinds & {"all-gather", "all-reduce"}, compiled.as_text()[:2000]
+
+
+def _tiny(rules: str, ici: str):
+  config = lm_tiny.get_config()
+  config.mesh.rules, config.mesh.ici = rules, ici
+  return config
+
+
+def test_small_lm_state_bytes_match_hand_computed():
+  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_lib.gpu_target("h100", 8))
+  assert plan.num_params == LM_TINY_PARAMS
+  assert plan.memory.params_bytes == LM_TINY_PARAMS * 4
+  # adamw's two moments, plus four int32 counters (adam, schedule, step, bad_steps).
+  assert plan.memory.optimizer_bytes == 2 * LM_TINY_PARAMS * 4 + 4 * 4
+  assert plan.estimated and plan.compiled and plan.fits
+  # Data parallel over 8: the gradients are all-reduced once per step, in one group of 8.
+  [reduce] = [c for c in plan.collectives if c.kind == "all-reduce" and c.bytes > 1000]
+  assert reduce.group_size == 8 and reduce.bytes >= LM_TINY_PARAMS * 4
+  model_flops = 6 * (LM_TINY_PARAMS - (V + L) * D) + 12 * LAYERS * D * L
+  assert plan.compute.model_flops == model_flops * 32 * L / 8
+
+
+def test_fsdp_splits_state_about_evenly():
+  replicated = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_lib.gpu_target("h100", 8))
+  fsdp = plan_lib.make_plan(_tiny("fsdp", "data=1,fsdp=8"), plan_lib.gpu_target("h100", 8))
+  ratio = fsdp.memory.state_bytes / (replicated.memory.state_bytes / 8)
+  assert 1.0 <= ratio <= 1.05, ratio  # small vectors (norms) may stay replicated
+  kinds = {c.kind for c in fsdp.collectives}
+  assert "all-gather" in kinds and kinds & {"reduce-scatter", "all-reduce"}
+
+
+def test_collective_groups_in_all_three_spellings():
+  line = "%x = f32[8]{0} all-reduce(%p), replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=%add"
+  assert hlo.parse_groups(line) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert hlo.parse_groups("all-gather(y), replica_groups=[2,4]<=[8]") == [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+  ]
+  assert hlo.parse_groups("replica_groups={{0,3},{1,2}}, x") == [[0, 3], [1, 2]]
+  loop = """ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %w = f32[4]{0} while(%p), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+%body (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %g = f32[4]{0} all-reduce(%q), replica_groups={{0,1}}, to_apply=%add
+}"""
+  [c] = hlo.collectives(loop, device_slices=[0, 1])
+  assert (c.count, c.bytes, c.crosses_dcn) == (3, 48, True)
+
+
+def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run(
+    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_main", *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+  )
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+  "topology,num_slices,hosts",
+  [("v4-32", 1, 4), ("v5e-256", 1, 64), ("v5p-256", 1, 32), ("v5e-256", 2, 128)],
+)
+def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
+  # 512 devices over two slices: the batch must cover the data-parallel size.
+  global_batch = 256 * num_slices
+  done = _spmd_plan(
+    "--config=configs/lm_small.py",
+    f"--topology={topology}",
+    f"--num_slices={num_slices}",
+    f"--config.global_batch={global_batch}",
+    "--json",
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+  plan = json.loads(done.stdout)
+  devices = {"v4-32": 16, "v5e-256": 256, "v5p-256": 128}[topology] * num_slices
+  assert plan["num_devices"] == devices and plan["hosts"] == hosts
+  assert plan["compiled"] and plan["fits"] and not plan["estimated"]
+  assert plan["rows_per_host"] * plan["hosts_feeding"] == global_batch
+  memory = plan["memory"]
+  assert memory["params_bytes"] < memory["total_bytes"] < memory["device_bytes"]
+  assert memory["temp_bytes"] > 0 and plan["compute"]["compiled_flops"] > 0
+  lo, hi = plan["compute"]["step_time_s"]
+  assert 0 < lo < hi
+  # Data parallel: the gradients (~86M parameters) are reduced every step.
+  reduced = sum(c["bytes"] for c in plan["collectives"] if "reduce" in c["kind"])
+  assert reduced > 2**20, plan["collectives"]
+  # Over two slices part of that reduction crosses DCN, and only then.
+  assert any(c["crosses_dcn"] for c in plan["collectives"]) == (num_slices > 1)
+
+
+@needs_libtpu
+def test_a_70b_model_replicated_on_v5e_16_does_not_fit_and_says_how_to():
+  done = _spmd_plan(
+    "--config=configs/lm_small.py",
+    "--topology=v5e-16",
+    "--config.mesh.rules=dp",
+    "--config.model.d_model=8192",
+    "--config.model.num_heads=64",
+    "--config.model.d_ff=28672",
+    "--config.model.num_layers=96",
+    timeout=120,
+  )
+  assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+  out = done.stdout
+  assert "DOES NOT FIT" in out and "step not compiled" in out, out
+  assert "70,8" in out or "70,9" in out or "71," in out, out  # ~70.9B parameters, in millions
+  assert "even FSDP over all 16 devices" in out and "needs at least" in out, out
+
+
+@needs_libtpu
+def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
+  done = _spmd_plan(
+    "--config=configs/lm_small.py",
+    "--topology=v5e-16",
+    "--config.mesh.rules=dp",
+    "--config.model.d_model=2048",
+    "--config.model.num_heads=16",
+    "--config.model.d_ff=8192",
+    "--config.model.num_layers=32",
+    timeout=120,
+  )
+  assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+  assert "--config.mesh.rules=fsdp --config.mesh.ici=data=-1,fsdp=2,tensor=1" in done.stdout

@@ -1,0 +1,367 @@
+"""Plan a run ahead of time: compile the real train step for a target and read the numbers.
+
+`make_plan(config, target)` builds the mesh, the state and the train step with
+the same functions `spmd-train` uses (`train.build_mesh`, `make_state`,
+`make_train_step`), then lowers and compiles the step against the target's
+device descriptions with shape-only inputs: nothing is allocated. From the
+compiled program it reads memory per device, FLOPs and the collectives.
+
+Targets:
+  TPU slices (`tpu_target("v5p-256", num_slices=2)`): libtpu's real topology,
+    so memory, FLOPs and collectives are the TPU compiler's own figures.
+  GPUs (`gpu_target("h100", 16)`): no topology description exists, so the
+    step compiles for as many CPU devices; sharding, parameter/optimizer bytes
+    and collectives are exact, temporaries and FLOPs are the CPU compiler's,
+    flagged as estimates.
+
+The step-time range is an assumption, stated with the result: the compiled
+FLOPs at a fraction of the device's dense peak (default 35-55%, the range
+well-tuned LM training reaches on TPUs and H100s).
+
+Example:
+  >>> from configs import lm_tiny
+  >>> plan = make_plan(lm_tiny.get_config(), gpu_target("h100", 8))   # 8 CPU devices
+  >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4 // 8  # fsdp=8, float32
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import jax
+import ml_collections
+
+from spmd import hlo
+from spmd.layout import batch_sharding, data_layout
+from spmd.topology import topology_devices
+from trainers import peaks
+from trainers.models import logical_axes
+from trainers.state import make_state
+from trainers.step import make_train_step
+from trainers.tasks import Task, make_task
+from trainers.train import build_mesh
+
+log = logging.getLogger(__name__)
+
+# `--gpu` names -> the device_kind JAX reports for that GPU (peaks and memory tables).
+GPU_KINDS = {
+  "h100": "NVIDIA H100 80GB HBM3",
+  "h100-pcie": "NVIDIA H100 PCIe",
+  "h200": "NVIDIA H200",
+  "a100-40gb": "NVIDIA A100-SXM4-40GB",
+  "a100-80gb": "NVIDIA A100-SXM4-80GB",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What to plan for: devices to compile against and what they stand for."""
+
+  name: str  # e.g. "v5p-256", "2 x v5e-256", "16 x h100"
+  devices: tuple[Any, ...]
+  device_kind: str  # for the peak FLOP/s and memory tables
+  num_slices: int
+  hosts: int
+  devices_per_host: int
+  estimated: bool  # compiled for stand-in CPU devices: temporaries and FLOPs are estimates
+
+
+def tpu_target(topology: str, num_slices: int = 1) -> Target:
+  """A TPU slice (or several) from its name, e.g. `v5p-256`; needs libtpu."""
+  devices = topology_devices(topology, num_slices)
+  hosts = len({(getattr(d, "slice_index", 0) or 0, d.process_index) for d in devices})
+  name = topology if num_slices == 1 else f"{num_slices} x {topology}"
+  return Target(
+    name, devices, devices[0].device_kind, num_slices, hosts, len(devices) // hosts, False
+  )
+
+
+def gpu_target(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> Target:
+  """`num_gpus` GPUs of type `gpu` (see `GPU_KINDS`), `gpus_per_host` to a node.
+
+  Compiles for this process's CPU devices, so it needs `jax_num_cpu_devices`
+  (or `SPMD_CPU_DEVICES`) of at least `num_gpus` set before JAX starts.
+  """
+  if gpu not in GPU_KINDS:
+    raise ValueError(f"{gpu=} is not known; choose one of {sorted(GPU_KINDS)}")
+  if num_gpus < 1 or gpus_per_host < 1 or num_gpus % min(gpus_per_host, num_gpus):
+    raise ValueError(f"{num_gpus=} is not a whole number of hosts of {gpus_per_host=}")
+  cpus = jax.devices("cpu")
+  if len(cpus) < num_gpus:
+    raise ValueError(
+      f"planning for {num_gpus=} needs as many CPU devices, this process has {len(cpus)}: "
+      f"set jax_num_cpu_devices={num_gpus} before JAX starts (spmd-plan does)"
+    )
+  per_host = min(gpus_per_host, num_gpus)
+  return Target(
+    f"{num_gpus} x {gpu}",
+    tuple(cpus[:num_gpus]),
+    GPU_KINDS[gpu],
+    1,
+    num_gpus // per_host,
+    per_host,
+    True,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per device. State sizes come from the shardings; the rest from the compiler."""
+
+  params_bytes: int
+  optimizer_bytes: int  # optimizer state plus the step counters
+  batch_bytes: int | None
+  temp_bytes: int | None  # activations and other temporaries
+  code_bytes: int | None
+  total_bytes: int | None  # arguments + outputs - donated + temporaries + code
+  device_bytes: int | None  # the device's HBM (None: not in the table)
+  margin: float  # share of HBM kept free for the runtime and fragmentation
+
+  @property
+  def state_bytes(self) -> int:
+    return self.params_bytes + self.optimizer_bytes
+
+  @property
+  def usable_bytes(self) -> float | None:
+    return None if self.device_bytes is None else self.device_bytes * (1 - self.margin)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  """FLOPs per device per step, and the step time they imply at an assumed efficiency."""
+
+  compiled_flops: float | None  # XLA's cost analysis of the compiled program
+  model_flops: float  # 6N per token + attention (the MFU numerator), per device
+  peak_flops_per_s: float | None  # dense peak of the device for the compute dtype
+  efficiency: tuple[float, float]  # assumed share of peak the compiled FLOPs run at
+  step_time_s: tuple[float, float] | None  # (fast, slow)
+  mfu: tuple[float, float] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything `spmd-plan` reports."""
+
+  target: str
+  device_kind: str
+  num_devices: int
+  num_slices: int
+  hosts: int
+  estimated: bool
+  mesh: dict[str, int]
+  ici: str
+  dcn: str
+  num_params: int
+  units_per_step: int
+  unit: str
+  rows_per_host: int
+  hosts_feeding: int  # distinct row blocks (hosts that are replicas feed the same rows)
+  compiled: bool
+  memory: Memory
+  compute: Compute
+  collectives: list[hlo.Collective]
+  fits: bool | None
+  suggestions: list[str]
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["memory"]["state_bytes"] = self.memory.state_bytes
+    return out
+
+
+def _per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shard) * leaf.dtype.itemsize
+  return total
+
+
+def abstract_batch(task: Task, global_batch: int, sharding) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch's shapes and dtypes, from the task's own example function."""
+  example = task.to_example(task.record_template, 0)
+  return {
+    k: jax.ShapeDtypeStruct((global_batch, *v.shape), v.dtype, sharding=sharding)
+    for k, v in example.items()
+  }
+
+
+def _cost_flops(compiled) -> float | None:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, list):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  flops = (cost or {}).get("flops")
+  return float(flops) if flops and flops > 0 else None
+
+
+def _suggestions(
+  plan_memory: Memory, mesh: dict[str, int], rules: str, num_devices: int
+) -> list[str]:
+  """Mesh and config changes that would make a plan that does not fit fit."""
+  usable = plan_memory.usable_bytes
+  if usable is None:
+    return []
+  fsdp = mesh.get("fsdp", 1) if rules in ("fsdp", "fsdp_tp") else 1
+  # State splits over the FSDP axis (and tensor, if used); estimate what it
+  # would be replicated, then at each larger FSDP size.
+  replicated_state = (
+    plan_memory.state_bytes * fsdp * (mesh.get("tensor", 1) if rules == "fsdp_tp" else 1)
+  )
+  rest = (plan_memory.total_bytes or plan_memory.state_bytes) - plan_memory.state_bytes
+  gib = 2**30
+  out = []
+  size = 2
+  while size <= num_devices:
+    if size > fsdp and num_devices % size == 0 and replicated_state / size + rest <= usable:
+      out.append(
+        f"shard the state over more devices: --config.mesh.rules=fsdp "
+        f"--config.mesh.ici=data=-1,fsdp={size},tensor=1 "
+        f"(state ~{replicated_state / size / gib:.2f} GiB per device)"
+      )
+      break
+    size *= 2
+  else:
+    needed = math.ceil(replicated_state / max(usable - rest, 1))
+    out.append(
+      f"even FSDP over all {num_devices} devices leaves {replicated_state / num_devices / gib:.1f} GiB "
+      f"of state per device; it needs at least {needed} devices of this kind "
+      f"({replicated_state / gib:.0f} GiB of parameters and optimizer state in all), or a smaller model"
+    )
+  if plan_memory.temp_bytes and plan_memory.temp_bytes > usable / 2:
+    out.append(
+      f"activations take {plan_memory.temp_bytes / gib:.1f} GiB: --config.train.micro_batches=2 "
+      "(or more) divides them roughly by that factor; a smaller global_batch does too"
+    )
+  return out
+
+
+def make_plan(
+  config: ml_collections.ConfigDict,
+  target: Target,
+  efficiency: tuple[float, float] = (0.35, 0.55),
+  margin: float = 0.1,
+  compile_step: bool | None = None,
+  keep_compiled: list | None = None,
+) -> Plan:
+  """Compiles `config`'s train step for `target` and reads what it needs.
+
+  Args:
+    efficiency: (low, high) share of the dense peak the compiled FLOPs are
+      assumed to run at, for the step-time and MFU range.
+    margin: share of HBM kept free (runtime, fragmentation) when judging fit.
+    compile_step: None compiles unless parameters and optimizer state alone
+      already exceed the device's memory (compiling would only cost minutes);
+      True always; False never.
+    keep_compiled: if given, the compiled executable is appended to it.
+  """
+  if not 0 < efficiency[0] <= efficiency[1] <= 1:
+    raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
+  mesh, batch_axes = build_mesh(config, target.devices)
+  task = make_task(config)
+  setup = make_state(task.model_fn, logical_axes, config, mesh)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  layout = data_layout(mesh, config.global_batch, batch_axes)
+  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract["params"]))
+  params_bytes = _per_device_bytes(state["params"])
+  optimizer_bytes = _per_device_bytes({k: v for k, v in state.items() if k != "params"})
+  device_bytes = peaks.device_memory_bytes(target.device_kind)
+  if compile_step is None:
+    compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  compiled = None
+  if compile_step:
+    step = make_train_step(setup, config, mesh, batch_axes)
+    compiled = step.lower(state, batch).compile()
+    if keep_compiled is not None:
+      keep_compiled.append(compiled)
+  batch_bytes = _per_device_bytes(batch)
+  temp = code = total = flops = None
+  collectives: list[hlo.Collective] = []
+  if compiled is not None:
+    stats = compiled.memory_analysis()
+    temp, code = stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
+    total = (
+      stats.argument_size_in_bytes
+      + stats.output_size_in_bytes
+      - stats.alias_size_in_bytes
+      + temp
+      + code
+    )
+    flops = _cost_flops(compiled)
+    slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+    collectives = hlo.collectives(compiled.as_text(), slices)
+  memory = Memory(
+    params_bytes,
+    optimizer_bytes,
+    batch_bytes,
+    temp,
+    code,
+    total,
+    device_bytes,
+    margin,
+  )
+  peak = peaks.table_peak(target.device_kind, config.model.dtype)
+  model_flops = task.flops_per_step / mesh.devices.size
+  step_time = achieved = None
+  if peak and (flops or model_flops):
+    work = flops or model_flops
+    step_time = (work / (peak * efficiency[1]), work / (peak * efficiency[0]))
+    achieved = (model_flops / (peak * step_time[1]), model_flops / (peak * step_time[0]))
+  compute = Compute(flops, model_flops, peak, efficiency, step_time, achieved)
+  usable = memory.usable_bytes
+  if usable is None:
+    fits = None
+  elif total is not None:
+    fits = total <= usable
+  else:  # not compiled: only a state too big for the device is a verdict
+    fits = False if memory.state_bytes > usable else None
+  suggestions = (
+    _suggestions(memory, dict(mesh.shape), config.mesh.rules, mesh.devices.size)
+    if fits is False
+    else []
+  )
+  return Plan(
+    target=target.name,
+    device_kind=target.device_kind,
+    num_devices=mesh.devices.size,
+    num_slices=target.num_slices,
+    hosts=target.hosts,
+    estimated=target.estimated,
+    mesh=dict(mesh.shape),
+    ici=config.mesh.ici,
+    dcn=config.mesh.dcn,
+    num_params=num_params,
+    units_per_step=task.units_per_step,
+    unit=task.unit,
+    rows_per_host=_rows_per_host(layout, target),
+    hosts_feeding=_hosts_feeding(layout, target),
+    compiled=compiled is not None,
+    memory=memory,
+    compute=compute,
+    collectives=collectives,
+    fits=fits,
+    suggestions=suggestions,
+  )
+
+
+def _rows_per_host(layout, target: Target) -> int:
+  if not target.estimated:
+    return layout.per_host_batch
+  # Stand-in CPU devices all belong to this process: hosts own contiguous
+  # blocks of the data axes (create_mesh's order), so a host of
+  # `devices_per_host` devices feeds that share of the batch, replicas aside.
+  per_device = layout.global_batch // layout.data_parallel
+  return per_device * min(target.devices_per_host, layout.data_parallel)
+
+
+def _hosts_feeding(layout, target: Target) -> int:
+  if not target.estimated:
+    return layout.num_shards
+  return max(1, layout.data_parallel // target.devices_per_host)

@@ -1,0 +1,212 @@
+"""`spmd-plan`: will this config fit and how fast will it go on a pod, asked from a laptop.
+
+  spmd-plan --config=configs/lm_small.py --topology=v5p-256
+  spmd-plan --config=configs/lm_small.py --topology=v5e-256 --num_slices=2 --json
+  spmd-plan --config=configs/lm_small.py --gpu=h100 --num_gpus=16   # estimates, see below
+  spmd-plan --config=configs/lm_small.py --topology=v5p-256 \\
+      --config.mesh.ici=data=-1,fsdp=8,tensor=1 --save_executable=/tmp/step.xla
+
+Compiles the real train step ahead of time for the target (`trainers.plan`),
+prints memory per device against the device's HBM, FLOPs, the expected step
+time and MFU under a stated efficiency assumption, the collectives per step
+and whether they cross DCN, and the per-host data layout. TPU targets need
+the `tpu` extra (libtpu); nothing runs on, or needs, an accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-256, v5e-16, v4:2x2x4")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices joined over DCN")
+_GPU = flags.DEFINE_string("gpu", None, "GPU type instead of a TPU: h100, h200, a100-80gb, ...")
+_NUM_GPUS = flags.DEFINE_integer("num_gpus", 8, "GPUs in all (with --gpu)")
+_GPUS_PER_HOST = flags.DEFINE_integer("gpus_per_host", 8, "GPUs per node (with --gpu)")
+_EFFICIENCY = flags.DEFINE_string(
+  "efficiency", "0.35,0.55", "assumed low,high share of peak FLOP/s for the step-time range"
+)
+_MARGIN = flags.DEFINE_float("margin", 0.1, "share of HBM kept free when judging fit")
+_COMPILE = flags.DEFINE_enum(
+  "compile", "auto", ["auto", "always", "never"], "auto: skip when the state alone cannot fit"
+)
+_JSON = flags.DEFINE_bool("json", False, "print JSON instead of the table")
+_SAVE = flags.DEFINE_string(
+  "save_executable", None, "write the compiled step's serialized executable (and a .json beside)"
+)
+
+
+def _bytes(n: float | None) -> str:
+  if n is None:
+    return "-"
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def _seconds(s: float) -> str:
+  return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def format_plan(plan, config_name: str = "") -> str:
+  """The plan as a table for people."""
+  m, c = plan.memory, plan.compute
+  est = " (estimate: compiled for CPU stand-ins)" if plan.estimated else ""
+  lines = [
+    f"spmd-plan: {config_name or 'config'} on {plan.target}: {plan.num_devices} x "
+    f"{plan.device_kind}, {plan.hosts} hosts, {plan.num_slices} slice(s)",
+    f"mesh          {' '.join(f'{k}={v}' for k, v in plan.mesh.items())}"
+    f"   (ici {plan.ici}; dcn {plan.dcn or '-'})",
+    f"model         {plan.num_params / 1e6:,.1f}M parameters, {plan.units_per_step:,} "
+    f"{plan.unit} per step",
+    f"data          {plan.hosts_feeding} distinct row blocks, {plan.rows_per_host} rows per host"
+    + (" (estimate)" if plan.estimated else ""),
+    "memory per device" + ("" if plan.compiled else " (step not compiled: state alone)"),
+    f"  parameters       {_bytes(m.params_bytes)}",
+    f"  optimizer state  {_bytes(m.optimizer_bytes)}",
+    f"  batch            {_bytes(m.batch_bytes)}",
+    f"  temporaries      {_bytes(m.temp_bytes)}{est if m.temp_bytes is not None else ''}",
+    f"  code             {_bytes(m.code_bytes)}",
+    f"  total            {_bytes(m.total_bytes if m.total_bytes is not None else m.state_bytes)}"
+    f" of {_bytes(m.device_bytes)} HBM",
+  ]
+  if plan.fits is None:
+    verdict = "unknown (device memory not in the table)" if m.device_bytes is None else "unknown"
+  else:
+    needed = m.total_bytes if m.total_bytes is not None else m.state_bytes
+    spare = m.usable_bytes - needed
+    verdict = (
+      f"FITS, {_bytes(spare)} to spare after a {m.margin:.0%} margin"
+      if plan.fits
+      else f"DOES NOT FIT: short by {_bytes(-spare)} (after a {m.margin:.0%} margin)"
+    )
+  lines.append(f"  verdict          {verdict}")
+  lines.append("compute per device per step")
+  if c.compiled_flops is not None:
+    lines.append(f"  compiled FLOPs   {c.compiled_flops / 1e12:.3f} TFLOP{est}")
+  lines.append(f"  model FLOPs      {c.model_flops / 1e12:.3f} TFLOP (6N per token + attention)")
+  if c.peak_flops_per_s:
+    lines.append(
+      f"  peak             {c.peak_flops_per_s / 1e12:.0f} TFLOP/s (dense, vendor table)"
+    )
+  if c.step_time_s:
+    lo, hi = c.efficiency
+    lines.append(
+      f"  step time        {_seconds(c.step_time_s[0])} to {_seconds(c.step_time_s[1])}, "
+      f"assuming the step's FLOPs run at {lo:.0%}-{hi:.0%} of peak"
+    )
+    lines.append(f"  MFU              {c.mfu[0]:.0%}-{c.mfu[1]:.0%} under that assumption")
+  else:
+    lines.append("  step time        - (no peak FLOP/s for this device and dtype)")
+  if plan.collectives:
+    lines.append("collectives per step, per device")
+    lines.append(f"  {'kind':<20}{'count':>6}{'bytes':>12}{'group':>7}  crosses DCN")
+    for coll in plan.collectives:
+      dcn = {True: "yes", False: "no", None: "?"}[coll.crosses_dcn]
+      lines.append(
+        f"  {coll.kind:<20}{coll.count:>6}{_bytes(coll.bytes):>12}"
+        f"{coll.group_size or 'slices':>7}  {dcn}"
+      )
+  elif plan.compiled:
+    lines.append("collectives per step: none")
+  for s in plan.suggestions:
+    lines.append(f"suggestion: {s}")
+  return "\n".join(lines)
+
+
+def save_executable(compiled, path: str, plan, config) -> str:
+  """Writes the executable's PJRT serialization (as JAX's compilation cache stores it)."""
+  import jax
+
+  try:
+    payload = compiled.runtime_executable().serialize()
+  except Exception as e:  # backends that cannot serialize say why
+    return f"not saved: this backend cannot serialize executables ({e})"
+  with open(path, "wb") as f:
+    f.write(payload)
+  meta = {
+    "target": plan.target,
+    "device_kind": plan.device_kind,
+    "mesh": plan.mesh,
+    "jax": jax.__version__,
+    "config": json.loads(config.to_json(sort_keys=True)),
+    "format": "PJRT serialized executable (jax backend.deserialize_executable)",
+  }
+  with open(path + ".json", "w") as f:
+    json.dump(meta, f, indent=1, sort_keys=True)
+  return f"saved {len(payload):,} bytes to {path} (+ {path}.json)"
+
+
+def _main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required")
+  if (_TOPOLOGY.value is None) == (_GPU.value is None):
+    raise app.UsageError("give exactly one of --topology (TPU) or --gpu")
+  try:
+    efficiency = tuple(float(x) for x in _EFFICIENCY.value.split(","))
+  except ValueError:
+    efficiency = ()
+  if len(efficiency) != 2:
+    raise app.UsageError(f"--efficiency={_EFFICIENCY.value!r}: give low,high, e.g. 0.35,0.55")
+  if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+    logging.set_verbosity(logging.WARNING)
+  import jax
+
+  # Planning never runs anything: compile for descriptions, not for hardware.
+  jax.config.update("jax_platforms", "cpu")
+  if _GPU.value:
+    jax.config.update("jax_num_cpu_devices", max(_NUM_GPUS.value, 1))
+  from trainers import plan as plan_lib
+
+  target = (
+    plan_lib.gpu_target(_GPU.value, _NUM_GPUS.value, _GPUS_PER_HOST.value)
+    if _GPU.value
+    else plan_lib.tpu_target(_TOPOLOGY.value, _NUM_SLICES.value)
+  )
+  compiled: list = []
+  plan = plan_lib.make_plan(
+    _CONFIG.value,
+    target,
+    efficiency=efficiency,
+    margin=_MARGIN.value,
+    compile_step={"auto": None, "always": True, "never": False}[_COMPILE.value],
+    keep_compiled=compiled,
+  )
+  saved = ""
+  if _SAVE.value:
+    saved = (
+      save_executable(compiled[0], _SAVE.value, plan, _CONFIG.value)
+      if compiled
+      else "not saved: the step was not compiled"
+    )
+  if _JSON.value:
+    out = plan.to_dict()
+    if saved:
+      out["executable"] = saved
+    print(json.dumps(out, indent=1))
+  else:
+    config_name = next(
+      (a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "config"
+    )
+    print(format_plan(plan, os.path.basename(config_name)))
+    if saved:
+      print(f"executable: {saved}")
+  if plan.fits is False:
+    sys.exit(3)  # scripts can tell "does not fit" from success and from errors
+
+
+def main() -> None:
+  app.run(_main)
+
+
+if __name__ == "__main__":
+  main()
