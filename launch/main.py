@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
   targets = parser.add_subparsers(dest="target", required=True)
   loc = targets.add_parser("local", help="N simulated hosts on this machine")
-  loc.add_argument("--num-processes", type=int, default=2)
+  loc.add_argument("-n", "--num-processes", type=int, default=2)
   loc.add_argument("--devices-per-process", type=int, default=1)
   loc.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
   loc.add_argument(

@@ -70,7 +70,7 @@ def test_the_job_time_limit_kills_everything():
 
 
 def test_cli_exit_code_and_prefixed_output(capsys):
-  assert main.main(["local", "--num-processes", "2", "--", PY, "-c", "print('hello')"]) == 0
+  assert main.main(["local", "-n", "2", "--", PY, "-c", "print('hello')"]) == 0
   out = capsys.readouterr().out
   assert "[p0] hello" in out and "[p1] hello" in out
   code = "import os, sys; sys.exit(int(os.environ['SPMD_PROCESS_ID']) * 7)"
