@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo sharded-jit-demo test lint bench clean
+.PHONY: demo sharded-jit-demo test faults lint bench clean
 
 $(BIN)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+# The whole fault suite (CI runs a subset of the same tests); the table lands in
+# workdir/faults/report.md.
+faults: $(BIN)/.installed
+	SPMD_FAULTS=full $(BIN)/python -m pytest tests/faults -m faults
+	cat workdir/faults/report.md
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/dispatch.py

@@ -61,6 +61,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
   config.train.inject_nonfinite_at = ()  # fault injection for tests: steps with NaN grads
+  config.train.inject_stall = ()  # fault injection for tests: (process, step) hangs in Python
+  # The watchdog: no finished step for this long ends the job, naming the
+  # process furthest behind (0 = off). The first step includes compilation.
+  config.train.step_timeout_s = 600.0
+  config.train.first_step_timeout_s = 3600.0
 
   # Periodic work: each hook has its own schedule (0 = never).
   config.log_every = 10

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -218,63 +217,3 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
   accuracy = re.search(r"eval accuracy\s+: ([\d.]+)%", result.processes[0].output)
   assert accuracy and float(accuracy.group(1)) > 60.0, result.report()
   assert "examples/s" in result.processes[0].output
-
-
-def test_kill_9_one_process_and_the_launcher_restarts_from_the_checkpoint(data, tmp_path):
-  workdir = tmp_path / "run"
-  command = [
-    sys.executable,
-    "-m",
-    "launch.main",
-    "local",
-    "--num-processes",
-    "2",
-    "--devices-per-process",
-    "2",
-    "--max-restarts",
-    "1",
-    "--grace",
-    "5",
-    "--",
-    sys.executable,
-    "-m",
-    "trainers.main",
-    *flags(
-      data,
-      workdir,
-      "--config.train.steps=60",
-      "--config.checkpoint.every=10",
-      "--config.eval_every=0",
-    ),
-  ]
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"])
-  launcher = subprocess.Popen(
-    command,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=env,
-    cwd=str(ROOT),
-    start_new_session=True,
-  )
-  metrics = os.path.join(workdir, "metrics.jsonl")
-  killed_at = None
-  deadline = time.monotonic() + 200
-  while time.monotonic() < deadline and killed_at is None:
-    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 15:
-      for pid in _pids_with(f"--workdir={workdir}"):
-        if _process_id(pid) == "1":
-          os.kill(pid, signal.SIGKILL)
-          killed_at = time.monotonic()
-    time.sleep(0.05)
-  try:
-    out, _ = launcher.communicate(timeout=300)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
-  assert killed_at is not None, out
-  assert launcher.returncode == 0, out
-  assert "attempt 1 failed (process 1 failed first: killed by SIGKILL)" in out, out
-  resumed = re.search(r"state from\s+: checkpoint step (\d+)", out)
-  assert resumed and 10 <= int(resumed.group(1)) < 60, out
-  assert max(losses(workdir)) == 60

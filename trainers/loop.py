@@ -179,8 +179,12 @@ def train_loop(
   batches: Iterator,
   hooks: list[Hook],
   preempted: Callable[[int], bool],
+  progress: Callable[[int], None] = lambda step: None,
 ) -> LoopState:
-  """Runs steps until `total_steps`, a preemption, or an error."""
+  """Runs steps until `total_steps`, a preemption, or an error.
+
+  `progress(step)` is told after every step and its hooks (the watchdog).
+  """
   ok = False
   try:
     while loop.step < loop.total_steps:
@@ -189,9 +193,11 @@ def train_loop(
       loop.state, metrics = train_step(loop.state, batch)
       loop.pending.append((loop.step, metrics))
       loop.step += 1
+      progress(loop.step)
       for hook in hooks:
         if hook.due(loop.step, loop.total_steps):
           hook.run(loop)
+          progress(loop.step)
       if preempted(loop.step):
         ok = True
         raise Preempted(f"preempted at step {loop.step}")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ from trainers.preemption import PreemptionWatch
 from trainers.state import make_state, model_from_params
 from trainers.step import make_eval_step, make_train_step
 from trainers.tasks import Task, make_task
+from trainers.watchdog import ProgressWatchdog
 
 __all__ = ["Preempted", "train_and_evaluate"]
 log = logging.getLogger(__name__)
@@ -130,6 +132,26 @@ def _sample(setup, params, prompt: bytes, num_tokens: int, seq_len: int) -> str:
   return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+def _maybe_stall(batches, stall: tuple):
+  """Fault injection for tests: `(process, step)` hangs that process in Python at that step."""
+  if not stall or int(stall[0]) != jax.process_index():
+    return batches
+  stall_step = int(stall[1])
+
+  class Stalling:
+    def __next__(self):
+      item = next(batches)
+      if item[0] == stall_step:
+        log.warning("spmd-train: injected stall at step %d (train.inject_stall)", stall_step)
+        threading.Event().wait()  # alive, heartbeating, and never coming back
+      return item
+
+    def close(self):
+      batches.close()
+
+  return Stalling()
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains, evaluates and summarises; returns the summary (all processes)."""
   spmd.initialize()
@@ -211,13 +233,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     ),
   ]
   watch = PreemptionWatch()
+  watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
   stop = config.train.stop_at_step or config.train.steps
   loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
-  batches = train_batches.iterator(data_start, prefetch=config.data.prefetch)
+  batches = _maybe_stall(
+    train_batches.iterator(data_start, prefetch=config.data.prefetch), config.train.inject_stall
+  )
   guard = config.get("transfer_guard", "") or "allow"
   try:
     with jax.transfer_guard(guard):
-      train_loop(loop, train_step, batches, hooks, watch.reached)
+      train_loop(loop, train_step, batches, hooks, watch.reached, watchdog.progress)
   except Preempted:
     if chief:
       log.warning("spmd-train: preempted; checkpoint saved at step %d", loop.step)
@@ -227,6 +252,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   finally:
     batches.close()
     watch.close()
+    watchdog.close()
     progress.close()
 
   # 6. Final eval, sample, summary, loss curve.

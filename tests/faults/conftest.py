@@ -1,0 +1,72 @@
+"""The fault suite: each test injects one kind of fault and records how it ended.
+
+CI runs every test with few injections (`SPMD_FAULTS` unset); `make faults`
+sets `SPMD_FAULTS=full` for the full counts. Each test adds a row to the
+report: the fault, injections, how many ended as promised, the worst time to
+detection and the steps lost beyond the last committed checkpoint. The
+report is written at the end of the session to `$SPMD_FAULT_REPORT` (default
+`workdir/faults/report.json`, and `report.md` beside it).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.data_fixtures import training_data
+from tests.multiprocess import ROOT
+
+FULL = os.environ.get("SPMD_FAULTS", "") == "full"
+_ROWS: list[dict] = []
+
+
+def injections(ci: int, full: int) -> int:
+  """How many times to inject a fault: a bounded subset in CI, all of it in `make faults`."""
+  return full if FULL else ci
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+  return training_data(tmp_path_factory.mktemp("fault_data"))
+
+
+@pytest.fixture
+def record():
+  """`record(fault, injected, as_promised, worst_detection_s, steps_lost)` adds a report row."""
+
+  def add(fault, injected, as_promised, worst_detection_s=None, steps_lost=0):
+    _ROWS.append(
+      {
+        "fault": fault,
+        "injected": injected,
+        "as_promised": as_promised,
+        "worst_detection_s": worst_detection_s,
+        "steps_lost": steps_lost,
+      }
+    )
+
+  return add
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = [
+    "| fault | injected | ended as promised | worst detection | steps lost |",
+    "|---|---|---|---|---|",
+  ]
+  for r in rows:
+    worst = "-" if r["worst_detection_s"] is None else f"{r['worst_detection_s']:.1f} s"
+    lines.append(
+      f"| {r['fault']} | {r['injected']} | {r['as_promised']}/{r['injected']} | {worst} "
+      f"| {r['steps_lost']} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if not _ROWS:
+    return
+  path = Path(os.environ.get("SPMD_FAULT_REPORT", ROOT / "workdir" / "faults" / "report.json"))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"full": FULL, "rows": _ROWS}, indent=1) + "\n")
+  path.with_suffix(".md").write_text(markdown(_ROWS))

@@ -1,0 +1,198 @@
+"""Running a real training job and hurting it on purpose: start, watch, find, kill.
+
+A job is `spmd-launch local ... -- spmd-train` on the tiny test config,
+started as its own process group so a failed test can always kill all of
+it. Its processes are found through /proc (command line and SPMD_PROCESS_ID),
+its progress through metrics.jsonl (the config logs every step), its
+committed checkpoints through orbax's step directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.multiprocess import ROOT
+
+CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
+
+
+def train_flags(data: dict, workdir: Path, *overrides: str) -> list[str]:
+  return [
+    f"--config={CONFIG}",
+    f"--workdir={workdir}",
+    f"--config.data.source={data['source']}",
+    f"--config.data.dir={data['dir']}",
+    "--config.sample_tokens=0",
+    *overrides,
+  ]
+
+
+@dataclasses.dataclass
+class Job:
+  """A running launcher and what it printed so far (with arrival times)."""
+
+  launcher: subprocess.Popen
+  workdir: Path
+  lines: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+
+  @property
+  def output(self) -> str:
+    return "".join(line for _, line in self.lines)
+
+  def wait(self, timeout_s: float) -> int:
+    try:
+      return self.launcher.wait(timeout=timeout_s)
+    finally:
+      self.kill()
+
+  def kill(self) -> None:
+    if self.launcher.poll() is None:
+      os.killpg(self.launcher.pid, signal.SIGKILL)
+      self.launcher.wait()
+    for pid in pids(self.workdir).values():  # nothing outlives a test
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+
+def start(
+  data: dict,
+  workdir: Path,
+  *overrides: str,
+  num_processes: int = 2,
+  devices: int = 2,
+  max_restarts: int = 0,
+  timeout_s: float = 600,
+) -> Job:
+  """Starts `spmd-launch local -- spmd-train` on the tiny config; returns at once."""
+  command = [
+    sys.executable,
+    "-m",
+    "launch.main",
+    "local",
+    f"--num-processes={num_processes}",
+    f"--devices-per-process={devices}",
+    f"--max-restarts={max_restarts}",
+    "--grace=5",
+    f"--timeout={timeout_s}",
+    "--",
+    sys.executable,
+    "-m",
+    "trainers.main",
+    *train_flags(data, workdir, *overrides),
+  ]
+  env = dict(
+    os.environ,
+    PYTHONPATH=str(ROOT),
+    JAX_COMPILATION_CACHE_DIR=data["cache"],
+    SPMD_AGREEMENT_TIMEOUT_S="60",
+  )
+  launcher = subprocess.Popen(
+    command,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=env,
+    cwd=str(ROOT),
+    start_new_session=True,
+  )
+  job = Job(launcher, workdir)
+
+  def read():
+    for line in launcher.stdout:
+      job.lines.append((time.monotonic(), line))
+
+  threading.Thread(target=read, daemon=True).start()
+  return job
+
+
+def pids(workdir: Path) -> dict[int, int]:
+  """{SPMD process id: pid} of the job's live Python training processes."""
+  found = {}
+  needle = f"--workdir={workdir}".encode()
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        cmdline = f.read()
+      if needle not in cmdline or b"trainers.main" not in cmdline:
+        continue
+      if not cmdline.startswith(sys.executable.encode()):
+        continue  # the `timeout` wrapper
+      with open(f"/proc/{name}/environ", "rb") as f:
+        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+      with open(f"/proc/{name}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+          continue  # a zombie has already ended
+    except OSError:
+      continue
+    if b"SPMD_PROCESS_ID" in env:  # not the launcher, whose command line holds the same
+      found[int(env[b"SPMD_PROCESS_ID"])] = int(name)
+  return found
+
+
+def last_step(workdir: Path) -> int:
+  """The highest step in metrics.jsonl (0 before the first)."""
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return 0
+  steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line]
+  return max(steps, default=0)
+
+
+def committed_steps(workdir: Path) -> list[int]:
+  """Checkpoint steps orbax has committed (its temporary directories excluded)."""
+  root = workdir / "checkpoints"
+  if not root.exists():
+    return []
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.02):
+  """Polls until `predicate()` is truthy; returns its value or raises naming `what`."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(poll_s)
+  raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+def gone_after(pid_list: list[int], timeout_s: float) -> float:
+  """Seconds until every pid in the list has exited (or raises after `timeout_s`)."""
+  started = time.monotonic()
+
+  def all_gone():
+    for pid in pid_list:
+      try:
+        with open(f"/proc/{pid}/stat") as f:
+          if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+            return False
+      except OSError:
+        continue
+    return True
+
+  wait_for(all_gone, timeout_s, f"processes {pid_list} to exit", poll_s=0.01)
+  return time.monotonic() - started
+
+
+def resumed_steps(output: str) -> list[int]:
+  """The checkpoint step each attempt resumed from, in order."""
+  return [int(s) for s in re.findall(r"; state from checkpoint step (\d+)", output)]
+
+
+def param_hash(output: str) -> str | None:
+  found = re.findall(r"param hash\s+: ([0-9a-f]+)", output)
+  return found[-1] if found else None

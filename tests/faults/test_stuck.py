@@ -1,0 +1,67 @@
+"""Fault 5: a process stuck in Python, or stopped with SIGSTOP, ends the job within a bound.
+
+JAX's heartbeat does not notice a process that is alive but stuck; the
+step-progress watchdog (trainers/watchdog.py) does, and says which process
+fell behind.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.faults import harness
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
+
+TIMEOUT_S = 8  # the watchdog's limit between steps, for these tests
+BOUND_S = TIMEOUT_S + 15  # watchdog + a tick + the launcher's grace and kill
+
+
+def _overrides(*extra):
+  return (
+    "--config.train.steps=400",
+    "--config.checkpoint.every=1000",
+    "--config.eval_every=0",
+    f"--config.train.step_timeout_s={TIMEOUT_S}",
+    *extra,
+  )
+
+
+def test_a_process_stuck_in_python_ends_the_job_naming_it(data, tmp_path, record):
+  job = harness.start(data, tmp_path / "run", *_overrides("--config.train.inject_stall=(1, 6)"))
+  try:
+    harness.wait_for(lambda: harness.last_step(tmp_path / "run") >= 5, 240, "step 5")
+    stalled_at = time.monotonic()
+    code = job.launcher.wait(timeout=BOUND_S + 30)
+    detected = time.monotonic() - stalled_at
+  finally:
+    job.kill()
+  out = job.output
+  assert code != 0, out
+  assert "process 1 is furthest behind" in out, out
+  assert f"exit code {86}" in out, out  # the watchdog's exit status, named by the launcher
+  record("5. process stuck in Python", 1, int(detected < BOUND_S), detected)
+  assert detected < BOUND_S, out
+
+
+def test_a_stopped_process_ends_the_job_naming_it(data, tmp_path, record):
+  job = harness.start(data, tmp_path / "run", *_overrides())
+  try:
+    harness.wait_for(lambda: harness.last_step(tmp_path / "run") >= 5, 240, "step 5")
+    pid = harness.pids(tmp_path / "run")[1]
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    code = job.launcher.wait(timeout=BOUND_S + 30)
+    detected = time.monotonic() - stopped_at
+  finally:
+    job.kill()
+  out = job.output
+  assert code != 0, out
+  # Named either by JAX's heartbeat check (task 1) or by the watchdog (process 1).
+  named = r"process 1 is furthest behind|stopped sending heartbeats\):\s*\n(\[p\d\] )?1\n"
+  assert re.search(named, out), out
+  record("5. process stopped (SIGSTOP)", 1, int(detected < BOUND_S), detected)
+  assert detected < BOUND_S, out

@@ -1,0 +1,138 @@
+"""A step-progress watchdog: a job whose steps stop advancing ends, naming who stopped.
+
+JAX's heartbeats catch a process that dies or freezes whole (SIGSTOP), but not
+one that is alive and stuck: a hook in an endless loop, a hung filesystem
+call, a deadlock in user code. Its peers then wait in their next collective
+forever. Every process runs this watchdog: the loop reports each finished
+step, a thread publishes the step and when it was reached through the
+distributed runtime's key-value store, and when no step has finished for
+`timeout_s` the thread reads every process's record, says which process
+fell behind (the oldest progress), and ends this process with
+`EXIT_NO_PROGRESS`. The launcher's fail-fast stops the rest.
+
+Example:
+  >>> import time
+  >>> ended = []
+  >>> dog = ProgressWatchdog(timeout_s=0.2, first_timeout_s=0.2, on_stuck=ended.append)
+  >>> dog.progress(1); time.sleep(0.6); dog.close()
+  >>> "no step finished for" in ended[0]
+  True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+
+log = logging.getLogger(__name__)
+
+EXIT_NO_PROGRESS = 86  # sysexits-free and distinct: the launcher reports it as such
+_KEY = "spmd/progress/"
+
+
+def _client():
+  from jax._src import distributed
+
+  return distributed.global_state.client
+
+
+def _exit(message: str) -> None:
+  print(f"spmd-train: {message}", file=sys.stderr, flush=True)
+  os._exit(EXIT_NO_PROGRESS)  # the main thread is blocked; only a hard exit ends it
+
+
+class ProgressWatchdog:
+  """Ends the process after `timeout_s` without a finished step (first step: `first_timeout_s`).
+
+  Args:
+    timeout_s: seconds allowed between two finished steps; 0 disables.
+    first_timeout_s: seconds allowed for the first step (compilation, restore).
+    on_stuck: what to do with the message; default: print it and exit
+      with `EXIT_NO_PROGRESS`.
+  """
+
+  def __init__(
+    self,
+    timeout_s: float,
+    first_timeout_s: float,
+    on_stuck: Callable[[str], None] | None = None,
+  ):
+    self._timeout, self._first_timeout = timeout_s, first_timeout_s
+    self._on_stuck = on_stuck or _exit
+    self._step: int | None = None
+    self._since = time.monotonic()
+    self._published: int | None = None
+    self._stop = threading.Event()
+    self._client = _client() if jax.process_count() > 1 else None
+    self._thread = None
+    if timeout_s > 0:
+      self._thread = threading.Thread(target=self._watch, name="spmd-watchdog", daemon=True)
+      self._thread.start()
+
+  def progress(self, step: int) -> None:
+    """Called by the loop after each step (and after long hooks): cheap, no I/O."""
+    self._step, self._since = step, time.monotonic()
+
+  def _publish(self) -> None:
+    if self._client is None or self._step == self._published:
+      return
+    record = json.dumps({"step": self._step, "time": time.time()})
+    try:
+      self._client.key_value_set(f"{_KEY}{jax.process_index()}", record, allow_overwrite=True)
+      self._published = self._step
+    except Exception as e:  # the store may be gone at shutdown; the watchdog must not die
+      log.debug("watchdog: could not publish progress: %s", e)
+
+  def _peers(self) -> dict[int, dict]:
+    if self._client is None:
+      return {}
+    try:
+      rows = self._client.key_value_dir_get(_KEY)
+    except Exception:
+      return {}
+    return {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in rows}
+
+  def describe(self, waited: float) -> str:
+    """The message: how long, and which process's progress is oldest."""
+    limit = self._first_timeout if self._step is None else self._timeout
+    where = "before the first step" if self._step is None else f"after step {self._step}"
+    message = (
+      f"process {jax.process_index()}: no step finished for {waited:.0f}s "
+      f"({where}; limit {limit:g}s, train.step_timeout_s)"
+    )
+    peers = self._peers()
+    if peers:
+      now = time.time()
+      behind = min(peers, key=lambda p: (peers[p]["time"], peers[p]["step"]))
+      missing = sorted(set(range(jax.process_count())) - set(peers))
+      seen = ", ".join(
+        f"{p}: step {r['step']} {now - r['time']:.0f}s ago" for p, r in sorted(peers.items())
+      )
+      if missing:
+        message += f"; processes {missing} never finished a step"
+      else:
+        message += f"; process {behind} is furthest behind"
+      message += f" (last progress per process: {seen})"
+    return message
+
+  def _watch(self) -> None:
+    tick = min(1.0, self._timeout / 4)
+    while not self._stop.wait(tick):
+      self._publish()
+      limit = self._first_timeout if self._step is None else self._timeout
+      waited = time.monotonic() - self._since
+      if waited > limit:
+        self._on_stuck(self.describe(waited))
+        return
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5)
