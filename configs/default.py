@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.vocab_size = 256
   config.model.dtype = "float32"  # compute dtype; "bfloat16" for mixed precision
   config.model.param_dtype = "float32"
+  # lax.scan over the layers' stacked weights: XLA compiles one block, not
+  # num_layers of them (a 12-layer TPU compile takes a fraction of the time).
+  # False unrolls the blocks; checkpoints of one layout do not load into the other.
+  config.model.scan_layers = True
 
   # Optimisation: adamw, linear warmup then cosine decay, global-norm clipping.
   config.train = ml_collections.ConfigDict()

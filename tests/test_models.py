@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+from configs import lm_tiny
 from spmd import rules
 from spmd.mesh import create_mesh
 from trainers.models import logical_axes, param
@@ -23,12 +25,17 @@ from trainers.models.transformer import (
   generate,
   param_count,
 )
+from trainers.state import make_state
 
 P = jax.sharding.PartitionSpec
 # Every size divides a fsdp=2 x tensor=2 mesh.
 # One layer: every extra layer adds compile time, not coverage (param_count checks three).
 SMALL = TransformerConfig(
   vocab_size=256, seq_len=32, num_layers=1, d_model=64, num_heads=4, d_ff=128
+)
+# Two layers: the smallest stack where the order of the layers matters.
+TWO_LAYERS = TransformerConfig(
+  vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64
 )
 # Enough for the loss on a fixed batch of repetitive text to halve (it does by ~10).
 STEPS = 20
@@ -138,7 +145,9 @@ def test_logits_at_t_do_not_depend_on_later_tokens(small, forward):
     TransformerConfig(vocab_size=100, seq_len=7, num_layers=3, d_model=24, num_heads=3, d_ff=40),
   ],
 )
-def test_param_count_matches_the_model(config):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_param_count_matches_the_model(config, scan_layers):
+  config = dataclasses.replace(config, scan_layers=scan_layers)
   abstract = nnx.state(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))), nnx.Param)
   assert param_count(config) == sum(x.size for x in jax.tree.leaves(abstract))
 
@@ -187,19 +196,121 @@ def test_logical_axes_names_a_parameter_without_annotations():
     param(nnx.Rngs(0), nnx.initializers.zeros, (2,), ("hidden",))
 
 
-def test_fsdp_tp_puts_model_dims_on_tensor_and_embed_on_fsdp(mesh):
-  state = nnx.state(nnx.eval_shape(lambda: TransformerLM(SMALL, rngs=nnx.Rngs(0))), nnx.Param)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_fsdp_tp_puts_model_dims_on_tensor_and_embed_on_fsdp(mesh, scan_layers):
+  config = dataclasses.replace(SMALL, scan_layers=scan_layers)
+  state = nnx.state(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))), nnx.Param)
   shardings = rules.logical_to_sharding(logical_axes(state), mesh, rules.FSDP_TP, shapes=state)
   assert jax.tree.structure(shardings) == jax.tree.structure(state)
+  # "layers" is missing on purpose: the stacked axis is never split.
   expected_axis = {"mlp": "tensor", "heads": "tensor", "vocab": "tensor", "embed": "fsdp"}
   specs = [s.spec for s in jax.tree.leaves(shardings)]
   for (names, shape), spec in zip(_names_and_shapes(state), specs, strict=True):
     padded = (*spec, *[None] * (len(shape) - len(spec)))
     assert padded == tuple(expected_axis.get(n) for n in names), (names, spec)
   assert shardings["token_embed"].get_value().spec == P("tensor", "fsdp")
-  assert shardings["blocks"][0]["attn"]["out"].get_value().spec == P("tensor", None, "fsdp")
-  assert shardings["blocks"][0]["mlp"]["wo"].get_value().spec == P("tensor", "fsdp")
+  if scan_layers:
+    block, layer = shardings["blocks"], (None,)
+  else:
+    block, layer = shardings["blocks"][0], ()
+  assert block["attn"]["out"].get_value().spec == P(*layer, "tensor", None, "fsdp")
+  assert block["mlp"]["wo"].get_value().spec == P(*layer, "tensor", "fsdp")
   assert shardings["final_norm"]["scale"].get_value().spec == P()
+
+
+def test_every_preset_leaves_the_layers_axis_whole():
+  assert "layers" in rules.LOGICAL_AXES
+  for name, rule_set in rules.PRESETS.items():
+    assert dict(rule_set)["layers"] is None, name
+
+
+@pytest.mark.parametrize("rules_name", ["fsdp", "fsdp_tp"])
+def test_make_state_shards_stacked_params_like_their_layers(mesh, rules_name):
+  """The trainer's shardings: each stacked weight is split like one layer's, whole along layers."""
+  config = lm_tiny.get_config()
+  config.mesh.rules = rules_name
+
+  def setup(scan_layers):
+    model_config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
+    return make_state(
+      lambda rngs: TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
+    )
+
+  scanned, unrolled = setup(True), setup(False)
+  stacked, per_layer = scanned.shardings["params"]["blocks"], unrolled.shardings["params"]["blocks"]
+  shapes = scanned.abstract["params"]["blocks"]
+  for i in range(TWO_LAYERS.num_layers):
+    layer_specs = jax.tree.map(lambda s: s.spec, per_layer[i])
+    assert jax.tree.map(lambda s: s.spec, stacked) == jax.tree.map(
+      lambda spec: P(None, *spec) if spec else P(), layer_specs
+    )
+  for x in jax.tree.leaves(shapes):
+    assert x.shape[0] == TWO_LAYERS.num_layers
+  tp = ("tensor",) if rules_name == "fsdp_tp" else ()  # PartitionSpecs drop trailing Nones
+  assert stacked["attn"]["query"].spec == P(None, "fsdp", *tp)
+  assert stacked["mlp"]["wi"].spec == P(None, "fsdp", *tp)
+  assert stacked["mlp_norm"]["scale"].spec == P()
+  assert scanned.shardings["params"]["unembed"].spec == P("fsdp", *tp)
+  # Adam's moments follow the stacked parameters.
+  mu = scanned.shardings["opt_state"][1][0].mu  # chain(clip, adamw(scale_by_adam, ...))
+  assert mu["blocks"]["attn"]["out"] == stacked["attn"]["out"]
+
+
+@pytest.mark.slow
+def test_scanned_and_unrolled_models_are_the_same_model():
+  """Same seed, same weights (the stack's row i is block i), same logits and gradients."""
+  tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size
+
+  def init_and_grads(scan_layers):
+    config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
+
+    def run(tokens):
+      graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param)
+
+      def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return ce.mean(), logits
+
+      (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+      return nnx.to_pure_dict(params), logits, nnx.to_pure_dict(grads)
+
+    return jax.jit(run)(tokens)
+
+  scanned, unrolled = init_and_grads(True), init_and_grads(False)
+
+  def forward_jaxpr(scan_layers):
+    config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))
+    return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens[:, :-1]))(params))
+
+  # The scanned layer is rematerialised (jax.checkpoint, printed "remat2" or "checkpoint"
+  # depending on the JAX version, inside the scan); the unrolled one is not.
+  for scan_layers in (True, False):
+    jaxpr = forward_jaxpr(scan_layers)
+    assert bool(re.search(r"\b(remat\w*|checkpoint)\[", jaxpr)) == scan_layers
+    assert ("scan[" in jaxpr) == scan_layers
+  # Stack the unrolled blocks the way the scanned model stores them.
+  layers = [unrolled[0]["blocks"][i] for i in range(TWO_LAYERS.num_layers)]
+  stacked = dict(unrolled[0], blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
+  for a, b in zip(jax.tree.leaves(scanned[0]), jax.tree.leaves(stacked), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(layers[0]["mlp"]["wi"], layers[1]["mlp"]["wi"])
+  np.testing.assert_allclose(scanned[1], unrolled[1], rtol=1e-5, atol=1e-5)
+  grad_layers = [unrolled[2]["blocks"][i] for i in range(TWO_LAYERS.num_layers)]
+  stacked_grads = dict(unrolled[2], blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *grad_layers))
+  for a, b in zip(jax.tree.leaves(scanned[2]), jax.tree.leaves(stacked_grads), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # Greedy decoding reads the model only through its forward pass, in either layout.
+  samples = [
+    generate(
+      TransformerLM(dataclasses.replace(TWO_LAYERS, scan_layers=scan), rngs=nnx.Rngs(0)),
+      tokens[:, :3],
+      num_tokens=5,
+    )
+    for scan in (True, False)
+  ]
+  np.testing.assert_array_equal(*samples)
 
 
 def _optimizer_shardings(opt_state, mesh, rule_set=rules.FSDP_TP):

@@ -51,6 +51,7 @@ def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfi
     d_ff=m.d_ff,
     dtype=m.dtype,
     param_dtype=m.param_dtype,
+    scan_layers=m.scan_layers,
   )
 
 
