@@ -3,9 +3,10 @@
 XLA's SPMD partitioner decides which collectives a sharded program needs; the
 only place to see them is the compiled module. For each collective this
 reads its kind, the bytes of its result per device, how many times a step
-runs it (instructions inside a `while` body count once per known iteration),
-and which devices form each group, so a planner can tell whether it crosses
-DCN (devices of different slices in one group). On multislice TPU the
+runs it (instructions inside a `while` body count once per iteration, when
+the trip count is stated or can be read off the loop condition), and which
+devices form each group, so a planner can tell whether it crosses DCN
+(devices of different slices in one group). On multislice TPU the
 compiler splits a collective into its in-slice part and a DCN part that it
 hands to the megascale runtime as a host-transfer `send`; those count as
 crossing DCN (group size 0: the slices, not devices, take part).
@@ -68,7 +69,14 @@ _MEGASCALE_SEND = re.compile(
 )
 _WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+# One computation name, or a braced list of them: `condition=%c, body=%b` must
+# yield both names (a pattern allowing ", " would swallow the next keyword).
+_CALLS = re.compile(
+  r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"%?([\w.\-]+)\s*=\s*[su]\d+\[\]\S*\s+constant\((\d+)\)")
+_BOUND = re.compile(r"ROOT .*compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +185,27 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None
   return computations, entry
 
 
+def _trip_count(line: str, computations: dict[str, list[str]]) -> int:
+  """Iterations of the `while` on `line`; 1 when they cannot be told.
+
+  CPU programs say `known_trip_count`; TPU's compiled HLO does not,
+  so the loop condition is read instead: JAX's loops (`scan`, `fori_loop`,
+  so a model scanning over its layers) count an induction variable up from
+  0 by 1 while it is less than a constant.
+  """
+  known = _TRIP_COUNT.search(line)
+  if known:
+    return int(known.group(1))
+  condition = _CONDITION.search(line)
+  lines = computations.get(condition.group(1), []) if condition else []
+  constants = dict(m.groups() for m in map(_CONSTANT.search, lines) if m)
+  for cond_line in lines:
+    bound = _BOUND.search(cond_line)
+    if bound and bound.group(1) in constants:
+      return int(constants[bound.group(1)])
+  return 1
+
+
 def _executions(computations: dict[str, list[str]], entry: str | None) -> dict[str, int]:
   """How often each computation runs per call of the entry (while trip counts)."""
   if entry is None:
@@ -190,14 +219,29 @@ def _executions(computations: dict[str, list[str]], entry: str | None) -> dict[s
     runs[name] = times
     for line in computations[name]:
       loop = _WHILE.search(line)
-      trips = _TRIP_COUNT.search(line)
       body = loop.group(1) if loop else None
+      trips = _trip_count(line, computations) if loop else 1
       for called in _CALLS.findall(line):
-        for callee in called.replace("%", "").split(","):
+        for callee in called.strip("{}").replace("%", "").split(","):
           callee = callee.strip()
           if callee:
-            stack.append((callee, times * (int(trips.group(1)) if trips and callee == body else 1)))
+            stack.append((callee, times * (trips if callee == body else 1)))
   return runs
+
+
+def repeated_loops(hlo_text: str) -> int:
+  """How many `while` loops run more than once per call (e.g. a scan over layers).
+
+  XLA's cost analysis counts a loop body once, so its FLOPs are too low
+  for such programs.
+  """
+  computations, _ = _split_computations(hlo_text)
+  return sum(
+    1
+    for lines in computations.values()
+    for line in lines
+    if _WHILE.search(line) and _trip_count(line, computations) > 1
+  )
 
 
 def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> list[Collective]:

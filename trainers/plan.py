@@ -294,9 +294,12 @@ def make_plan(
       + temp
       + code
     )
-    flops = _cost_flops(compiled)
+    text = compiled.as_text()
+    # XLA's cost analysis counts a loop body once: with the layers in a scan
+    # its FLOPs would be a layer's worth, so the model FLOPs stand in.
+    flops = None if hlo.repeated_loops(text) else _cost_flops(compiled)
     slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
-    collectives = hlo.collectives(compiled.as_text(), slices)
+    collectives = hlo.collectives(text, slices)
   memory = Memory(
     params_bytes,
     optimizer_bytes,

@@ -91,6 +91,11 @@ def format_plan(plan, config_name: str = "") -> str:
   lines.append("compute per device per step")
   if c.compiled_flops is not None:
     lines.append(f"  compiled FLOPs   {c.compiled_flops / 1e12:.3f} TFLOP{est}")
+  elif plan.compiled:
+    lines.append(
+      "  compiled FLOPs   - (XLA counts a loop body once; the layers are scanned, so the "
+      "model FLOPs are used)"
+    )
   lines.append(f"  model FLOPs      {c.model_flops / 1e12:.3f} TFLOP (6N per token + attention)")
   if c.peak_flops_per_s:
     lines.append(
