@@ -205,3 +205,16 @@ def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
   )
   assert done.returncode == 3, done.stdout + done.stderr[-3000:]
   assert "--config.mesh.rules=fsdp --config.mesh.ici=data=-1,fsdp=2,tensor=1" in done.stdout
+
+
+@needs_libtpu
+def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
+  path = tmp_path / "step.xla"
+  done = _spmd_plan(
+    "--config=configs/lm_tiny.py", "--topology=v5e-16", f"--save_executable={path}", timeout=180
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  assert "executable: saved" in done.stdout, done.stdout
+  assert path.stat().st_size > 10_000
+  meta = json.loads((tmp_path / "step.xla.json").read_text())
+  assert meta["target"] == "v5e-16" and meta["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1}
