@@ -19,27 +19,47 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
-FLAGS = flags.FLAGS
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-256, v5e-16, v4:2x2x4")
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices joined over DCN")
-_GPU = flags.DEFINE_string("gpu", None, "GPU type instead of a TPU: h100, h200, a100-80gb, ...")
-_NUM_GPUS = flags.DEFINE_integer("num_gpus", 8, "GPUs in all (with --gpu)")
-_GPUS_PER_HOST = flags.DEFINE_integer("gpus_per_host", 8, "GPUs per node (with --gpu)")
-_EFFICIENCY = flags.DEFINE_string(
-  "efficiency", "0.35,0.55", "assumed low,high share of peak FLOP/s for the step-time range"
-)
-_MARGIN = flags.DEFINE_float("margin", 0.1, "share of HBM kept free when judging fit")
-_COMPILE = flags.DEFINE_enum(
-  "compile", "auto", ["auto", "always", "never"], "auto: skip when the state alone cannot fit"
-)
-_JSON = flags.DEFINE_bool("json", False, "print JSON instead of the table")
-_SAVE = flags.DEFINE_string(
-  "save_executable", None, "write the compiled step's serialized executable (and a .json beside)"
-)
+
+def _flags(argv: list[str]) -> flags.FlagValues:
+  """Parses `argv` into a fresh flag set (spmd-train's flags live in the global one)."""
+  from ml_collections import config_flags
+
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+    "config", None, "experiment config file", flag_values=fv, sys_argv=["spmd-plan", *argv]
+  )
+  flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-256, v5e-16, v4:2x2x4", flag_values=fv)
+  flags.DEFINE_integer("num_slices", 1, "TPU slices joined over DCN", flag_values=fv)
+  flags.DEFINE_string(
+    "gpu", None, "GPU type instead of a TPU: h100, h200, a100-80gb, ...", flag_values=fv
+  )
+  flags.DEFINE_integer("num_gpus", 8, "GPUs in all (with --gpu)", flag_values=fv)
+  flags.DEFINE_integer("gpus_per_host", 8, "GPUs per node (with --gpu)", flag_values=fv)
+  flags.DEFINE_string(
+    "efficiency",
+    "0.35,0.55",
+    "assumed low,high share of peak FLOP/s for the step-time range",
+    flag_values=fv,
+  )
+  flags.DEFINE_float("margin", 0.1, "share of HBM kept free when judging fit", flag_values=fv)
+  flags.DEFINE_enum(
+    "compile",
+    "auto",
+    ["auto", "always", "never"],
+    "auto: skip when the state alone cannot fit",
+    flag_values=fv,
+  )
+  flags.DEFINE_bool("json", False, "print JSON instead of the table", flag_values=fv)
+  flags.DEFINE_string(
+    "save_executable",
+    None,
+    "write the compiled step's serialized executable (and a .json beside)",
+    flag_values=fv,
+  )
+  fv(["spmd-plan", *argv])
+  return fv
 
 
 def _bytes(n: float | None) -> str:
@@ -149,69 +169,71 @@ def save_executable(compiled, path: str, plan, config) -> str:
   return f"saved {len(payload):,} bytes to {path} (+ {path}.json)"
 
 
-def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None:
-    raise app.UsageError("--config is required")
-  if (_TOPOLOGY.value is None) == (_GPU.value is None):
-    raise app.UsageError("give exactly one of --topology (TPU) or --gpu")
+def main(argv: list[str] | None = None) -> int:
+  """Returns 0 when the plan fits (or fit is unknown), 3 when it does not, 2 on bad flags."""
+  argv = sys.argv[1:] if argv is None else argv
   try:
-    efficiency = tuple(float(x) for x in _EFFICIENCY.value.split(","))
+    fv = _flags(argv)
+  except flags.Error as e:
+    print(f"spmd-plan: {e}", file=sys.stderr)
+    return 2
+  if fv.config is None:
+    print("spmd-plan: --config is required", file=sys.stderr)
+    return 2
+  if (fv.topology is None) == (fv.gpu is None):
+    print("spmd-plan: give exactly one of --topology (TPU) or --gpu", file=sys.stderr)
+    return 2
+  try:
+    efficiency = tuple(float(x) for x in fv.efficiency.split(","))
   except ValueError:
     efficiency = ()
   if len(efficiency) != 2:
-    raise app.UsageError(f"--efficiency={_EFFICIENCY.value!r}: give low,high, e.g. 0.35,0.55")
-  if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+    print(f"spmd-plan: --efficiency={fv.efficiency!r}: give low,high, e.g. 0.35,0.55")
+    return 2
+  if not any(a.startswith(("--verbosity", "-v")) for a in argv):
     logging.set_verbosity(logging.WARNING)
   import jax
 
   # Planning never runs anything: compile for descriptions, not for hardware.
   jax.config.update("jax_platforms", "cpu")
-  if _GPU.value:
-    jax.config.update("jax_num_cpu_devices", max(_NUM_GPUS.value, 1))
+  if fv.gpu:
+    jax.config.update("jax_num_cpu_devices", max(fv.num_gpus, 1))
   from trainers import plan as plan_lib
 
   target = (
-    plan_lib.gpu_target(_GPU.value, _NUM_GPUS.value, _GPUS_PER_HOST.value)
-    if _GPU.value
-    else plan_lib.tpu_target(_TOPOLOGY.value, _NUM_SLICES.value)
+    plan_lib.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
+    if fv.gpu
+    else plan_lib.tpu_target(fv.topology, fv.num_slices)
   )
   compiled: list = []
   plan = plan_lib.make_plan(
-    _CONFIG.value,
+    fv.config,
     target,
     efficiency=efficiency,
-    margin=_MARGIN.value,
-    compile_step={"auto": None, "always": True, "never": False}[_COMPILE.value],
+    margin=fv.margin,
+    compile_step={"auto": None, "always": True, "never": False}[fv.compile],
     keep_compiled=compiled,
   )
   saved = ""
-  if _SAVE.value:
+  if fv.save_executable:
     saved = (
-      save_executable(compiled[0], _SAVE.value, plan, _CONFIG.value)
+      save_executable(compiled[0], fv.save_executable, plan, fv.config)
       if compiled
       else "not saved: the step was not compiled"
     )
-  if _JSON.value:
+  if fv.json:
     out = plan.to_dict()
     if saved:
       out["executable"] = saved
     print(json.dumps(out, indent=1))
   else:
-    config_name = next(
-      (a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "config"
-    )
+    config_name = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "config")
     print(format_plan(plan, os.path.basename(config_name)))
     if saved:
       print(f"executable: {saved}")
-  if plan.fits is False:
-    sys.exit(3)  # scripts can tell "does not fit" from success and from errors
-
-
-def main() -> None:
-  app.run(_main)
+  # Scripts can tell "does not fit" (3) from success and from errors.
+  return 3 if plan.fits is False else 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
