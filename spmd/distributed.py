@@ -20,8 +20,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import socket
 
 import jax
 
@@ -168,6 +170,8 @@ def initialize(
     host = coordinator_address.rsplit(":", 1)[0]
     if host in _LOOPBACK_HOSTS:
       bind = coordinator_address
+  if process_id == 0 and (bind or coordinator_address):
+    _check_port_free(bind or coordinator_address)
   if jax.config.jax_cpu_collectives_implementation is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -180,6 +184,30 @@ def initialize(
     coordinator_bind_address=bind,
   )
   return _info(coordinator_address)
+
+
+def _check_port_free(address: str) -> None:
+  """Process 0 says at once that its coordinator port is taken.
+
+  Otherwise JAX's coordination service fails to start on process 0 while
+  every other process waits for it until the initialization timeout.
+  """
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  if not port.isdigit() or host in ("", "0.0.0.0", "::", "[::]"):
+    return
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, int(port)))
+  except OSError as e:
+    if e.errno == errno.EADDRINUSE:
+      raise ValueError(
+        f"coordinator address {address!r} is already in use on this host; "
+        f"choose another port ({ENV_COORDINATOR})"
+      ) from None
+    log.debug("coordinator port check skipped for %s: %s", address, e)
 
 
 def _info(coordinator_address: str | None) -> DistributedInfo:

@@ -96,7 +96,9 @@ def data_layout(
   """
   axes = batch_axes_of(mesh, batch_axes)
   data_parallel = math.prod(mesh.shape[a] for a in axes)
-  if global_batch < 1 or global_batch % data_parallel:
+  if global_batch < 1:
+    raise ValueError(f"{global_batch=} must be a positive number of rows")
+  if global_batch % data_parallel:
     raise ValueError(
       f"{global_batch=} is not divisible by the data-parallel size {data_parallel} "
       f"(batch axes {dict((a, mesh.shape[a]) for a in axes)})"

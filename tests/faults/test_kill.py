@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
 DETECT_S = 15
 EVERY = 2  # checkpoint interval: at most this many steps are redone after a kill
+MOST_KILLS = injections(5, 20)
+# One run length for every test here, so one uninterrupted reference serves all:
+# room for a kill in each stretch of 5 steps, and a few steps after the last.
+STEPS = 4 + 5 * MOST_KILLS + 4
 
 
 def _overrides(steps: int):
@@ -49,8 +53,9 @@ def _kill_repeatedly(data, workdir, process: int, kills: int, seed: int):
   rng = random.Random(seed)
   # One kill per stretch of 5 steps, at a random step in it: after each
   # restart the job has to pass the previous kill before the next.
-  kill_steps = [4 + 5 * i + rng.randrange(3) for i in range(kills)]
-  steps = kill_steps[-1] + 4
+  stretch = (STEPS - 8) // kills
+  kill_steps = [4 + stretch * i + rng.randrange(min(3, stretch - 2)) for i in range(kills)]
+  steps = STEPS
   job = harness.start(data, workdir, *_overrides(steps), max_restarts=kills)
   detections, committed = [], []
   try:
@@ -76,7 +81,7 @@ def _kill_repeatedly(data, workdir, process: int, kills: int, seed: int):
 
 @pytest.mark.parametrize(
   "process,fault,ci,full",
-  [(1, "1. kill -9 a non-coordinator process", 5, 20), (0, "2. kill -9 the coordinator", 2, 10)],
+  [(1, "1. kill -9 a non-coordinator process", 5, 20), (0, "2. kill -9 the coordinator", 1, 10)],
 )
 def test_kill_9_at_random_steps_resumes_bit_identical(
   data, tmp_path, tmp_path_factory, record, process, fault, ci, full
@@ -103,7 +108,7 @@ def test_kill_9_during_an_async_save_never_restores_that_step(
 ):
   """The coordinator dies while a save is in flight: that step is never committed or used."""
   workdir = tmp_path / "run"
-  steps = 16
+  steps = STEPS
   job = harness.start(data, workdir, *_overrides(steps), max_restarts=1)
   root = workdir / "checkpoints"
   try:
