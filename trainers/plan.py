@@ -21,7 +21,7 @@ well-tuned LM training reaches on TPUs and H100s).
 Example:
   >>> from configs import lm_tiny
   >>> plan = make_plan(lm_tiny.get_config(), gpu_target("h100", 8))   # 8 CPU devices
-  >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4 // 8  # fsdp=8, float32
+  >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4  # data parallel: replicated
   (True, True)
 """
 

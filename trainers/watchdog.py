@@ -7,7 +7,7 @@ forever. Every process runs this watchdog: the loop reports each finished
 step, a thread publishes the step and when it was reached through the
 distributed runtime's key-value store, and when no step has finished for
 `timeout_s` the thread reads every process's record, says which process
-fell behind (the oldest progress), and ends this process with
+fell behind (the fewest steps), and ends this process with
 `EXIT_NO_PROGRESS`. The launcher's fail-fast stops the rest.
 
 Example:
@@ -100,7 +100,7 @@ class ProgressWatchdog:
     return {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in rows}
 
   def describe(self, waited: float) -> str:
-    """The message: how long, and which process's progress is oldest."""
+    """The message: how long, and which process has finished the fewest steps."""
     limit = self._first_timeout if self._step is None else self._timeout
     where = "before the first step" if self._step is None else f"after step {self._step}"
     message = (
@@ -110,7 +110,10 @@ class ProgressWatchdog:
     peers = self._peers()
     if peers:
       now = time.time()
-      behind = min(peers, key=lambda p: (peers[p]["time"], peers[p]["step"]))
+      # Fewest steps, not oldest progress: a healthy host dispatches ahead
+      # asynchronously and may have finished its last step before the stuck
+      # one finished its own, earlier step.
+      behind = min(peers, key=lambda p: (peers[p]["step"], peers[p]["time"]))
       missing = sorted(set(range(jax.process_count())) - set(peers))
       seen = ", ".join(
         f"{p}: step {r['step']} {now - r['time']:.0f}s ago" for p, r in sorted(peers.items())
