@@ -183,6 +183,13 @@ class Outcome(NamedTuple):
   stopped: bool
 
 
+def _consequence_rank(returncode: int) -> int:
+  """Lower for a likely cause: a signal from outside, then an error exit, then an abort."""
+  if returncode == -signal.SIGABRT:
+    return 2  # JAX aborts a process whose peer died
+  return 0 if returncode < 0 else 1
+
+
 def watch(
   procs: Sequence[subprocess.Popen],
   grace_s: float,
@@ -215,12 +222,12 @@ def watch(
       give_up_at = on_stop() if on_stop else math.inf
       kill_at = time.monotonic() + kill_after_stop_s
     codes = [p.poll() for p in procs]
-    if first_failure is None:
-      for i, c in enumerate(codes):
-        if c not in (None, 0):
-          first_failure = i
-          kill_at = min(kill_at or math.inf, time.monotonic() + grace_s)
-          break
+    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    if first_failure is None and failed:
+      # Several can end between two polls: a killed process's peers abort
+      # within milliseconds (JAX's fatal error is SIGABRT). Name the cause.
+      first_failure = min(failed, key=lambda i: _consequence_rank(codes[i]))
+      kill_at = min(kill_at or math.inf, time.monotonic() + grace_s)
     if all(c is not None for c in codes):
       break
     now = time.monotonic()
