@@ -189,8 +189,12 @@ def gone_after(pid_list: list[int], timeout_s: float) -> float:
 
 
 def resumed_steps(output: str) -> list[int]:
-  """The checkpoint step each attempt resumed from, in order."""
-  return [int(s) for s in re.findall(r"; state from checkpoint step (\d+)", output)]
+  """The checkpoint step each restarted attempt resumed from, in order (0: none yet).
+
+  The first attempt's own start (a fresh init) is left out.
+  """
+  starts = re.findall(r"; state from (?:checkpoint step (\d+)|fresh init)", output)
+  return [int(step or 0) for step in starts[1:]]
 
 
 def param_hash(output: str) -> str | None:
