@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
+from launch.processes import ENV_NAME, env_assignment
 from spmd import distributed as env_names
 from spmd import topology
 
@@ -65,7 +66,6 @@ _GKE_TPU_ACCELERATOR = {
 }
 _CHIPS_PER_HOST = 4  # every multi-host node pool of these generations (ct4p/ct5p/ct5lp/ct6e -4t)
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +244,7 @@ def jobset_manifest(
     ]
   ours = {e["name"] for e in container_env}
   for key, value in sorted((env or {}).items()):
-    if not _ENV_NAME.fullmatch(key) or key in ours:
+    if not ENV_NAME.fullmatch(key) or key in ours:
       raise ValueError(
         f"environment variable {key!r} is not a valid name or is set by the launcher"
       )
@@ -345,13 +345,6 @@ def apply(text: str) -> str:
   return done.stdout.strip()
 
 
-def _key_value(text: str) -> tuple[str, str]:
-  key, sep, value = text.partition("=")
-  if not sep:
-    raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-  return key, value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The `spmd-launch k8s` flags."""
   parser.add_argument("--name", required=True, help="JobSet name (and DNS subdomain)")
@@ -370,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="JAX coordinator port")
   parser.add_argument("--megascale-port", type=int, default=DEFAULT_MEGASCALE_PORT)
   parser.add_argument(
-    "--env", type=_key_value, action="append", default=[], help="KEY=VALUE for every pod"
+    "--env", type=env_assignment, action="append", default=[], help="KEY=VALUE for every pod"
   )
   parser.add_argument("--output", default=None, help="write the manifest here (default: stdout)")
   parser.add_argument("--apply", action="store_true", help="pipe it to kubectl apply -f -")

@@ -21,10 +21,12 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,6 +183,24 @@ class Outcome(NamedTuple):
   first_failure: int | None
   timed_out: bool
   stopped: bool
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell accepts as a variable name
+
+
+def env_assignment(text: str) -> tuple[str, str]:
+  """An argparse type for `--env NAME=VALUE`: the pair, or an error naming the text.
+
+  Example:
+    >>> env_assignment("XLA_FLAGS=--a=1 --b")
+    ('XLA_FLAGS', '--a=1 --b')
+  """
+  name, sep, value = text.partition("=")
+  if not sep or not ENV_NAME.fullmatch(name):
+    raise argparse.ArgumentTypeError(
+      f"expected NAME=VALUE with a valid variable name, got {text!r}"
+    )
+  return name, value
 
 
 def _consequence_rank(returncode: int) -> int:

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from launch.processes import (
   JobResult,
   ProcessResult,
+  env_assignment,
   kill_group,
   popen,
   read_lines,
@@ -284,7 +285,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="a shell command to install with instead (implies --install)",
   )
   parser.add_argument(
-    "--env", action="append", default=[], metavar="NAME=VALUE", help="for the job (repeatable)"
+    "--env",
+    type=env_assignment,
+    action="append",
+    default=[],
+    metavar="NAME=VALUE",
+    help="for the job (repeatable)",
   )
   parser.add_argument("--coordinator-port", type=int, default=8476)
   parser.add_argument("--megascale-port", type=int, default=8080)
@@ -321,12 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def job_from_args(args: argparse.Namespace) -> TpuJob:
   """The `TpuJob` the parsed flags describe; ValueError names a bad flag."""
-  env = {}
-  for item in args.env:
-    name, eq, value = item.partition("=")
-    if not eq:
-      raise ValueError(f"--env {item=} is not NAME=VALUE")
-    env[name] = value
+  env = dict(args.env)
   return TpuJob(
     tpu=args.tpu,
     zone=args.zone,

@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
+from launch.processes import ENV_NAME
 from spmd import distributed as env_names
 
 DEFAULT_EXCLUDES = (
@@ -45,13 +46,6 @@ DEFAULT_EXCLUDES = (
 )
 STATE_DIR = ".spmd-launch"  # on each worker, under $HOME: the jobs' process-group files
 KILL_GRACE_S = 3.0  # after a failure: SIGTERM, then SIGKILL this much later
-MEGASCALE_ENV = (
-  "MEGASCALE_COORDINATOR_ADDRESS",
-  "MEGASCALE_NUM_SLICES",
-  "MEGASCALE_SLICE_ID",
-  "MEGASCALE_PORT",
-)
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _new_tag() -> str:
@@ -124,7 +118,7 @@ class TpuJob:
       if not 0 < port < 65536:
         raise ValueError(f"{port=} is not a TCP port")
     for name in self.env:
-      if not _ENV_NAME.fullmatch(name):
+      if not ENV_NAME.fullmatch(name):
         raise ValueError(f"environment variable {name=} is not a valid name")
     if self.remote_dir.startswith("~/"):  # a quoted ~ is not expanded; the shell starts in ~
       object.__setattr__(self, "remote_dir", self.remote_dir[2:] or ".")
