@@ -99,7 +99,7 @@ def _array_bytes(shape_text: str) -> list[int]:
   return sizes
 
 
-def _result_bytes(shape_text: str, kind: str, is_async: bool) -> int:
+def _result_bytes(shape_text: str, is_async: bool) -> int:
   sizes = _array_bytes(shape_text)
   if not sizes:
     return 0
@@ -278,7 +278,7 @@ def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> li
       if groups is not None and device_slices is not None:
         crosses = any(len({device_slices[i] for i in g}) > 1 for g in groups)
       key = (kind, size, crosses)
-      nbytes = _result_bytes(m.group("shape"), kind, bool(m.group("start")))
+      nbytes = _result_bytes(m.group("shape"), bool(m.group("start")))
       count, total = totals.get(key, [0, 0])
       totals[key] = [count + times, total + times * nbytes]
   order = {kind: i for i, kind in enumerate(KINDS)}

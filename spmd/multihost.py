@@ -45,7 +45,8 @@ class AgreementError(ValueError):
   """Processes disagree about a cross-process computation."""
 
 
-def _client():
+def runtime_client():
+  """The distributed runtime's key-value client (None in a single process)."""
   from jax._src import distributed  # the runtime's own client; no public handle
 
   return distributed.global_state.client
@@ -102,7 +103,7 @@ def check_agreement(what: str, record: Any, timeout_s: float | None = None) -> N
   numbered round). A process that does not arrive within `timeout_s` makes
   the others raise, naming it, instead of hanging.
   """
-  client = _client()
+  client = runtime_client()
   if client is None or jax.process_count() == 1:
     return
   seq = next(_sequence)
@@ -215,7 +216,7 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
   Uses the distributed runtime's barrier, not a device collective, so it
   works before any computation and never compiles anything.
   """
-  client = _client()
+  client = runtime_client()
   if client is None or jax.process_count() == 1:
     return
   timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s

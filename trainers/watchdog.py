@@ -31,16 +31,12 @@ from collections.abc import Callable
 
 import jax
 
+from spmd import multihost
+
 log = logging.getLogger(__name__)
 
 EXIT_NO_PROGRESS = 86  # sysexits-free and distinct: the launcher reports it as such
 _KEY = "spmd/progress/"
-
-
-def _client():
-  from jax._src import distributed
-
-  return distributed.global_state.client
 
 
 def _exit(message: str) -> None:
@@ -70,7 +66,7 @@ class ProgressWatchdog:
     self._since = time.monotonic()
     self._published: int | None = None
     self._stop = threading.Event()
-    self._client = _client() if jax.process_count() > 1 else None
+    self._client = multihost.runtime_client() if jax.process_count() > 1 else None
     self._thread = None
     if timeout_s > 0:
       self._thread = threading.Thread(target=self._watch, name="spmd-watchdog", daemon=True)
