@@ -60,6 +60,21 @@ def _tiny(rules: str, ici: str):
   return config
 
 
+def _lm_tiny_matmul_flops(tokens: int, recomputed_attention: bool = False) -> int:
+  """lm_tiny's matmul FLOPs for `tokens` tokens, by hand.
+
+  Weights: 2 FLOPs per parameter and token forward, 4 backward; the one-hot
+  token embedding is a matmul whose input needs no gradient (2 + 2).
+  Attention: QK^T and the weighted sum, 2 * L * D each forward, twice that
+  backward. Scanned layers recompute the attention's forward (the remat policy
+  keeps only the weight matmuls' outputs).
+  """
+  weights = LAYERS * (4 * D * D + 2 * D * F) + D * V
+  attention_forward = LAYERS * 2 * (2 * L * D)
+  flops = 6 * weights + 4 * V * D + 3 * attention_forward
+  return tokens * (flops + (attention_forward if recomputed_attention else 0))
+
+
 def test_small_lm_state_bytes_match_hand_computed():
   plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_lib.gpu_target("h100", 8))
   assert plan.num_params == LM_TINY_PARAMS
@@ -72,6 +87,52 @@ def test_small_lm_state_bytes_match_hand_computed():
   assert reduce.group_size == 8 and reduce.bytes >= LM_TINY_PARAMS * 4
   model_flops = 6 * (LM_TINY_PARAMS - (V + L) * D) + 12 * LAYERS * D * L
   assert plan.compute.model_flops == model_flops * 32 * L / 8
+  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, True)
+
+
+def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
+  config = _tiny("dp", "data=-1")
+  config.model.scan_layers = False
+  unrolled = plan_lib.make_plan(config, plan_lib.gpu_target("h100", 8))
+  assert unrolled.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
+
+
+@needs_libtpu
+def test_tpu_matmuls_written_as_convolutions_count_the_same():
+  # libtpu writes most of the step's matmuls as convolutions with padded,
+  # dilated or strided windows; counted right, they are the same FLOPs.
+  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_lib.tpu_target("v5e-8"))
+  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, True)
+
+
+def test_matmul_flops_of_a_loop_count_every_iteration():
+  loop = """ENTRY %main (p: f32[8,32]) -> f32[8,32] {
+  %p = f32[8,32]{1,0} parameter(0)
+  ROOT %w = f32[8,32]{1,0} while(%p), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+%body (q: f32[8,32]) -> f32[8,32] {
+  %q = f32[8,32]{1,0} parameter(0)
+  %f = f32[8,32]{1,0} fusion(%q), kind=kOutput, calls=%fused_dot
+  ROOT %a = f32[8,32]{1,0} add(%f, %q)
+}
+%fused_dot (r: f32[8,32]) -> f32[8,32] {
+  %r = f32[8,32]{1,0} parameter(0)
+  %t = f32[32,32]{1,0} broadcast(%r), dimensions={}
+  ROOT %d = f32[8,32]{1,0} dot(%r, %t), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+  assert hlo.matmul_flops(loop) == 5 * 2 * 8 * 32 * 32
+
+
+def test_matmul_flops_of_a_matmul_written_as_a_padded_convolution():
+  # How libtpu compiled lm_tiny's query projection (einsum bld,dhk->blhk with
+  # b=4, l=64, d=128, h=4, k=32): h became a spatial dimension of size 1
+  # padded to a window of 4, so 3 of the 4 window positions read padding.
+  conv = """ENTRY %main (a: f32[4,64,128,1], b: f32[128,4,32,1]) -> bf16[4,64,4,32] {
+  %a = f32[4,64,128,1]{2,1,3,0:T(8,128)} parameter(0)
+  %b = f32[128,4,32,1]{0,2,1,3:T(8,128)} parameter(1)
+  ROOT %c = bf16[4,64,4,32]{1,3,2,0:T(8,128)(2,1)S(1)} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
+}"""
+  assert hlo.matmul_flops(conv) == 2 * 4 * 64 * 4 * 32 * 128
 
 
 def test_fsdp_splits_state_about_evenly():
@@ -161,8 +222,10 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
   memory = plan["memory"]
   assert memory["params_bytes"] < memory["total_bytes"] < memory["device_bytes"]
   assert memory["temp_bytes"] > 0 and plan["compute"]["model_flops"] > 0
-  # lm_small scans its layers, and XLA's cost analysis counts a loop body once.
-  assert plan["compute"]["compiled_flops"] is None
+  # The compiled matmuls, every layer of the scan counted: the model FLOPs plus
+  # the one-hot embedding and the recomputed attention, a few percent more.
+  flops = plan["compute"]["compiled_flops"]
+  assert 1.0 < flops / plan["compute"]["model_flops"] < 1.15, plan["compute"]
   lo, hi = plan["compute"]["step_time_s"]
   assert 0 < lo < hi
   # Data parallel: the gradients (~86M parameters) are reduced every step.

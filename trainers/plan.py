@@ -134,7 +134,7 @@ class Memory:
 class Compute:
   """FLOPs per device per step, and the step time they imply at an assumed efficiency."""
 
-  compiled_flops: float | None  # XLA's cost analysis of the compiled program
+  compiled_flops: float | None  # the compiled program's dots and convolutions, loops included
   model_flops: float  # 6N per token + attention (the MFU numerator), per device
   peak_flops_per_s: float | None  # dense peak of the device for the compute dtype
   efficiency: tuple[float, float]  # assumed share of peak the compiled FLOPs run at
@@ -189,14 +189,6 @@ def abstract_batch(task: Task, global_batch: int, sharding) -> dict[str, jax.Sha
     k: jax.ShapeDtypeStruct((global_batch, *v.shape), v.dtype, sharding=sharding)
     for k, v in example.items()
   }
-
-
-def _cost_flops(compiled) -> float | None:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, list):  # older JAX: one dict per program
-    cost = cost[0] if cost else {}
-  flops = (cost or {}).get("flops")
-  return float(flops) if flops and flops > 0 else None
 
 
 def _suggestions(
@@ -295,9 +287,9 @@ def make_plan(
       + code
     )
     text = compiled.as_text()
-    # XLA's cost analysis counts a loop body once: with the layers in a scan
-    # its FLOPs would be a layer's worth, so the model FLOPs stand in.
-    flops = None if hlo.repeated_loops(text) else _cost_flops(compiled)
+    # Not XLA's cost analysis: it counts a loop body once, so with the layers
+    # in a scan it would report about one layer's worth.
+    flops = hlo.matmul_flops(text) or None
     slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
     collectives = hlo.collectives(text, slices)
   memory = Memory(

@@ -110,11 +110,9 @@ def format_plan(plan, config_name: str = "") -> str:
   lines.append(f"  verdict          {verdict}")
   lines.append("compute per device per step")
   if c.compiled_flops is not None:
-    lines.append(f"  compiled FLOPs   {c.compiled_flops / 1e12:.3f} TFLOP{est}")
-  elif plan.compiled:
     lines.append(
-      "  compiled FLOPs   - (XLA counts a loop body once; the layers are scanned, so the "
-      "model FLOPs are used)"
+      f"  compiled FLOPs   {c.compiled_flops / 1e12:.3f} TFLOP{est} (the program's matmuls, "
+      "recomputation included)"
     )
   lines.append(f"  model FLOPs      {c.model_flops / 1e12:.3f} TFLOP (6N per token + attention)")
   if c.peak_flops_per_s:
