@@ -19,6 +19,7 @@ Resume order (decided in `restore_or_init`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -40,10 +41,31 @@ class Restored:
   step: int
 
 
+# orbax splits each replicated array into one slice per replica so that the
+# replicas share the writing. Every slice is a separate device dispatch on the
+# training thread, which for the many small arrays of a data-parallel state
+# cost more than the write it spreads (lm_tiny on 4 devices: 184 slices, the
+# save call 130-350 ms instead of 45-65 ms). Arrays whose per-replica slice
+# would be under this size are written whole by one replica.
+REPLICA_PARALLEL_MIN_SLICE_BYTES = 1 << 20
+
+
+@functools.cache
+def _register_array_handler() -> None:
+  ocp.type_handlers.register_type_handler(
+    jax.Array,
+    ocp.type_handlers.ArrayHandler(
+      min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES
+    ),
+    override=True,
+  )
+
+
 def make_manager(
   directory: str, every: int, keep: int, keep_period: int = 0, async_save: bool = True
 ) -> ocp.CheckpointManager:
   """An orbax `CheckpointManager` that keeps the last `keep` (+ every `keep_period`-th)."""
+  _register_array_handler()
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=max(every, 1),
     max_to_keep=keep,
