@@ -336,6 +336,7 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
   "peak_flops_per_s": ("peak per device", _flops),
   "peak_source": ("peak source", str),
   "wall_time_s": ("wall time", _duration),
+  "first_step_s": ("first step done after", _duration),
   "resumed_from": ("state from", str),
   "workdir": ("workdir", str),
   "checkpoints": ("checkpoints", str),
@@ -351,7 +352,7 @@ def format_summary(d: Mapping[str, Any]) -> str:
 
   Known keys, in print order: steps, train_loss, eval_loss, eval_accuracy
   (a fraction, printed as %), tokens_per_s, mfu (a fraction, printed as %),
-  peak_flops_per_s, peak_source, wall_time_s, resumed_from, workdir, and the
+  peak_flops_per_s, peak_source, wall_time_s, first_step_s, resumed_from, workdir, and the
   paths checkpoints, metrics, tensorboard, loss_curve. Entries that are absent
   or None are skipped, and so are other keys, because the same dict is also
   the trainer's result (loss history, samples). Non-finite numbers print as

@@ -240,9 +240,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_batches.iterator(data_start, prefetch=config.data.prefetch), config.train.inject_stall
   )
   guard = config.get("transfer_guard", "") or "allow"
+  first_step: dict[str, float] = {}
+
+  def on_progress(step: int) -> None:
+    watchdog.progress(step)
+    if not first_step:
+      # Once, so restarts can be timed: the first step has really finished
+      # (not only been dispatched) when its state is ready.
+      jax.block_until_ready(loop.state)
+      first_step["at"] = time.time()
+      first_step["s"] = time.perf_counter() - started
+
   try:
     with jax.transfer_guard(guard):
-      train_loop(loop, train_step, batches, hooks, watch.reached, watchdog.progress)
+      train_loop(loop, train_step, batches, hooks, watch.reached, on_progress)
   except Preempted:
     if chief:
       log.warning("spmd-train: preempted; checkpoint saved at step %d", loop.step)
@@ -276,6 +287,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     "mfu": float(np.median([h.get("mfu", 0.0) for h in loop.history])) if loop.history else None,
     "peak_source": peak.source,
     "wall_time_s": time.perf_counter() - started,
+    "first_step_s": first_step.get("s"),  # from the start of training (imports excluded)
+    "first_step_at": first_step.get("at"),  # Unix time, for timing from outside
     "workdir": workdir,
     "checkpoints": os.path.join(workdir, "checkpoints"),
     "metrics": os.path.join(workdir, "metrics.jsonl"),
@@ -289,6 +302,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     summary["loss_curve"] = metrics.plot_loss_curve(
       os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss.png")
     )
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({k: v for k, v in summary.items() if k != "sample"}, f, indent=1, default=str)
     print(metrics.format_summary(summary), flush=True)
     if sample:
       print(f"sample (greedy, prompt 'def '):\n{sample}", flush=True)
