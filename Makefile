@@ -30,10 +30,10 @@ faults: $(BIN)/.installed
 	SPMD_FAULTS=full $(BIN)/python -m pytest tests/faults -m faults
 	cat workdir/faults/report.md
 
+# Every performance figure (P1-P8) in one run; the table lands in
+# workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README).
 bench: $(BIN)/.installed
-	$(BIN)/python benchmarks/dispatch.py
-	$(BIN)/python benchmarks/input.py
-	$(BIN)/python benchmarks/trainer.py
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

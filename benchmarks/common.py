@@ -1,0 +1,122 @@
+"""What every benchmark shares: side-by-side timing, the machine's description, results.
+
+Each benchmark script measures one or more figures of the performance table
+(P1-P8, see `benchmarks/run.py`) and writes them as a JSON list of rows:
+
+  {"id": "P4", "what": "...", "value": 1.01, "goal": "<= 1.03", "meets_goal": true,
+   "detail": "...", "machine": "...", "date": "2026-11-30"}
+
+Timings are ratios measured in one run, each round timing both sides back
+to back in alternating order, so the machine's noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+
+def machine(devices: str) -> str:
+  """One line: the CPU, its cores, the JAX devices the benchmark used and the JAX version."""
+  import jax
+
+  return f"{platform.machine()}, {os.cpu_count()} cores, {devices}, jax {jax.__version__}"
+
+
+def load_config(path: str):
+  """The ml_collections config in file `path`, as `--config=path` would load it."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=fv)
+  # Given explicitly: with no --config in its argv, config_flags looks for one
+  # in sys.argv, where the benchmark's own --config may be.
+  fv(["benchmark", f"--config={path}"])
+  return fv.config
+
+
+def alternate(
+  ours: Callable[[], float], theirs: Callable[[], float], rounds: int
+) -> tuple[float, float, float]:
+  """(median ratio ours/theirs, median ours, median theirs) over alternating rounds.
+
+  Each callable runs one round and returns its seconds per unit of work.
+
+  Example:
+    >>> ratio, a, b = alternate(lambda: 2.0, lambda: 1.0, rounds=3)
+    >>> ratio, a, b
+    (2.0, 2.0, 1.0)
+  """
+  ratios, a_times, b_times = [], [], []
+  for i in range(rounds):
+    if i % 2:
+      a, b = ours(), theirs()
+    else:
+      b, a = theirs(), ours()
+    ratios.append(a / b)
+    a_times.append(a)
+    b_times.append(b)
+  return statistics.median(ratios), statistics.median(a_times), statistics.median(b_times)
+
+
+def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
+  """Seconds per call of `fn` over `calls` calls, waiting for the last result."""
+  import jax
+
+  out = None
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def row(
+  figure: str,
+  what: str,
+  value: float,
+  goal: float,
+  at_most: bool,
+  detail: str,
+  machine_text: str,
+) -> dict:
+  """One figure of the table; `at_most` says whether the goal is a ceiling or a floor."""
+  return {
+    "id": figure,
+    "what": what,
+    "value": round(value, 4),
+    "goal": f"{'≤' if at_most else '≥'} {goal}",
+    "meets_goal": value <= goal if at_most else value >= goal,
+    "detail": detail,
+    "machine": machine_text,
+    "date": datetime.date.today().isoformat(),
+  }
+
+
+def emit(rows: list[dict], json_path: str | None) -> None:
+  """Prints the rows as a Markdown table and writes them to `json_path` if given."""
+  print(markdown(rows), end="")
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(rows, f, indent=1)
+      f.write("\n")
+
+
+def markdown(rows: list[dict]) -> str:
+  """The rows as the README's performance table."""
+  lines = [
+    "| id | figure | result | goal | met | detail |",
+    "|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    met = "yes" if r["meets_goal"] else "**no**"
+    lines.append(
+      f"| {r['id']} | {r['what']} | {r['value']:.3f} | {r['goal']} | {met} | {r['detail']} |"
+    )
+  return "\n".join(lines) + "\n"

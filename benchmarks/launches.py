@@ -1,0 +1,169 @@
+"""P6 and P8: whole `spmd-train` runs started through `spmd-launch local`.
+
+  python -m benchmarks.launches [--config=configs/lm_tiny.py] [--rounds=2] [--json=out.json]
+
+  P6  2 processes x 1 device ÷ 1 process x 2 devices: median steady-state
+      step time (the trainer's own `step_time_s`, first logging window left
+      out) of the same config and global batch. Rounds alternate the order.
+      Goal <= 1.25: what simulated hosts cost over one host (gloo collectives
+      between processes instead of in-process ones).
+  P8  seconds from starting the job to the first finished train step, with a
+      warm persistent compilation cache ÷ with an empty one. Each round uses
+      a fresh cache directory: a cold run fills it, a warm run reuses it.
+      Goal <= 0.5.
+
+Every run gets a fresh workdir (nothing to resume) and shares the data
+directory, which a first, untimed run prepares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks import common
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run_training(
+  workdir: str,
+  config: str,
+  processes: int,
+  devices: int,
+  overrides: list[str],
+  timeout_s: float = 600,
+) -> tuple[dict, float]:
+  """(summary.json of the run, Unix time it was started); raises if the run fails."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  command = [
+    os.path.join(BIN, "spmd-launch"),
+    "local",
+    "-n",
+    str(processes),
+    "--devices-per-process",
+    str(devices),
+    "--timeout",
+    str(timeout_s),
+    "--",
+    os.path.join(BIN, "spmd-train"),
+    f"--config={config}",
+    f"--workdir={workdir}",
+    *overrides,
+  ]
+  started = time.time()
+  done = subprocess.run(
+    ["timeout", "-k", "10", str(timeout_s + 30), *command],
+    capture_output=True,
+    text=True,
+  )
+  if done.returncode != 0:
+    raise RuntimeError(f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f), started
+
+
+def steady_step_s(workdir: str) -> float:
+  """Median `step_time_s` of the logged windows after the first (which holds the compile)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  times = [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
+  if not times:
+    raise RuntimeError(f"no step times after the first window in {workdir}/metrics.jsonl")
+  return statistics.median(times)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/lm_tiny.py")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=60, help="train steps per P6 run")
+  parser.add_argument("--workdir", default="workdir/bench/launches")
+  parser.add_argument("--json")
+  args = parser.parse_args()
+  root = os.path.abspath(args.workdir)
+  quiet = [
+    "--config.eval_every=100000",
+    "--config.checkpoint.every=100000",
+    "--config.log_every=10",
+    f"--config.data.dir={os.path.join(root, 'data')}",
+    f"--config.compilation_cache_dir={os.path.join(root, 'cache_shared')}",
+  ]
+  # Untimed: prepares the data and fills the shared cache.
+  run_training(os.path.join(root, "prepare"), args.config, 1, 2, [*quiet, "--config.train.steps=2"])
+
+  steps = [*quiet, f"--config.train.steps={args.steps}"]
+
+  def layout(processes: int, devices: int):
+    def one_round() -> float:
+      workdir = os.path.join(root, f"p6_{processes}x{devices}")
+      run_training(workdir, args.config, processes, devices, steps)
+      return steady_step_s(workdir)
+
+    return one_round
+
+  p6, multi_s, single_s = common.alternate(layout(2, 1), layout(1, 2), args.rounds)
+
+  first_step = {"cold": [], "warm": []}
+
+  def start_to_first_step(kind: str, cache: str):
+    def one_round() -> float:
+      if kind == "cold":
+        shutil.rmtree(cache, ignore_errors=True)
+      overrides = [
+        *quiet[:-1],
+        f"--config.compilation_cache_dir={cache}",
+        "--config.train.steps=1",
+      ]
+      summary, started = run_training(
+        os.path.join(root, f"p8_{kind}"), args.config, 1, 4, overrides
+      )
+      seconds = summary["first_step_at"] - started
+      first_step[kind].append(seconds)
+      return seconds
+
+    return one_round
+
+  ratios = []
+  for i in range(args.rounds):
+    cache = os.path.join(root, f"cache_{i}")
+    cold = start_to_first_step("cold", cache)()
+    ratios.append(start_to_first_step("warm", cache)() / cold)
+  p8 = statistics.median(ratios)
+  cold_s, warm_s = statistics.median(first_step["cold"]), statistics.median(first_step["warm"])
+
+  name = os.path.basename(args.config)
+  machine = common.machine("CPU devices as stated")
+  common.emit(
+    [
+      common.row(
+        "P6",
+        "2 processes × 1 device ÷ 1 process × 2 devices, same global batch",
+        p6,
+        1.25,
+        True,
+        f"{name}: step {multi_s * 1e3:.1f} vs {single_s * 1e3:.1f} ms",
+        machine,
+      ),
+      common.row(
+        "P8",
+        "start to first finished step, warm compilation cache ÷ cold",
+        p8,
+        0.5,
+        True,
+        f"{name}, 1 process × 4 devices: {warm_s:.1f} vs {cold_s:.1f} s",
+        machine,
+      ),
+    ],
+    args.json,
+  )
+
+
+if __name__ == "__main__":
+  main()

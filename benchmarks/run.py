@@ -1,0 +1,105 @@
+"""`make bench`: every performance figure (P1-P8) in one run, as JSON and Markdown.
+
+  python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
+
+Each benchmark runs in a process of its own (they need different device
+counts and process layouts):
+
+  P1, P3  benchmarks/trainer.py     trainer vs hand-written step; FLOP/s vs matmul peak
+  P2      benchmarks/dispatch.py    sharded_jit vs jax.jit dispatch
+  P4, P5  benchmarks/training.py    input pipeline and async checkpoint costs
+  P6, P8  benchmarks/launches.py    2 processes vs 1; warm vs cold compilation cache
+  P7      benchmarks/memory.py      FSDP bytes per device from the compiled program
+
+The rows go to `OUT/results.json` and `OUT/results.md`. `--update-readme`
+also writes them to `benchmarks/latest.json` and into the README's
+performance table (between its `bench:start`/`bench:end` markers), so the
+README always shows the latest full run; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from benchmarks import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = {
+  "trainer": ("P1", "P3"),
+  "dispatch": ("P2",),
+  "training": ("P4", "P5"),
+  "launches": ("P6", "P8"),
+  "memory": ("P7",),
+}
+LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
+README = os.path.join(ROOT, "README.md")
+_BLOCK = re.compile(r"(<!-- bench:start -->\n)(.*?)(<!-- bench:end -->)", re.S)
+
+
+def readme_block(rows: list[dict]) -> str:
+  """What goes between the README's markers: the table and where it was measured."""
+  machines = sorted({f"{r['machine']} ({r['date']})" for r in rows})
+  where = "".join(f"\n- {m}" for m in machines)
+  return common.markdown(rows) + f"\nMeasured on:{where}\n"
+
+
+def update_readme(rows: list[dict], readme: str = README) -> None:
+  with open(readme) as f:
+    text = f.read()
+  if not _BLOCK.search(text):
+    raise ValueError(f"{readme} has no <!-- bench:start --> ... <!-- bench:end --> block")
+  text = _BLOCK.sub(lambda m: m.group(1) + readme_block(rows) + m.group(3), text)
+  with open(readme, "w") as f:
+    f.write(text)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", default="", help="comma-separated figure ids, e.g. P4,P5")
+  parser.add_argument("--out", default=os.path.join(ROOT, "workdir", "bench"))
+  parser.add_argument("--update-readme", action="store_true")
+  args = parser.parse_args()
+  wanted = {f.strip().upper() for f in args.only.split(",") if f.strip()}
+  unknown = wanted - {f for ids in BENCHMARKS.values() for f in ids}
+  if unknown:
+    raise SystemExit(f"--only={args.only!r}: unknown figures {sorted(unknown)}")
+  os.makedirs(args.out, exist_ok=True)
+  rows: list[dict] = []
+  for module, ids in BENCHMARKS.items():
+    if wanted and not wanted & set(ids):
+      continue
+    path = os.path.join(args.out, f"{module}.json")
+    print(f"benchmarks.{module} ({', '.join(ids)}) ...", flush=True)
+    start = time.perf_counter()
+    subprocess.run(
+      [sys.executable, "-m", f"benchmarks.{module}", f"--json={path}"],
+      cwd=ROOT,
+      check=True,
+      stdout=subprocess.DEVNULL,
+    )
+    print(f"  {time.perf_counter() - start:.0f} s", flush=True)
+    with open(path) as f:
+      rows += [r for r in json.load(f) if not wanted or r["id"] in wanted]
+  rows.sort(key=lambda r: r["id"])
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(readme_block(rows))
+  print(readme_block(rows), end="")
+  if args.update_readme:
+    if wanted:
+      raise SystemExit("--update-readme needs the full run (no --only)")
+    with open(LATEST, "w") as f:
+      json.dump(rows, f, indent=1)
+      f.write("\n")
+    update_readme(rows)
+
+
+if __name__ == "__main__":
+  main()
