@@ -39,6 +39,7 @@ def run_training(
   devices: int,
   overrides: list[str],
   timeout_s: float = 600,
+  pin_cpus: bool = False,
 ) -> tuple[dict, float]:
   """(summary.json of the run, Unix time it was started); raises if the run fails."""
   shutil.rmtree(workdir, ignore_errors=True)
@@ -51,6 +52,7 @@ def run_training(
     str(devices),
     "--timeout",
     str(timeout_s),
+    *(["--pin-cpus"] if pin_cpus else []),
     "--",
     os.path.join(BIN, "spmd-train"),
     f"--config={config}",

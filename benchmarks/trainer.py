@@ -15,12 +15,14 @@ One process, 4 CPU devices, in one run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 4)
+DEVICES = int(os.environ.get("BENCH_DEVICES", "4"))
+jax.config.update("jax_num_cpu_devices", DEVICES)
 jax.config.update("jax_platforms", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
@@ -116,7 +118,7 @@ def main() -> None:
   step_a, step_b = statistics.median(times_a), statistics.median(times_b)
   flops = lm.flops_per_token(model_config) * shape[0] * shape[1]
   model = f"lm_tiny at width 512 ({lm.param_count(model_config) / 1e6:.1f}M parameters)"
-  machine = common.machine("1 process x 4 CPU devices")
+  machine = common.machine(f"1 process x {DEVICES} CPU devices")
   common.emit(
     [
       common.row(

@@ -84,6 +84,24 @@ def process_env(
   return env
 
 
+def cpu_shares(num_processes: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
+  """The CPUs each simulated host gets with `pin_cpus`: disjoint, as even as they go.
+
+  With more processes than CPUs, processes share CPUs round-robin.
+
+  Example:
+    >>> cpu_shares(2, [0, 1, 2, 3]), cpu_shares(3, [0, 1])
+    ([[0, 1], [2, 3]], [[0], [1], [0]])
+  """
+  cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+  if num_processes >= len(cpus):
+    return [[cpus[i % len(cpus)]] for i in range(num_processes)]
+  return [
+    cpus[i * len(cpus) // num_processes : (i + 1) * len(cpus) // num_processes]
+    for i in range(num_processes)
+  ]
+
+
 def run_local(
   command: Sequence[str],
   num_processes: int,
@@ -98,6 +116,7 @@ def run_local(
   log_dir: str | None = None,
   stop: threading.Event | None = None,
   term_grace_s: float = 60.0,
+  pin_cpus: bool = False,
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
@@ -118,6 +137,10 @@ def run_local(
       SIGTERM so the job can save (its preemption path), then SIGKILL after
       `term_grace_s`.
     term_grace_s: how long a stopped job may take to save and exit.
+    pin_cpus: give each process its own share of this machine's CPUs
+      (`cpu_shares`), as separate hosts would have. Without it every
+      process's XLA thread pool spans all CPUs, so N simulated hosts run N
+      times as many compute threads as there are CPUs.
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
@@ -138,11 +161,17 @@ def run_local(
   readers = []
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
+  if pin_cpus and not shutil.which("taskset"):
+    raise ValueError("pin_cpus needs `taskset` (util-linux) on PATH")
+  shares = cpu_shares(num_processes) if pin_cpus else []
   for i in range(num_processes):
     env_i = process_env(
       i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
     )
-    procs.append(popen(wrapper + list(command), cwd=cwd, env=env_i))
+    pin = []
+    if pin_cpus:
+      pin = ["taskset", "-c", ",".join(map(str, shares[i]))]
+    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=env_i))
     log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
     readers.append(read_lines(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log))
 

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
   loc.add_argument(
     "--platform", default="cpu", help="JAX_PLATFORMS for the processes ('' keeps the environment's)"
   )
+  loc.add_argument(
+    "--pin-cpus",
+    action="store_true",
+    help="give each process its own share of this machine's CPUs, as separate hosts have",
+  )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   slurm = targets.add_parser("slurm", help="write (and --submit) an sbatch script")
   slurm.add_argument("--nodes", type=int, required=True)
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
       platform=args.platform or None,
       log_dir=args.log_dir,
       term_grace_s=args.term_grace,
+      pin_cpus=args.pin_cpus,
     )
   result = attempts[-1]
   if len(attempts) > 1:

@@ -138,3 +138,19 @@ def test_max_restarts_runs_the_job_again_after_a_failure(tmp_path):
   )
   out, _ = none.communicate(timeout=60)
   assert none.returncode == 1 and "process 0 failed first: exit code 3" in out
+
+
+def test_pinned_processes_get_disjoint_cpus():
+  result = local.run_local(
+    ["sh", "-c", "taskset -cp $$"], num_processes=2, timeout_s=30, echo=False, pin_cpus=True
+  )
+  assert result.ok, result.report()
+
+  def cpus(taskset_line: str) -> list[int]:  # "pid 7's current affinity list: 0-2,5"
+    out = []
+    for part in taskset_line.rsplit(":", 1)[1].strip().split(","):
+      first, _, last = part.partition("-")
+      out += range(int(first), int(last or first) + 1)
+    return out
+
+  assert [cpus(p.output.strip()) for p in result.processes] == local.cpu_shares(2)
