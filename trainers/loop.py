@@ -110,16 +110,28 @@ class MetricsHook(Hook):
 
 
 class CheckpointHook(Hook):
-  """Starts an asynchronous save; saves at the end and waits for it."""
+  """Starts an asynchronous save; saves at the end and waits for it.
 
-  def __init__(self, every: int, save: Callable[[int, Any, bool], None], wait: Callable[[], None]):
+  `save(step, state, force)` returns whether a save began (the manager skips
+  steps off its interval unless forced; the last step is always forced).
+  `last_saved` is the step the run started from when it resumed from its own
+  checkpoint: a run resumed at its last step must not save that step again.
+  """
+
+  def __init__(
+    self,
+    every: int,
+    save: Callable[[int, Any, bool], bool],
+    wait: Callable[[], None],
+    last_saved: int = -1,
+  ):
     self.every = every
     self._save, self._wait = save, wait
-    self.last_saved = -1
+    self.last_saved = last_saved
 
   def run(self, loop: LoopState) -> None:
-    self._save(loop.step, loop.state, False)
-    self.last_saved = loop.step
+    if self._save(loop.step, loop.state, loop.step == loop.total_steps):
+      self.last_saved = loop.step
 
   def close(self, loop: LoopState, ok: bool) -> None:
     # After an error another host may be gone: saving (a collective) or

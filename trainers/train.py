@@ -159,8 +159,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   chief = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   started = time.perf_counter()
-  cache_dir = config.get("compilation_cache_dir", "") or os.path.join(
-    os.path.dirname(workdir), ".jax_cache"
+  # The config, else JAX's own variable (as documented in configs/default.py), else beside the run.
+  cache_dir = (
+    config.get("compilation_cache_dir", "")
+    or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    or os.path.join(os.path.dirname(workdir), ".jax_cache")
   )
   jax.config.update("jax_compilation_cache_dir", cache_dir)
 
@@ -209,7 +212,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
   def save(step, state, force):
-    checkpoint.save(manager, step, state, train_batches.state(step).to_dict(), force=force)
+    return checkpoint.save(manager, step, state, train_batches.state(step).to_dict(), force=force)
 
   def evaluate(params):
     return _evaluate(eval_step, eval_batches, params, config.eval_batches)
@@ -227,7 +230,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       task.unit,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
-    CheckpointHook(config.checkpoint.every, save, manager.wait_until_finished),
+    CheckpointHook(config.checkpoint.every, save, manager.wait_until_finished, last_saved=start),
     ProfileHook(
       config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
     ),
