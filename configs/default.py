@@ -64,8 +64,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.micro_batches = 1  # gradient accumulation
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
-  config.train.inject_nonfinite_at = ()  # fault injection for tests: steps with NaN grads
-  config.train.inject_stall = ()  # fault injection for tests: (process, step) hangs in Python
+  # Fault injection for tests (tests/faults); empty = off.
+  config.train.inject_nonfinite_at = ()  # steps whose gradients become non-finite ...
+  config.train.inject_nonfinite_value = "nan"  # ... with this value: nan, inf or -inf
+  config.train.inject_stall = ()  # (process, step): that process hangs in Python there
+  config.train.inject_bad_batch = ()  # (process, step, kind): kind shape, dtype or step
   # The watchdog: no finished step for this long ends the job, naming the
   # process furthest behind (0 = off). The first step includes compilation.
   config.train.step_timeout_s = 600.0

@@ -201,7 +201,11 @@ def train_loop(
   try:
     while loop.step < loop.total_steps:
       data_step, batch = next(batches)
-      assert data_step == loop.step, (data_step, loop.step)  # data and state move together
+      if data_step != loop.step:  # data and state move together, on every host
+        raise ValueError(
+          f"process {jax.process_index()}: the input pipeline gave the batch of step "
+          f"{data_step} while the train state is at step {loop.step}; stopping before the step"
+        )
       loop.state, metrics = train_step(loop.state, batch)
       loop.pending.append((loop.step, metrics))
       loop.step += 1

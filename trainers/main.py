@@ -9,7 +9,9 @@ cluster's own.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -29,12 +31,22 @@ def _main(argv: list[str]) -> None:
     # the progress bar and what matters unless asked otherwise.
     logging.set_verbosity(logging.WARNING)
   from trainers.train import Preempted, train_and_evaluate
+  from trainers.watchdog import publish_failure
 
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except Preempted as e:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)
+  except Exception as e:
+    if not publish_failure(e):  # the other processes stop too, naming this one and its error
+      raise
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Now, not after JAX's shutdown barrier, which would wait for the processes
+    # this one has just stopped: the launcher names the process that ends first.
+    os._exit(1)
 
 
 def main() -> None:

@@ -44,6 +44,9 @@ def make_train_step(
   """`(state, batch) -> (state, metrics)`, jitted over the mesh, state donated."""
   micro = config.train.micro_batches
   poisoned = tuple(int(s) for s in config.train.get("inject_nonfinite_at", ()))
+  poison = config.train.get("inject_nonfinite_value", "nan")
+  if poison not in ("nan", "inf", "-inf"):
+    raise ValueError(f"train.inject_nonfinite_value={poison!r} must be 'nan', 'inf' or '-inf'")
   value_and_grad = jax.value_and_grad(lambda p, b: _sums(setup, p, b), has_aux=True)
 
   def sums_and_grads(params, batch):
@@ -71,9 +74,9 @@ def make_train_step(
     count = jnp.maximum(aux["count"], 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss = loss_sum / count
-    if poisoned:  # fault injection for tests: a non-finite gradient at these steps
+    if poisoned:  # fault injection for tests: non-finite gradients at these steps
       bad = jnp.isin(state["step"], jnp.asarray(poisoned))
-      grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+      grads = jax.tree.map(lambda g: jnp.where(bad, float(poison), g), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = setup.tx.update(grads, opt_state, params)

@@ -152,6 +152,52 @@ def _maybe_stall(batches, stall: tuple):
   return Stalling()
 
 
+def _maybe_bad_batch(train_batches: pipeline.GlobalBatches, fault: tuple):
+  """Fault injection for tests: `(process, step, kind)` makes that process feed a bad batch.
+
+  kind `shape` drops a row and `dtype` sends float inputs, at the source (the
+  per-step check must catch them); `step` skips a batch, so the process feeds
+  the next step's batch (the loop's step check must catch it). Call before
+  the iterator starts; returns what wraps the iterator.
+  """
+  if not fault or int(fault[0]) != jax.process_index():
+    return lambda batches: batches
+  bad_step, kind = int(fault[1]), str(fault[2])
+  if kind not in ("shape", "dtype", "step"):
+    raise ValueError(f"train.inject_bad_batch={fault!r}: kind {kind!r} is not shape, dtype or step")
+  if kind == "step":
+
+    class Skipping:
+      def __init__(self, batches):
+        self._batches = batches
+
+      def __next__(self):
+        item = next(self._batches)
+        if item[0] == bad_step:
+          log.warning("spmd-train: injected skip of the batch of step %d", bad_step)
+          item = next(self._batches)
+        return item
+
+      def close(self):
+        self._batches.close()
+
+    return Skipping
+  host_batch = train_batches.host_batch
+
+  def bad(step: int):
+    out = host_batch(step)
+    if step == bad_step:
+      log.warning("spmd-train: injected bad batch %s at step %d", kind, step)
+      if kind == "shape":
+        out = {k: v[:-1] for k, v in out.items()}
+      else:
+        out = dict(out, inputs=out["inputs"].astype(np.float32))
+    return out
+
+  train_batches.host_batch = bad
+  return lambda batches: batches
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains, evaluates and summarises; returns the summary (all processes)."""
   spmd.initialize()
@@ -239,9 +285,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
   stop = config.train.stop_at_step or config.train.steps
   loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
+  bad_batches = _maybe_bad_batch(train_batches, config.train.inject_bad_batch)
   batches = _maybe_stall(
     train_batches.iterator(data_start, prefetch=config.data.prefetch), config.train.inject_stall
   )
+  batches = bad_batches(batches)
   guard = config.get("transfer_guard", "") or "allow"
   first_step: dict[str, float] = {}
 

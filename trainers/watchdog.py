@@ -10,6 +10,12 @@ distributed runtime's key-value store, and when no step has finished for
 fell behind (the fewest steps), and ends this process with
 `EXIT_NO_PROGRESS`. The launcher's fail-fast stops the rest.
 
+A process that fails (any error, e.g. its own batch check) tells the others
+through the same store (`publish_failure`, from `spmd-train`'s entry point);
+their watchdogs see it within a tick and end them with `EXIT_PEER_FAILED`
+and a message naming that process and its error, so every host says why the
+job stopped instead of waiting in a collective its peer will never join.
+
 Example:
   >>> import time
   >>> ended = []
@@ -36,22 +42,55 @@ from spmd import multihost
 log = logging.getLogger(__name__)
 
 EXIT_NO_PROGRESS = 86  # sysexits-free and distinct: the launcher reports it as such
+EXIT_PEER_FAILED = 87  # another process failed first
 _KEY = "spmd/progress/"
+_FAILED = "spmd/failed/"  # process id -> its error
+_SEEN = "spmd/failure_seen/"  # process id -> it has read a peer's error
 
 
-def _exit(message: str) -> None:
+def _exit(message: str, code: int = EXIT_NO_PROGRESS) -> None:
   print(f"spmd-train: {message}", file=sys.stderr, flush=True)
-  os._exit(EXIT_NO_PROGRESS)  # the main thread is blocked; only a hard exit ends it
+  os._exit(code)  # the main thread is blocked; only a hard exit ends it
+
+
+def publish_failure(error: BaseException, wait_s: float = 3.0) -> bool:
+  """Tells the other processes' watchdogs that this one failed, and why.
+
+  The coordinator (process 0) hosts the store: it waits up to `wait_s` for
+  every other process to have read the error (or failed too) before it goes
+  on to exit and takes the store with it. Returns False in a single process
+  (nothing to tell).
+  """
+  client = multihost.runtime_client() if jax.process_count() > 1 else None
+  if client is None:
+    return False
+  message = " ".join(f"{type(error).__name__}: {error}".split())[:1500]
+  me = jax.process_index()
+  try:
+    client.key_value_set(f"{_FAILED}{me}", message, allow_overwrite=True)
+    deadline = time.monotonic() + (wait_s if me == 0 else 0)
+    while time.monotonic() < deadline:
+      told = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_SEEN)}
+      told |= {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_FAILED)}
+      if len(told - {str(me)}) >= jax.process_count() - 1:
+        break
+      time.sleep(0.05)
+  except Exception as e:  # the store may be gone already; the error itself matters more
+    log.debug("could not publish this process's failure: %s", e)
+  return True
 
 
 class ProgressWatchdog:
   """Ends the process after `timeout_s` without a finished step (first step: `first_timeout_s`).
 
   Args:
-    timeout_s: seconds allowed between two finished steps; 0 disables.
+    timeout_s: seconds allowed between two finished steps; 0 disables (a
+      multi-process job still watches for failed peers).
     first_timeout_s: seconds allowed for the first step (compilation, restore).
     on_stuck: what to do with the message; default: print it and exit
       with `EXIT_NO_PROGRESS`.
+    on_peer_failed: what to do when another process published a failure;
+      default: print the message and exit with `EXIT_PEER_FAILED`.
   """
 
   def __init__(
@@ -59,16 +98,18 @@ class ProgressWatchdog:
     timeout_s: float,
     first_timeout_s: float,
     on_stuck: Callable[[str], None] | None = None,
+    on_peer_failed: Callable[[str], None] | None = None,
   ):
     self._timeout, self._first_timeout = timeout_s, first_timeout_s
     self._on_stuck = on_stuck or _exit
+    self._on_peer_failed = on_peer_failed or (lambda m: _exit(m, EXIT_PEER_FAILED))
     self._step: int | None = None
     self._since = time.monotonic()
     self._published: int | None = None
     self._stop = threading.Event()
     self._client = multihost.runtime_client() if jax.process_count() > 1 else None
     self._thread = None
-    if timeout_s > 0:
+    if timeout_s > 0 or self._client is not None:
       self._thread = threading.Thread(target=self._watch, name="spmd-watchdog", daemon=True)
       self._thread.start()
 
@@ -121,10 +162,37 @@ class ProgressWatchdog:
       message += f" (last progress per process: {seen})"
     return message
 
+  def peer_failure(self) -> str | None:
+    """The message for the first other process that published a failure, if any."""
+    if self._client is None:
+      return None
+    me = jax.process_index()
+    try:
+      failed = {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(_FAILED)}
+    except Exception:
+      return None
+    failed.pop(me, None)  # this process's own error is on its way out already
+    if not failed:
+      return None
+    p = min(failed)
+    try:
+      self._client.key_value_set(f"{_SEEN}{me}", "1", allow_overwrite=True)
+    except Exception:
+      pass
+    where = "before its first step" if self._step is None else f"at step {self._step}"
+    return f"process {me}: stopping ({where}) because process {p} failed: {failed[p]}"
+
   def _watch(self) -> None:
-    tick = min(1.0, self._timeout / 4)
+    tick = min(1.0, self._timeout / 4) if self._timeout > 0 else 1.0
     while not self._stop.wait(tick):
       self._publish()
+      failure = self.peer_failure()
+      if failure:
+        time.sleep(0.2)  # let the failed process exit first: the launcher names the first
+        self._on_peer_failed(failure)
+        return
+      if self._timeout <= 0:
+        continue
       limit = self._first_timeout if self._step is None else self._timeout
       waited = time.monotonic() - self._since
       if waited > limit:
