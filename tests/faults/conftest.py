@@ -33,9 +33,13 @@ def data(tmp_path_factory):
 
 @pytest.fixture
 def record():
-  """`record(fault, injected, as_promised, worst_detection_s, steps_lost)` adds a report row."""
+  """`record(fault, injected, as_promised, worst_detection_s, steps_lost)` adds a report row.
 
-  def add(fault, injected, as_promised, worst_detection_s=None, steps_lost=0):
+  None (the default for both figures) prints as "-": nothing was timed, or no
+  training state is at stake (a job that must not start, a check of data).
+  """
+
+  def add(fault, injected, as_promised, worst_detection_s=None, steps_lost=None):
     _ROWS.append(
       {
         "fault": fault,
@@ -56,9 +60,9 @@ def markdown(rows: list[dict]) -> str:
   ]
   for r in rows:
     worst = "-" if r["worst_detection_s"] is None else f"{r['worst_detection_s']:.1f} s"
+    lost = "-" if r["steps_lost"] is None else r["steps_lost"]
     lines.append(
-      f"| {r['fault']} | {r['injected']} | {r['as_promised']}/{r['injected']} | {worst} "
-      f"| {r['steps_lost']} |"
+      f"| {r['fault']} | {r['injected']} | {r['as_promised']}/{r['injected']} | {worst} | {lost} |"
     )
   return "\n".join(lines) + "\n"
 
@@ -68,5 +72,7 @@ def pytest_sessionfinish(session, exitstatus):
     return
   path = Path(os.environ.get("SPMD_FAULT_REPORT", ROOT / "workdir" / "faults" / "report.json"))
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"full": FULL, "rows": _ROWS}, indent=1) + "\n")
-  path.with_suffix(".md").write_text(markdown(_ROWS))
+  # By fault number (1-11), in the order run within one fault.
+  rows = sorted(_ROWS, key=lambda r: int(r["fault"].split(".", 1)[0]))
+  path.write_text(json.dumps({"full": FULL, "rows": rows}, indent=1) + "\n")
+  path.with_suffix(".md").write_text(markdown(rows))

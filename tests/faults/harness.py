@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -19,10 +20,28 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+from tests.faults.conftest import injections
 from tests.multiprocess import ROOT
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
+
+# Only process 0 writes JAX's persistent compilation cache, and on CPU the
+# other processes' cache keys differ, so every process but 0 compiles every
+# program at every (re)start. These settings halve that: XLA's cheapest CPU
+# pipeline (a faster compile of the same program; the reference runs use it
+# too, so comparisons stay bit-exact) and every program cached for process 0.
+FAST_COMPILE = {
+  "XLA_FLAGS": " ".join(
+    [
+      os.environ.get("XLA_FLAGS", ""),
+      "--xla_backend_optimization_level=0",
+      "--xla_llvm_disable_expensive_passes=true",
+    ]
+  ).strip(),
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+}
 
 
 def train_flags(data: dict, workdir: Path, *overrides: str) -> list[str]:
@@ -83,7 +102,7 @@ def start(
     f"--num-processes={num_processes}",
     f"--devices-per-process={devices}",
     f"--max-restarts={max_restarts}",
-    "--grace=5",
+    f"--grace={GRACE_S}",
     f"--timeout={timeout_s}",
     "--",
     sys.executable,
@@ -96,6 +115,7 @@ def start(
     PYTHONPATH=str(ROOT),
     JAX_COMPILATION_CACHE_DIR=data["cache"],
     SPMD_AGREEMENT_TIMEOUT_S="60",
+    **FAST_COMPILE,
   )
   launcher = subprocess.Popen(
     command,
@@ -114,6 +134,65 @@ def start(
 
   threading.Thread(target=read, daemon=True).start()
   return job
+
+
+# After one process fails, the others' time to end on their own before the
+# launcher's SIGKILL. They rarely need it (JAX's heartbeat, or the watchdog
+# relaying the failure, ends them within a second or two); short, because
+# every kill-and-restart waits for it.
+GRACE_S = 2
+
+# One run length for the tests that compare against an uninterrupted run, so
+# one reference serves them all (faults 1-4): room for a fault in each stretch
+# of 5 steps, and a few steps after the last.
+MOST_FAULTS = injections(5, 20)
+STEPS = 4 + 5 * MOST_FAULTS + 4
+EVERY = 2  # checkpoint interval: at most this many steps are redone after a kill
+
+
+def long_run(every: int = EVERY) -> tuple[str, ...]:
+  """The overrides of the run the reference is: STEPS steps, a checkpoint every EVERY.
+
+  Other tests use them too (another `every` changes no compiled program): the
+  schedule's length is part of the train step, so one length means process 0
+  compiles it once for the whole suite.
+  """
+  return (
+    f"--config.train.steps={STEPS}",
+    f"--config.checkpoint.every={every}",
+    "--config.checkpoint.keep=2",
+    "--config.eval_every=0",
+  )
+
+
+def fault_steps(count: int, seed: int) -> list[int]:
+  """`count` random steps of the long run, one in each stretch, in order.
+
+  After each restart the job has to pass the previous fault before the next.
+  """
+  rng = random.Random(seed)
+  stretch = (STEPS - 8) // count
+  return [4 + stretch * i + rng.randrange(min(3, stretch - 2)) for i in range(count)]
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def reference_run(data: dict, tmp_path_factory) -> tuple[str, Path]:
+  """The uninterrupted long run (2 x 2), once a session: (final parameter hash, workdir).
+
+  Its workdir keeps the last two checkpoints; tests copy them, never change them.
+  """
+  if "hash" not in _REFERENCE:
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    job = start(data, workdir, *long_run())
+    assert job.wait(600) == 0, job.output
+    _REFERENCE.update(hash=param_hash(job.output), workdir=workdir)
+  return _REFERENCE["hash"], _REFERENCE["workdir"]
+
+
+def reference_hash(data: dict, tmp_path_factory) -> str:
+  return reference_run(data, tmp_path_factory)[0]
 
 
 def pids(workdir: Path) -> dict[int, int]:
@@ -157,6 +236,21 @@ def committed_steps(workdir: Path) -> list[int]:
   if not root.exists():
     return []
   return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+
+
+def saved_state(workdir: Path, step: int) -> dict:
+  """The train state of checkpoint `step`, read here as numpy arrays (any saving layout)."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  path = workdir / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(
+    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree, is_leaf=lambda x: hasattr(x, "shape")
+  )
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.02):

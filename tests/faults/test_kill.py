@@ -7,9 +7,7 @@ uninterrupted run of the same layout.
 """
 
 import os
-import random
 import signal
-import time
 
 import pytest
 
@@ -19,47 +17,14 @@ from tests.faults.conftest import injections
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
 DETECT_S = 15
-EVERY = 2  # checkpoint interval: at most this many steps are redone after a kill
-MOST_KILLS = injections(5, 20)
-# One run length for every test here, so one uninterrupted reference serves all:
-# room for a kill in each stretch of 5 steps, and a few steps after the last.
-STEPS = 4 + 5 * MOST_KILLS + 4
-
-
-def _overrides(steps: int):
-  return (
-    f"--config.train.steps={steps}",
-    f"--config.checkpoint.every={EVERY}",
-    "--config.checkpoint.keep=2",
-    "--config.eval_every=0",
-  )
-
-
-_REFERENCES: dict[int, str] = {}
-
-
-def _reference_hash(data, tmp_path_factory, steps: int) -> str:
-  """The final parameter hash of an uninterrupted run of `steps` (2 x 2), computed once."""
-  if steps not in _REFERENCES:
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    job = harness.start(data, workdir, *_overrides(steps))
-    assert job.wait(600) == 0, job.output
-    _REFERENCES[steps] = harness.param_hash(job.output)
-  return _REFERENCES[steps]
 
 
 def _kill_repeatedly(data, workdir, process: int, kills: int, seed: int):
   """Kills `process` at `kills` random steps of one job with restarts; returns what it saw."""
-  rng = random.Random(seed)
-  # One kill per stretch of 5 steps, at a random step in it: after each
-  # restart the job has to pass the previous kill before the next.
-  stretch = (STEPS - 8) // kills
-  kill_steps = [4 + stretch * i + rng.randrange(min(3, stretch - 2)) for i in range(kills)]
-  steps = STEPS
-  job = harness.start(data, workdir, *_overrides(steps), max_restarts=kills)
+  job = harness.start(data, workdir, *harness.long_run(), max_restarts=kills)
   detections, committed = [], []
   try:
-    for step in kill_steps:
+    for step in harness.fault_steps(kills, seed):
       harness.wait_for(lambda s=step: harness.last_step(workdir) >= s, 300, f"step {step}")
       try:
         running = harness.wait_for(
@@ -76,7 +41,7 @@ def _kill_repeatedly(data, workdir, process: int, kills: int, seed: int):
     code = job.launcher.wait(timeout=600)
   finally:
     job.kill()
-  return steps, code, job.output, detections, committed
+  return code, job.output, detections, committed
 
 
 @pytest.mark.parametrize(
@@ -87,13 +52,13 @@ def test_kill_9_at_random_steps_resumes_bit_identical(
   data, tmp_path, tmp_path_factory, record, process, fault, ci, full
 ):
   kills = injections(ci, full)
-  steps, code, out, detections, committed = _kill_repeatedly(
+  code, out, detections, committed = _kill_repeatedly(
     data, tmp_path / "run", process, kills, seed=process
   )
   resumed = harness.resumed_steps(out)
   lost = sum(max(0, c - r) for c, r in zip(committed, resumed))
   final = harness.param_hash(out)
-  reference = _reference_hash(data, tmp_path_factory, steps)
+  reference = harness.reference_hash(data, tmp_path_factory)
   promised = sum(d <= DETECT_S for d in detections) if final == reference and code == 0 else 0
   record(fault, kills, promised, max(detections), lost)
   assert code == 0, out
@@ -103,45 +68,70 @@ def test_kill_9_at_random_steps_resumes_bit_identical(
   assert final == reference, out
 
 
+def _stop(pids, sig):
+  for pid in pids:
+    try:
+      os.kill(pid, sig)
+    except ProcessLookupError:
+      pass
+
+
 def test_kill_9_during_an_async_save_never_restores_that_step(
   data, tmp_path, tmp_path_factory, record
 ):
-  """The coordinator dies while a save is in flight: that step is never committed or used."""
+  """The coordinator dies while a save is in flight: that step is never committed or used.
+
+  A tiny save commits within milliseconds of its temporary directory
+  appearing, so the test freezes both processes (SIGSTOP) as soon as it sees
+  one, checks the save is still uncommitted (else lets them go on to the
+  next save), and only then kills the coordinator.
+  """
   workdir = tmp_path / "run"
-  steps = STEPS
-  job = harness.start(data, workdir, *_overrides(steps), max_restarts=1)
   root = workdir / "checkpoints"
+  job = harness.start(data, workdir, *harness.long_run(), max_restarts=1)
   try:
+    harness.wait_for(lambda: harness.last_step(workdir) >= 6, 300, "step 6")
+    running = harness.wait_for(
+      lambda: len(found := harness.pids(workdir)) == 2 and found, 60, "both processes"
+    )
 
     def save_in_flight():
-      if harness.last_step(workdir) < 6 or not root.exists():
-        return None
       tmp = [p.name for p in root.iterdir() if not p.name.isdigit() and "tmp" in p.name]
       return tmp or None
 
-    in_flight = harness.wait_for(save_in_flight, 300, "a save in flight", poll_s=0.001)
-    running = harness.pids(workdir)
+    for _ in range(10):
+      in_flight = harness.wait_for(save_in_flight, 120, "a save in flight", poll_s=0.001)
+      _stop(running.values(), signal.SIGSTOP)
+      unfinished = int(in_flight[0].split(".", 1)[0])
+      if (root / in_flight[0]).exists() and unfinished not in harness.committed_steps(workdir):
+        break  # frozen mid-save
+      _stop(running.values(), signal.SIGCONT)
+    else:
+      raise AssertionError("no save was caught before it committed in 10 tries")
     os.kill(running[0], signal.SIGKILL)
-    killed_at = time.monotonic()
+    _stop(running.values(), signal.SIGCONT)
     detected = harness.gone_after(list(running.values()), 60)
-    unfinished = int(in_flight[0].split(".", 1)[0])
     left_after_kill = harness.committed_steps(workdir)
     code = job.launcher.wait(timeout=600)
   finally:
     job.kill()
   out = job.output
   resumed = harness.resumed_steps(out)
-  reference = _reference_hash(data, tmp_path_factory, steps)
+  reference = harness.reference_hash(data, tmp_path_factory)
   ok = (
     code == 0
     and unfinished not in left_after_kill
     and resumed
-    and resumed[0] < unfinished
+    and resumed[0] == max(left_after_kill, default=0) < unfinished
     and harness.param_hash(out) == reference
   )
-  record("3. kill -9 during an async save", 1, int(ok and detected <= DETECT_S), detected)
+  lost = max(0, max(left_after_kill, default=0) - resumed[0]) if resumed else None
+  record("3. kill -9 during an async save", 1, int(ok and detected <= DETECT_S), detected, lost)
   assert unfinished not in left_after_kill, (in_flight, left_after_kill)
   assert code == 0, out
-  assert resumed and resumed[0] == max(left_after_kill) < unfinished, (resumed, left_after_kill)
+  assert resumed and resumed[0] == max(left_after_kill, default=0) < unfinished, (
+    resumed,
+    left_after_kill,
+  )
   assert harness.param_hash(out) == reference, out
-  assert detected <= DETECT_S and killed_at
+  assert detected <= DETECT_S, detected

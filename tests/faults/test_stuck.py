@@ -22,9 +22,7 @@ BOUND_S = TIMEOUT_S + 15  # watchdog + a tick + the launcher's grace and kill
 
 def _overrides(*extra):
   return (
-    "--config.train.steps=400",
-    "--config.checkpoint.every=1000",
-    "--config.eval_every=0",
+    *harness.long_run(every=1000),
     f"--config.train.step_timeout_s={TIMEOUT_S}",
     *extra,
   )
