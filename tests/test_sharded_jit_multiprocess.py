@@ -34,25 +34,6 @@ def test_every_scenario_on_every_process(num_processes, devices):
       assert f"PASS {scenario}\n" in p.output, result.report()
 
 
-@pytest.mark.parametrize(
-  "mode,expected",
-  [
-    ("mismatch-shape", "args[0].local_shape: process 0: [8, 8]; process 1: [6, 8]"),
-    ("mismatch-dtype", 'args[0].dtype: process 0: "int32"; process 1: "float32"'),
-    (
-      "mismatch-divisible",
-      "process 1: ValueError: argument args[0]: local shape=(7, 8) "
-      "is not divisible by the local parts=(2, 1)",
-    ),
-  ],
-)
-def test_disagreement_raises_on_every_process(mode, expected):
-  result = run_worker("sharded_jit_worker", mode, num_processes=2, devices_per_process=2)
-  assert_ok(result)
-  for p in result.processes:
-    assert "ERROR AgreementError" in p.output and expected in p.output, result.report()
-
-
 def test_device_assignment_errors_across_processes():
   result = run_worker("sharded_jit_worker", "device-errors", num_processes=2, devices_per_process=2)
   assert_ok(result)

@@ -1,7 +1,8 @@
 """One process of a multi-process sharded_jit test; checks its own results.
 
 Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
-Usage: sharded_jit_worker.py all | mismatch-shape | mismatch-dtype | replicated-error
+Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, mismatch-shape, mismatch-dtype,
+  mismatch-divisible, device-errors
 """
 
 import sys
@@ -264,4 +265,5 @@ def main(mode):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  for each in sys.argv[1].split(","):  # several modes, one after the other, in one job
+    main(each)
