@@ -4,7 +4,6 @@ import pytest
 
 import spmd
 from spmd import distributed
-from tests.multiprocess import assert_ok, run_worker
 
 
 def test_single_process_is_a_no_op(monkeypatch):
@@ -48,25 +47,3 @@ def test_cpu_device_count_cannot_change_after_start():
   distributed.set_cpu_device_count(8)  # what the backend already has: fine
   with pytest.raises(RuntimeError, match="already started with 8 CPU devices"):
     distributed.set_cpu_device_count(4)
-
-
-@pytest.mark.multiprocess
-def test_real_job_initializes_and_binds_the_coordinator_to_loopback():
-  result = run_worker("init_worker", num_processes=2, devices_per_process=3)
-  assert_ok(result)
-  for p in result.processes:
-    assert "devices 6 local 3 processes 2" in p.output, result.report()
-  assert "coordinator listens on loopback only" in result.processes[0].output, result.report()
-
-
-def test_a_coordinator_port_in_use_is_named_before_anyone_waits(monkeypatch):
-  import socket
-
-  monkeypatch.setattr(distributed, "cluster_detected", lambda: False)
-  with socket.socket() as busy:
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    address = f"127.0.0.1:{busy.getsockname()[1]}"
-    # Raised by process 0 before JAX starts its coordination service.
-    with pytest.raises(ValueError, match=f"coordinator address '{address}' is already in use"):
-      spmd.initialize(coordinator_address=address, num_processes=2, process_id=0)

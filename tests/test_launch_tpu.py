@@ -19,78 +19,15 @@ import pytest
 
 from launch import main
 from launch.local import free_port
+from tests.fake_tpu import ECHO_ARGV, LAUNCHER, fake_tpu
 from tests.multiprocess import ROOT, WORKERS
 
 pytestmark = pytest.mark.multiprocess
 
-FAKES = ROOT / "tests" / "fakes"
-LAUNCHER = (sys.executable, "-m", "launch.main", "tpu", "--tpu", "pod")
-ECHO_ARGV = (
-  "import json, os, sys; print('ARGV', json.dumps(sys.argv[1:])); "
-  "print('ENV', json.dumps(os.environ['RUN_NAME']))"
-)
-
-
-class FakeTpu:
-  def __init__(self, tmp_path: Path):
-    self.root = tmp_path / "tpu"
-    self.root.mkdir()
-    self.log = tmp_path / "gcloud.jsonl"
-    self.env = dict(
-      os.environ,
-      PATH=f"{FAKES}{os.pathsep}{os.environ['PATH']}",
-      FAKE_GCLOUD_LOG=str(self.log),
-      FAKE_TPU_ROOT=str(self.root),
-      FAKE_TPU_WORKERS="2",
-      PYTHONPATH=str(ROOT),
-      PYTHONUNBUFFERED="1",
-      JAX_PLATFORMS="cpu",
-      SPMD_CPU_DEVICES="2",
-      SPMD_HEARTBEAT_TIMEOUT_S="5",
-      SPMD_SHUTDOWN_TIMEOUT_S="5",
-      SPMD_INIT_TIMEOUT_S="30",
-    )
-    for name in list(self.env):
-      if name.startswith("MEGASCALE_") or name in (
-        "SPMD_COORDINATOR_ADDRESS",
-        "SPMD_COORDINATOR_BIND_ADDRESS",
-        "SPMD_NUM_PROCESSES",
-        "SPMD_PROCESS_ID",
-      ):
-        del self.env[name]
-
-  def launch(self, *args: str, timeout: int = 90) -> subprocess.CompletedProcess:
-    """`spmd-launch tpu --tpu pod --zone us-central2-b ARGS` as its own process, hard-limited."""
-    return subprocess.run(
-      ["timeout", "-k", "5", str(timeout), *LAUNCHER, "--zone", "us-central2-b", *args],
-      env=self.env,
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-    )
-
-  def calls(self) -> list[list[str]]:
-    if not self.log.exists():
-      return []
-    return [json.loads(line) for line in self.log.read_text().splitlines()]
-
-  def ssh_calls(self, worker: str) -> list[list[str]]:
-    return [c for c in self.calls() if c[2:4] == ["tpu-vm", "ssh"] and f"--worker={worker}" in c]
-
-  def home(self, node: str, worker: int) -> Path:
-    return self.root / node / f"worker-{worker}"
-
 
 @pytest.fixture
 def fake(tmp_path):
-  tpu = FakeTpu(tmp_path)
-  yield tpu
-  # Whatever a failed test left running on the fake workers goes now.
-  for pgid in tpu.root.glob("*/worker-*/.spmd-launch/*.pgid"):
-    try:
-      os.killpg(int(pgid.read_text()), signal.SIGKILL)
-    except (ProcessLookupError, ValueError):
-      pass
+  yield from fake_tpu(tmp_path)
 
 
 def live_members(pgid: int) -> list[int]:
@@ -173,37 +110,6 @@ def test_one_worker_failing_stops_the_job_on_every_worker(fake, tmp_path):
   while any(live_members(g) for g in groups) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert not [live_members(g) for g in groups if live_members(g)]
-
-
-def test_arguments_and_environment_arrive_as_given_and_never_run(fake, tmp_path):
-  evil = [
-    f"--run-name=x; touch {tmp_path}/pwned",
-    f"$(touch {tmp_path}/pwned2)",
-    f"`touch {tmp_path}/pwned3`",
-    'it\'s "quoted" \\ $HOME * ~',
-    "two\nlines",
-    "",
-  ]
-  env_value = f"x; touch {tmp_path}/pwned4 $(touch {tmp_path}/pwned5)"
-  done = fake.launch(
-    "--no-copy",
-    "--remote-dir",
-    ".",
-    "--env",
-    f"RUN_NAME={env_value}",
-    "--",
-    sys.executable,
-    "-c",
-    ECHO_ARGV,
-    *evil,
-  )
-  assert done.returncode == 0, done.stdout + done.stderr
-  for w in range(2):
-    lines = [line for line in done.stdout.splitlines() if line.startswith(f"[w{w}] ")]
-    assert f"[w{w}] ARGV {json.dumps(evil)}" in lines, done.stdout
-    assert f"[w{w}] ENV {json.dumps(env_value)}" in lines, done.stdout
-  assert not list(tmp_path.glob("pwned*"))
-  assert not list(fake.root.rglob("pwned*"))
 
 
 def test_multislice_creates_the_queued_resource_and_runs_one_job_over_both_slices(fake):

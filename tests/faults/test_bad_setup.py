@@ -6,11 +6,15 @@ offending field and value, raised before any process waits on another for
 long.
 """
 
+import socket
+import sys
 import time
 
 import pytest
 
+from launch.local import run_local
 from tests.faults import harness
+from tests.multiprocess import ROOT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
@@ -55,3 +59,35 @@ def test_a_workdir_that_cannot_be_written_is_named(data, tmp_path, record):
   record("10. workdir not writable", 1, int(ok), took)
   assert code != 0 and str(workdir) in out, out
   assert took < BOUND_S, out
+
+
+def test_a_coordinator_address_in_use_is_named_before_anyone_waits(data, tmp_path, record):
+  """Process 0 finds its coordinator port taken: it says so at once, not after a timeout."""
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    address = f"127.0.0.1:{busy.getsockname()[1]}"
+    code = (
+      "import os\n"
+      f"os.environ['SPMD_COORDINATOR_ADDRESS'] = {address!r}\n"
+      f"os.environ['SPMD_COORDINATOR_BIND_ADDRESS'] = {address!r}\n"
+      "from trainers.main import main\n"
+      "main()\n"
+    )
+    started = time.monotonic()
+    result = run_local(
+      [sys.executable, "-c", code, *harness.train_flags(data, tmp_path / "run")],
+      num_processes=2,
+      devices_per_process=2,
+      timeout_s=BOUND_S + 30,
+      grace_s=2,  # process 1 waits for the coordinator that never starts: not for long
+      echo=False,
+      cwd=str(ROOT),
+      env={"PYTHONPATH": str(ROOT), **harness.FAST_COMPILE},
+    )
+    took = time.monotonic() - started
+  named = f"coordinator address '{address}' is already in use"
+  ok = not result.ok and result.first_failure == 0 and named in result.processes[0].output
+  record("10. coordinator address already in use", 1, int(ok and took < BOUND_S), took)
+  assert ok, result.report()
+  assert took < BOUND_S, took

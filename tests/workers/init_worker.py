@@ -1,6 +1,8 @@
 """Checks what spmd.initialize() set up, and where the coordinator listens."""
 
+import itertools
 import os
+import socket
 import sys
 
 import spmd
@@ -51,3 +53,22 @@ if info.process_index == 0:
   loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
   assert listening and set(listening) <= loopback, f"coordinator listens on {listening}"
   print("coordinator listens on loopback only", flush=True)
+  # And from this host's other addresses, the port is closed.
+  others = set()
+  with open("/proc/net/fib_trie") as f:
+    rows = f.read().splitlines()
+  for above, row in itertools.pairwise(rows):
+    if row.strip() == "/32 host LOCAL":  # the line above holds one of this host's addresses
+      address = above.split()[-1]
+      if not address.startswith("127."):
+        others.add(address)
+  for address in sorted(others):
+    with socket.socket() as probe:
+      probe.settimeout(5)
+      try:
+        probe.connect((address, port))
+      except ConnectionRefusedError:
+        print(f"coordinator refuses {address}", flush=True)
+      else:
+        raise AssertionError(f"the coordinator port {port} accepts connections on {address}")
+  print(f"tried {len(others)} other addresses", flush=True)
