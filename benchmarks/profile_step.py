@@ -1,0 +1,120 @@
+"""Where a train step's time goes, by kind of XLA operation.
+
+  python -m benchmarks.profile_step [--steps=3] [--width=512]
+
+Traces `--steps` steps of the real train step (lm_tiny at `--width`, one
+process, `BENCH_DEVICES` CPU devices, default 1) with `jax.profiler`, reads the
+Perfetto trace back and sums each executed HLO operation's time into:
+matmuls, layout copies (transposes XLA inserts so a dot gets the operand
+layout its kernel wants), collectives, the optimizer (with gradient clipping
+and metrics: every op outside the differentiated loss)
+and other elementwise work (of the loss's forward and backward). This is how the P3 figure is explained in the
+README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_DEVICES", "1")))
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+
+from configs import lm_tiny  # noqa: E402
+from spmd.layout import batch_sharding  # noqa: E402
+from spmd.mesh import create_mesh  # noqa: E402
+from trainers.models import logical_axes  # noqa: E402
+from trainers.models import transformer as lm  # noqa: E402
+from trainers.state import make_state  # noqa: E402
+from trainers.step import make_train_step  # noqa: E402
+from trainers.tasks import transformer_config  # noqa: E402
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def categories(hlo_text: str) -> dict[str, str]:
+  """Each top-level instruction's kind, from the optimised HLO."""
+  kinds = {}
+  for line in hlo_text.splitlines():
+    m = _OP.match(line)
+    if not m:
+      continue
+    name, rest = m.groups()
+    op_name = (_OP_NAME.search(rest) or re.match("", "")).group(0)
+    if any(f" {c}" in rest.split("(")[0] or name.startswith(c) for c in _COLLECTIVES):
+      kinds[name] = "collectives"
+    elif "__ynn_fusion" in rest or " dot(" in rest or " convolution(" in rest:
+      kinds[name] = "matmuls"
+    elif op_name and "jvp(" not in op_name:  # outside the differentiated loss
+      kinds[name] = "optimizer, clipping, metrics"
+    elif name.startswith(("copy", "transpose")):
+      kinds[name] = "layout copies"
+    else:
+      kinds[name] = "other forward/backward (elementwise, reductions)"
+  return kinds
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--width", type=int, default=512)
+  args = parser.parse_args()
+  config = lm_tiny.get_config()
+  config.model.d_model, config.model.num_heads, config.model.d_ff = (
+    args.width,
+    args.width // 64,
+    4 * args.width,
+  )
+  mesh = create_mesh("data=-1")
+  model_config = transformer_config(config)
+  setup = make_state(
+    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
+  )
+  spec = batch_sharding(mesh, ("data",))
+  shape = (config.global_batch, config.model.seq_len)
+  rng = np.random.default_rng(0)
+  batch = {
+    "inputs": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
+    "targets": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
+    "mask": jax.device_put(np.ones(shape, np.float32), spec),
+  }
+  step = make_train_step(setup, config, mesh, ("data",))
+  state = setup.init()
+  kinds = categories(step.lower(state, batch).compile().as_text())
+  for _ in range(2):
+    state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(args.steps):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+    [path] = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  totals: collections.Counter = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("name") in kinds:
+      totals[kinds[e["name"]]] += e["dur"] / 1e3 / args.steps
+  whole = sum(totals.values())
+  print(f"lm_tiny at width {args.width}, {jax.device_count()} CPU device(s): ms per step by kind")
+  print("| kind | ms | share |\n|---|---|---|")
+  for kind, ms in totals.most_common():
+    print(f"| {kind} | {ms:.1f} | {ms / whole:.0%} |")
+
+
+if __name__ == "__main__":
+  main()
