@@ -14,7 +14,12 @@ import pytest
 from tests.faults import harness
 from tests.faults.conftest import injections
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
+# The full counts run past pytest's default limit (pyproject.toml: 300 s a test).
+pytestmark = [
+  pytest.mark.multiprocess,
+  pytest.mark.faults,
+  pytest.mark.timeout(injections(300, 1500)),
+]
 
 DETECT_S = 15
 
