@@ -23,6 +23,8 @@ Example:
   >>> dog.progress(1); time.sleep(0.6); dog.close()
   >>> "no step finished for" in ended[0]
   True
+  >>> publish_failure(ValueError("boom"))  # one process: nobody to tell
+  False
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def publish_failure(error: BaseException, wait_s: float = 3.0) -> bool:
   on to exit and takes the store with it. Returns False in a single process
   (nothing to tell).
   """
-  client = multihost.runtime_client() if jax.process_count() > 1 else None
-  if client is None:
+  # The client first: before the distributed runtime started (a failure in
+  # spmd.initialize itself), asking for the process count would start a backend.
+  client = multihost.runtime_client()
+  if client is None or jax.process_count() == 1:
     return False
   message = " ".join(f"{type(error).__name__}: {error}".split())[:1500]
   me = jax.process_index()
