@@ -6,7 +6,9 @@
       step time (the trainer's own `step_time_s`, first logging window left
       out) of the same config and global batch. Rounds alternate the order.
       Goal <= 1.25: what simulated hosts cost over one host (gloo collectives
-      between processes instead of in-process ones).
+      between processes instead of in-process ones). The two processes run
+      with `--pin-cpus` (a core each, as separate hosts would have their
+      own); the unpinned time is reported beside it.
   P8  seconds from starting the job to the first finished train step, with a
       warm persistent compilation cache ÷ with an empty one. Each round uses
       a fresh cache directory: a cold run fills it, a warm run reuses it.
@@ -102,15 +104,16 @@ def main() -> None:
 
   steps = [*quiet, f"--config.train.steps={args.steps}"]
 
-  def layout(processes: int, devices: int):
+  def layout(processes: int, devices: int, pin_cpus: bool):
     def one_round() -> float:
-      workdir = os.path.join(root, f"p6_{processes}x{devices}")
-      run_training(workdir, args.config, processes, devices, steps)
+      workdir = os.path.join(root, f"p6_{processes}x{devices}{'_pinned' if pin_cpus else ''}")
+      run_training(workdir, args.config, processes, devices, steps, pin_cpus=pin_cpus)
       return steady_step_s(workdir)
 
     return one_round
 
-  p6, multi_s, single_s = common.alternate(layout(2, 1), layout(1, 2), args.rounds)
+  p6, multi_s, single_s = common.alternate(layout(2, 1, True), layout(1, 2, False), args.rounds)
+  unpinned_s = statistics.median(layout(2, 1, False)() for _ in range(args.rounds))
 
   first_step = {"cold": [], "warm": []}
 
@@ -150,7 +153,8 @@ def main() -> None:
         p6,
         1.25,
         True,
-        f"{name}: step {multi_s * 1e3:.1f} vs {single_s * 1e3:.1f} ms",
+        f"{name}, `--pin-cpus`: step {multi_s * 1e3:.1f} vs {single_s * 1e3:.1f} ms "
+        f"(not pinned: {unpinned_s * 1e3:.1f} ms)",
         machine,
       ),
       common.row(
