@@ -14,7 +14,8 @@ counts and process layouts):
 The rows go to `OUT/results.json` and `OUT/results.md`. `--update-readme`
 also writes them to `benchmarks/latest.json` and into the README's
 performance table (between its `bench:start`/`bench:end` markers), so the
-README always shows the latest full run; a test checks the two agree.
+README always shows the latest figures; a test checks the two agree. With
+`--only`, only those figures are replaced (each row keeps its own date).
 """
 
 from __future__ import annotations
@@ -93,8 +94,11 @@ def main() -> None:
     f.write(readme_block(rows))
   print(readme_block(rows), end="")
   if args.update_readme:
-    if wanted:
-      raise SystemExit("--update-readme needs the full run (no --only)")
+    if wanted:  # replace those figures in the latest run, keep the others
+      with open(LATEST) as f:
+        rows = sorted(
+          [r for r in json.load(f) if r["id"] not in wanted] + rows, key=lambda r: r["id"]
+        )
     with open(LATEST, "w") as f:
       json.dump(rows, f, indent=1)
       f.write("\n")

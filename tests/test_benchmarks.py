@@ -1,0 +1,65 @@
+"""The benchmark harness: the README shows its latest run, and a figure runs end to end.
+
+Timings are never asserted here (they belong in `make bench`); only that the
+tools work and the README's table is the committed latest run's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks import common, run
+from tests.multiprocess import ROOT
+
+
+def test_readme_shows_the_latest_run():
+  with open(run.LATEST) as f:
+    rows = json.load(f)
+  assert {r["id"] for r in rows} == {f"P{i}" for i in range(1, 9)}
+  with open(run.README) as f:
+    readme = f.read()
+  expected = f"<!-- bench:start -->\n{run.readme_block(rows)}<!-- bench:end -->"
+  assert expected in readme, "README is stale: run make bench BENCH_ARGS=--update-readme"
+
+
+def test_alternate_takes_medians_of_rounds_in_both_orders():
+  order = []
+  ours = iter([2.0, 4.0, 3.0])
+  theirs = iter([1.0, 1.0, 2.0])
+
+  def a():
+    order.append("a")
+    return next(ours)
+
+  def b():
+    order.append("b")
+    return next(theirs)
+
+  ratio, median_a, median_b = common.alternate(a, b, rounds=3)
+  assert order == ["b", "a", "a", "b", "b", "a"]
+  assert (ratio, median_a, median_b) == (2.0, 3.0, 1.0)
+
+
+def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
+  out = tmp_path / "p7.json"
+  done = subprocess.run(
+    [
+      "timeout",
+      "-k",
+      "5",
+      "240",
+      sys.executable,
+      "-m",
+      "benchmarks.memory",
+      "--config=configs/lm_tiny.py",
+      f"--json={out}",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, BENCH_DEVICES="2", PYTHONPATH=str(ROOT)),
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  [row] = json.loads(out.read_text())
+  assert row["id"] == "P7" and row["value"] > 0 and "| P7 |" in done.stdout
