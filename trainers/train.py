@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -132,70 +133,74 @@ def _sample(setup, params, prompt: bytes, num_tokens: int, seq_len: int) -> str:
   return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _maybe_stall(batches, stall: tuple):
-  """Fault injection for tests: `(process, step)` hangs that process in Python at that step."""
-  if not stall or int(stall[0]) != jax.process_index():
-    return batches
-  stall_step = int(stall[1])
+class _AtStep:
+  """Fault injection for tests: wraps the `(step, batch)` iterator and lets
+  `act(item, batches)` replace the item of one step."""
 
-  class Stalling:
-    def __next__(self):
-      item = next(batches)
-      if item[0] == stall_step:
-        log.warning("spmd-train: injected stall at step %d (train.inject_stall)", stall_step)
-        threading.Event().wait()  # alive, heartbeating, and never coming back
-      return item
+  def __init__(self, batches, step: int, act: Callable):
+    self._batches, self._step, self._act = batches, step, act
 
-    def close(self):
-      batches.close()
+  def __next__(self):
+    item = next(self._batches)
+    return self._act(item, self._batches) if item[0] == self._step else item
 
-  return Stalling()
+  def close(self):
+    self._batches.close()
 
 
-def _maybe_bad_batch(train_batches: pipeline.GlobalBatches, fault: tuple):
-  """Fault injection for tests: `(process, step, kind)` makes that process feed a bad batch.
+def _stall(item, batches):
+  log.warning("spmd-train: injected stall at step %d (train.inject_stall)", item[0])
+  threading.Event().wait()  # alive, heartbeating, and never coming back
 
+
+def _skip(item, batches):
+  log.warning("spmd-train: injected skip of the batch of step %d", item[0])
+  return next(batches)
+
+
+def _batches_with_faults(
+  train_batches: pipeline.GlobalBatches, start: Callable[[], Any], config
+) -> Any:
+  """`start()`'s `(step, batch)` iterator, with the faults tests inject on this process.
+
+  `train.inject_stall=(process, step)` hangs that process in Python at that
+  step. `train.inject_bad_batch=(process, step, kind)` feeds a bad batch:
   kind `shape` drops a row and `dtype` sends float inputs, at the source (the
   per-step check must catch them); `step` skips a batch, so the process feeds
-  the next step's batch (the loop's step check must catch it). Call before
-  the iterator starts; returns what wraps the iterator.
+  the next step's batch (the loop's step check must catch it).
   """
-  if not fault or int(fault[0]) != jax.process_index():
-    return lambda batches: batches
-  bad_step, kind = int(fault[1]), str(fault[2])
-  if kind not in ("shape", "dtype", "step"):
-    raise ValueError(f"train.inject_bad_batch={fault!r}: kind {kind!r} is not shape, dtype or step")
-  if kind == "step":
+  me = jax.process_index()
+  stall, bad = config.train.inject_stall, config.train.inject_bad_batch
+  skip_at = None
+  if bad:
+    kind = str(bad[2])
+    if kind not in ("shape", "dtype", "step"):
+      raise ValueError(f"train.inject_bad_batch={bad!r}: kind {kind!r} is not shape, dtype or step")
+  if bad and int(bad[0]) == me:
+    bad_step = int(bad[1])
+    if kind == "step":
+      skip_at = bad_step
+    else:
+      host_batch = train_batches.host_batch
 
-    class Skipping:
-      def __init__(self, batches):
-        self._batches = batches
+      def bad_host_batch(step: int):
+        out = host_batch(step)
+        if step == bad_step:
+          log.warning("spmd-train: injected bad batch %s at step %d", kind, step)
+          if kind == "shape":
+            out = {k: v[:-1] for k, v in out.items()}
+          else:
+            out = dict(out, inputs=out["inputs"].astype(np.float32))
+        return out
 
-      def __next__(self):
-        item = next(self._batches)
-        if item[0] == bad_step:
-          log.warning("spmd-train: injected skip of the batch of step %d", bad_step)
-          item = next(self._batches)
-        return item
-
-      def close(self):
-        self._batches.close()
-
-    return Skipping
-  host_batch = train_batches.host_batch
-
-  def bad(step: int):
-    out = host_batch(step)
-    if step == bad_step:
-      log.warning("spmd-train: injected bad batch %s at step %d", kind, step)
-      if kind == "shape":
-        out = {k: v[:-1] for k, v in out.items()}
-      else:
-        out = dict(out, inputs=out["inputs"].astype(np.float32))
-    return out
-
-  train_batches.host_batch = bad
-  return lambda batches: batches
+      # Before start(): the iterator's prefetch thread builds batches at once.
+      train_batches.host_batch = bad_host_batch
+  batches = start()
+  if skip_at is not None:
+    batches = _AtStep(batches, skip_at, _skip)
+  if stall and int(stall[0]) == me:
+    batches = _AtStep(batches, int(stall[1]), _stall)
+  return batches
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -285,11 +290,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
   stop = config.train.stop_at_step or config.train.steps
   loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
-  bad_batches = _maybe_bad_batch(train_batches, config.train.inject_bad_batch)
-  batches = _maybe_stall(
-    train_batches.iterator(data_start, prefetch=config.data.prefetch), config.train.inject_stall
+  batches = _batches_with_faults(
+    train_batches, lambda: train_batches.iterator(data_start, prefetch=config.data.prefetch), config
   )
-  batches = bad_batches(batches)
   guard = config.get("transfer_guard", "") or "allow"
   first_step: dict[str, float] = {}
 
