@@ -117,22 +117,12 @@ def _abstract(state_shapes: Any, shardings: Any) -> Any:
   )
 
 
-def _path_names(path: tuple) -> tuple[str, ...]:
-  """A tree path as plain names, the same for dicts, sequences and named tuples."""
-  names = []
-  for key in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(key, attr):
-        names.append(str(getattr(key, attr)))
-        break
-    else:
-      names.append(str(key))
-  return tuple(names)
-
-
 def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {".".join(_path_names(p)): (tuple(x.shape), str(x.dtype)) for p, x in flat}
+  return {
+    jax.tree_util.keystr(p, simple=True, separator="."): (tuple(x.shape), str(x.dtype))
+    for p, x in flat
+  }
 
 
 def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, what: str) -> None:
