@@ -70,6 +70,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--width", type=int, default=512)
+  parser.add_argument("--top", type=int, default=0, help="also list the N slowest ops")
   args = parser.parse_args()
   config = lm_tiny.get_config()
   config.model.d_model, config.model.num_heads, config.model.d_ff = (
@@ -92,7 +93,8 @@ def main() -> None:
   }
   step = make_train_step(setup, config, mesh, ("data",))
   state = setup.init()
-  kinds = categories(step.lower(state, batch).compile().as_text())
+  hlo_text = step.lower(state, batch).compile().as_text()
+  kinds = categories(hlo_text)
   for _ in range(2):
     state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -106,14 +108,21 @@ def main() -> None:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   totals: collections.Counter = collections.Counter()
+  per_op: collections.Counter = collections.Counter()
   for e in events:
     if e.get("ph") == "X" and e.get("name") in kinds:
       totals[kinds[e["name"]]] += e["dur"] / 1e3 / args.steps
+      per_op[e["name"]] += e["dur"] / 1e3 / args.steps
   whole = sum(totals.values())
   print(f"lm_tiny at width {args.width}, {jax.device_count()} CPU device(s): ms per step by kind")
   print("| kind | ms | share |\n|---|---|---|")
   for kind, ms in totals.most_common():
     print(f"| {kind} | {ms:.1f} | {ms / whole:.0%} |")
+  if args.top:
+    text = {m.group(1): m.group(2) for m in map(_OP.match, hlo_text.splitlines()) if m}
+    print(f"\nthe {args.top} slowest ops (ms per step, kind, instruction):")
+    for name, ms in per_op.most_common(args.top):
+      print(f"{ms:7.1f}  {kinds[name][:12]:12}  {name} = {_OP_NAME.sub('', text[name])[:160]}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
   python -m benchmarks.trainer [--rounds=10] [--json=out.json]
 
-One process, 4 CPU devices, in one run:
+One process, `BENCH_DEVICES` CPU devices (default 4; `make bench` reports P1
+from 4 devices and P3 from 1), in one run:
   P1  trainer step time ÷ hand-written step time: the same model, shardings,
       optimizer and batch; alternating rounds, median of per-round ratios.
       Goal <= 1.02. The hand-written step is what an expert writes without

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +135,30 @@ class TransformerConfig:
     return self.d_model // self.num_heads
 
 
+def _dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
+  """Contracts x's last `contract` dims with w's first ones, as one 2-D matmul.
+
+  The leading (token) dims of x and the trailing (feature) dims of w are
+  flattened first. Why: the weight gradient then contracts one token axis,
+  a plain [tokens, in]^T @ [tokens, out] that XLA:CPU's matmul kernels read
+  in place. Written as an einsum over batch and length ("bld,blf->df"),
+  XLA:CPU instead transposes the [tokens, d_ff] activation gradient through
+  a strided copy fused with GELU's backward: a fifth of lm_tiny-width-512's
+  step (`python -m benchmarks.profile_step --top=20`). The reshapes are free
+  (bitcasts), and the SPMD partitioner keeps a sharded batch dim sharded
+  when it is merged with the length dim.
+
+  Example:
+    >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5, 6))
+    >>> _dense(x, w).shape
+    (2, 3, 5, 6)
+  """
+  lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
+  inner = math.prod(w.shape[:contract])
+  y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
+  return y.reshape(*lead, *features)
+
+
 class _LayerNorm(nnx.Module):
   def __init__(self, dim: int, param_dtype: jnp.dtype, *, rngs: nnx.Rngs):
     self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
@@ -163,9 +188,9 @@ class _Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
     length, head_dim = x.shape[1], self.query.shape[-1]
-    q = jnp.einsum("bld,dhk->blhk", x, self.query[...].astype(dt))
-    k = jnp.einsum("bld,dhk->blhk", x, self.key[...].astype(dt))
-    v = jnp.einsum("bld,dhk->blhk", x, self.value[...].astype(dt))
+    q = _dense(x, self.query[...].astype(dt))  # [b, l, h, k]
+    k = _dense(x, self.key[...].astype(dt))
+    v = _dense(x, self.value[...].astype(dt))
     # Scores and softmax in float32 whatever the compute dtype: bf16 scores
     # lose the small differences that decide which tokens get attention.
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
@@ -175,7 +200,7 @@ class _Attention(nnx.Module):
     logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    return jnp.einsum("blhk,hkd->bld", y, self.out[...].astype(dt))
+    return _dense(y, self.out[...].astype(dt), contract=2)
 
 
 class _MLP(nnx.Module):
@@ -185,8 +210,8 @@ class _MLP(nnx.Module):
     self.wo = param(rngs, _fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = jax.nn.gelu(jnp.einsum("bld,df->blf", x, self.wi[...].astype(x.dtype)))
-    return jnp.einsum("blf,fd->bld", h, self.wo[...].astype(x.dtype))
+    h = jax.nn.gelu(_dense(x, self.wi[...].astype(x.dtype)))
+    return _dense(h, self.wo[...].astype(x.dtype))
 
 
 class _Block(nnx.Module):
@@ -308,7 +333,7 @@ class TransformerLM(nnx.Module):
     # while a matmul partitions like the rest. For a byte vocabulary it costs
     # less than one MLP layer; revisit for vocabularies of tens of thousands.
     one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
-    x = jnp.einsum("blv,vd->bld", one_hot, self.token_embed[...].astype(dt))
+    x = _dense(one_hot, self.token_embed[...].astype(dt))
     x = x + self.pos_embed[:length].astype(dt)
     if config.scan_layers:
       x = _scan_blocks(self.blocks, x)
@@ -317,9 +342,7 @@ class TransformerLM(nnx.Module):
         x = block(x)
     x = self.final_norm(x)
     # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
-    return jnp.einsum(
-      "bld,dv->blv", x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32
-    )
+    return _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
 
 
 def generate(model: TransformerLM, prompt: jax.Array, num_tokens: int) -> jax.Array:
