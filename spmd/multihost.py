@@ -143,6 +143,8 @@ def local_to_global(x: Any, sharding: jax.sharding.NamedSharding, name: str) -> 
       f"{name}: local {shape=} is not divisible by the local "
       f"parts={tuple(pieces)} this process splits it into"
     )
+  if not isinstance(x, jax.core.Tracer):  # eager: no gradient to define, skip tracing
+    return multihost_utils.host_local_array_to_global_array(x, sharding.mesh, sharding.spec)
   return _to_global(x, sharding)
 
 
@@ -155,6 +157,11 @@ def is_global_array(x: Any) -> bool:
 
 def global_to_local(x: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
   """This process's piece of global `x`, as an array on its own devices."""
+  if not isinstance(x, jax.core.Tracer):
+    # A concrete array (every output of a cross-process call): calling the
+    # custom_vjp eagerly traces it each time, 3.5 ms an array; 25 ms a step
+    # for the trainer's seven metrics on two processes.
+    return multihost_utils.global_array_to_host_local_array(x, sharding.mesh, sharding.spec)
   return _to_local(x, sharding)
 
 
