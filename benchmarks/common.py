@@ -22,10 +22,13 @@ from collections.abc import Callable
 
 
 def machine(devices: str) -> str:
-  """One line: the CPU, its cores, the JAX devices the benchmark used and the JAX version."""
+  """One line: the CPU, its cores, the JAX devices, the JAX version and the allocator."""
   import jax
 
-  return f"{platform.machine()}, {os.cpu_count()} cores, {devices}, jax {jax.__version__}"
+  from launch import allocator
+
+  malloc = "TCMalloc" if allocator.is_preloaded() else "glibc malloc"
+  return f"{platform.machine()}, {os.cpu_count()} cores, {devices}, jax {jax.__version__}, {malloc}"
 
 
 def load_config(path: str):

@@ -14,6 +14,10 @@ counts and process layouts):
   P6, P8  benchmarks/launches.py    2 processes vs 1; warm vs cold compilation cache
   P7      benchmarks/memory.py      FSDP bytes per device from the compiled program
 
+Every module runs with TCMalloc preloaded where this machine has it, as
+`spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
+says which allocator it had.
+
 The rows go to `OUT/results.json` and `OUT/results.md`. `--update-readme`
 also writes them to `benchmarks/latest.json` and into the README's
 performance table (between its `bench:start`/`bench:end` markers), so the
@@ -32,6 +36,7 @@ import sys
 import time
 
 from benchmarks import common
+from launch import allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (module, figures it reports here, environment it runs with)
@@ -86,7 +91,7 @@ def main() -> None:
     subprocess.run(
       [sys.executable, "-m", f"benchmarks.{module}", f"--json={path}"],
       cwd=ROOT,
-      env={**os.environ, **env},
+      env=allocator.with_tcmalloc({**os.environ, **env}),
       check=True,
       stdout=subprocess.DEVNULL,
     )

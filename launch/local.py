@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
+from launch import allocator
 from launch.processes import (
   JobResult,
   ProcessResult,
@@ -117,6 +118,7 @@ def run_local(
   stop: threading.Event | None = None,
   term_grace_s: float = 60.0,
   pin_cpus: bool = False,
+  tcmalloc: bool = True,
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
@@ -141,6 +143,8 @@ def run_local(
       (`cpu_shares`), as separate hosts would have. Without it every
       process's XLA thread pool spans all CPUs, so N simulated hosts run N
       times as many compute threads as there are CPUs.
+    tcmalloc: preload TCMalloc into every process when this machine has it
+      (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
@@ -150,6 +154,8 @@ def run_local(
   port = free_port()
   base = dict(os.environ)
   base.update(env or {})
+  if tcmalloc:
+    base = allocator.with_tcmalloc(base)
   wrapper = []
   if shutil.which("timeout"):
     # A backstop for when this launcher itself dies: our own deadline fires first.

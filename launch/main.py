@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="give each process its own share of this machine's CPUs, as separate hosts have",
   )
+  loc.add_argument(
+    "--no-tcmalloc",
+    dest="tcmalloc",
+    action="store_false",
+    help="do not preload TCMalloc into the processes (by default it is, where installed)",
+  )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   slurm = targets.add_parser("slurm", help="write (and --submit) an sbatch script")
   slurm.add_argument("--nodes", type=int, required=True)
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
       log_dir=args.log_dir,
       term_grace_s=args.term_grace,
       pin_cpus=args.pin_cpus,
+      tcmalloc=args.tcmalloc,
     )
   result = attempts[-1]
   if len(attempts) > 1:

@@ -38,3 +38,11 @@ def test_dockerfile(kind):
   users = [line.split()[1] for line in lines if line.startswith("USER ")]
   assert users and users[-1] not in ("root", "0")
   assert any(line.startswith("ENTRYPOINT") and "spmd-train" in line for line in lines)
+
+
+@pytest.mark.parametrize("kind", sorted(EXTRAS))
+def test_images_preload_the_tcmalloc_they_install(kind):
+  text = (ROOT / "docker" / kind / "Dockerfile").read_text()
+  assert "libtcmalloc-minimal4" in text
+  [link] = re.findall(r"ln -s .* (/\S+libtcmalloc_minimal\.so\.4)", text)
+  assert f"ENV LD_PRELOAD={link} " in text

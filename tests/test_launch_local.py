@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launch import local, main
+from launch import allocator, local, main
 
 PY = sys.executable
 
@@ -154,3 +154,31 @@ def test_pinned_processes_get_disjoint_cpus():
     return out
 
   assert [cpus(p.output.strip()) for p in result.processes] == local.cpu_shares(2)
+
+
+def test_tcmalloc_is_put_first_in_ld_preload_when_found(tmp_path):
+  empty, lib = tmp_path / "empty", tmp_path / "lib"
+  empty.mkdir()
+  lib.mkdir()
+  (lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
+  dirs = [str(empty), str(lib)]
+  found = str(lib / "libtcmalloc_minimal.so.4")
+  assert allocator.find_tcmalloc(dirs) == found
+  assert allocator.with_tcmalloc({}, dirs)["LD_PRELOAD"] == found
+  assert allocator.with_tcmalloc({"LD_PRELOAD": "/x.so"}, dirs)["LD_PRELOAD"] == f"{found} /x.so"
+  # Opted out, already preloaded, or not installed: the environment is left alone.
+  assert "LD_PRELOAD" not in allocator.with_tcmalloc({"SPMD_TCMALLOC": "0"}, dirs)
+  mine = {"LD_PRELOAD": "/opt/libtcmalloc.so.4"}
+  assert allocator.with_tcmalloc(mine, dirs) == mine
+  assert allocator.with_tcmalloc({}, [str(empty)]) == {}
+
+
+@pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="TCMalloc is not installed here")
+def test_launched_processes_run_with_tcmalloc_unless_told_not_to():
+  # The dynamic loader really maps it into the process (not just an env var).
+  probe = ["sh", "-c", "grep -c tcmalloc /proc/self/maps || true"]
+  on = local.run_local(probe, num_processes=2, timeout_s=30, echo=False)
+  off = local.run_local(probe, num_processes=1, timeout_s=30, echo=False, tcmalloc=False)
+  assert on.ok and off.ok, on.report() + off.report()
+  assert [int(p.output) > 0 for p in on.processes] == [True, True]
+  assert int(off.processes[0].output) == 0
