@@ -62,6 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.b2 = 0.95
   config.train.grad_clip_norm = 1.0
   config.train.micro_batches = 1  # gradient accumulation
+  # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
+  # with replicated parameters (gloo pays per array; see trainers/step.py).
+  config.train.flat_grad_reduce = "auto"
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
   # Fault injection for tests (tests/faults); empty = off.

@@ -1,0 +1,76 @@
+"""The train step's flat gradient reduction (one psum of one vector) against GSPMD's."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from configs import lm_tiny
+from spmd.layout import batch_sharding
+from spmd.mesh import create_mesh
+from trainers.models import logical_axes
+from trainers.models import transformer as lm
+from trainers.state import make_state
+from trainers.step import flat_gradient_reduction, make_train_step
+from trainers.tasks import transformer_config
+
+
+def _setup(ici="data=-1,fsdp=1,tensor=1", **train):
+  config = lm_tiny.get_config()
+  config.mesh.ici = ici
+  config.model.d_model, config.model.d_ff, config.model.seq_len = 32, 64, 16
+  config.global_batch = 16
+  for key, value in train.items():
+    config.train[key] = value
+  mesh = create_mesh(config.mesh.ici)  # data=8 on the 8 CPU test devices
+  model_config = transformer_config(config)
+  setup = make_state(
+    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
+  )
+  return config, mesh, setup
+
+
+def _all_reduce_operands(step, state, batch) -> list[int]:
+  text = step.lower(state, batch).compile().as_text()
+  lines = [line for line in text.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
+  return [line.split(" all-reduce")[0].count("[") for line in lines]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_flat_reduction_trains_like_gspmd(micro_batches):
+  runs = {}
+  for mode in ("on", "off"):
+    config, mesh, setup = _setup(flat_grad_reduce=mode, micro_batches=micro_batches)
+    axes = ("data", "fsdp")
+    spec = batch_sharding(mesh, axes)
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
+    batch = {
+      "inputs": jax.device_put(tokens[:, :-1], spec),
+      "targets": jax.device_put(tokens[:, 1:], spec),
+      "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
+    }
+    step = make_train_step(setup, config, mesh, axes)
+    state = setup.init()
+    runs[mode] = {"operands": _all_reduce_operands(step, state, batch)}
+    for _ in range(3):
+      state, metrics = step(state, batch)
+    runs[mode].update(state=jax.device_get(state), metrics=jax.device_get(metrics))
+  # One all-reduce of one flat vector instead of one operand per gradient array.
+  assert runs["on"]["operands"] == [1], runs["on"]["operands"]
+  assert sum(runs["off"]["operands"]) > 10, runs["off"]["operands"]
+  for a, b in zip(jax.tree.leaves(runs["on"]["state"]), jax.tree.leaves(runs["off"]["state"])):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+  for key in ("loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose(runs["on"]["metrics"][key], runs["off"]["metrics"][key], rtol=1e-5)
+
+
+def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
+  config, _, setup = _setup()
+  assert not flat_gradient_reduction(setup, config, ("data", "fsdp"))  # auto, one process
+  config.train.flat_grad_reduce = "sideways"
+  with pytest.raises(ValueError, match="flat_grad_reduce='sideways' must be"):
+    flat_gradient_reduction(setup, config, ("data", "fsdp"))
+  config, _, sharded = _setup("data=2,fsdp=4,tensor=1", flat_grad_reduce="on")
+  with pytest.raises(ValueError, match="needs replicated parameters"):
+    flat_gradient_reduction(sharded, config, ("data", "fsdp"))
