@@ -31,7 +31,7 @@ def _main(argv: list[str]) -> None:
     # the progress bar and what matters unless asked otherwise.
     logging.set_verbosity(logging.WARNING)
   from trainers.train import Preempted, train_and_evaluate
-  from trainers.watchdog import publish_failure
+  from trainers.watchdog import EXIT_PEER_FAILED, peer_failed_first, publish_failure
 
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
@@ -39,6 +39,10 @@ def _main(argv: list[str]) -> None:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)
   except Exception as e:
+    echo = peer_failed_first(e)
+    if echo:  # this error is the echo of another process's failure: report that
+      print(f"spmd-train: {echo}", file=sys.stderr, flush=True)
+      os._exit(EXIT_PEER_FAILED)
     if not publish_failure(e):  # the other processes stop too, naming this one and its error
       raise
     traceback.print_exc()

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -82,6 +83,43 @@ def publish_failure(error: BaseException, wait_s: float = 3.0) -> bool:
   except Exception as e:  # the store may be gone already; the error itself matters more
     log.debug("could not publish this process's failure: %s", e)
   return True
+
+
+def _first_peer_failure(client: Any) -> tuple[int, str] | None:
+  """(process, error) of the lowest other process that published a failure; marks it seen."""
+  me = jax.process_index()
+  try:
+    failed = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(_FAILED)}
+  except Exception:
+    return None
+  failed.pop(me, None)  # this process's own error is on its way out already
+  if not failed:
+    return None
+  try:
+    client.key_value_set(f"{_SEEN}{me}", "1", allow_overwrite=True)
+  except Exception:
+    pass
+  p = min(failed)
+  return p, failed[p]
+
+
+def peer_failed_first(error: BaseException) -> str | None:
+  """If another process already published a failure, the message naming it.
+
+  A process whose peer died mid-collective gets an error of its own (gloo's
+  "Connection reset by peer"), often before its watchdog's next look at the
+  store. That error is an echo; the peer's is the cause, so that is what
+  this process reports.
+  """
+  client = multihost.runtime_client()
+  if client is None or jax.process_count() == 1:
+    return None
+  found = _first_peer_failure(client)
+  if found is None:
+    return None
+  p, cause = found
+  here = f"{type(error).__name__} here"
+  return f"process {jax.process_index()}: stopping ({here}) because process {p} failed: {cause}"
 
 
 class ProgressWatchdog:
@@ -170,21 +208,12 @@ class ProgressWatchdog:
     """The message for the first other process that published a failure, if any."""
     if self._client is None:
       return None
-    me = jax.process_index()
-    try:
-      failed = {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(_FAILED)}
-    except Exception:
+    found = _first_peer_failure(self._client)
+    if found is None:
       return None
-    failed.pop(me, None)  # this process's own error is on its way out already
-    if not failed:
-      return None
-    p = min(failed)
-    try:
-      self._client.key_value_set(f"{_SEEN}{me}", "1", allow_overwrite=True)
-    except Exception:
-      pass
+    p, error = found
     where = "before its first step" if self._step is None else f"at step {self._step}"
-    return f"process {me}: stopping ({where}) because process {p} failed: {failed[p]}"
+    return f"process {jax.process_index()}: stopping ({where}) because process {p} failed: {error}"
 
   def _watch(self) -> None:
     tick = min(1.0, self._timeout / 4) if self._timeout > 0 else 1.0
