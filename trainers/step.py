@@ -9,6 +9,7 @@ optimizer state and counts a bad step; the loop stops after
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,9 +57,7 @@ def flat_gradient_reduction(
     raise ValueError(f"train.flat_grad_reduce={mode!r} must be 'auto', 'on' or 'off'")
   shardings = jax.tree.leaves(setup.shardings["params"])
   mesh = shardings[0].mesh
-  shards = 1
-  for axis in batch_axes:
-    shards *= mesh.shape[axis]
+  shards = math.prod(mesh.shape[axis] for axis in batch_axes)
   possible = (
     bool(batch_axes)
     and all(s.is_fully_replicated for s in shardings)
@@ -110,11 +109,11 @@ def make_train_step(
     return jax.lax.scan(body, zeros, split)[0]
 
   if flat_gradient_reduction(setup, config, batch_axes):
-    gspmd_sums_and_grads = sums_and_grads
+    device_sums_and_grads = sums_and_grads  # inside shard_map: over this device's rows
 
     def local_sums(params, batch):
       # This device's sums over its rows; then one all-reduce of one vector.
-      flat, unravel = ravel_pytree(gspmd_sums_and_grads(params, batch))
+      flat, unravel = ravel_pytree(device_sums_and_grads(params, batch))
       return unravel(jax.lax.psum(flat, batch_axes))
 
     sums_and_grads = jax.shard_map(
