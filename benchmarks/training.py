@@ -104,9 +104,9 @@ def checkpoint_cost(step_fn, state, batch, data_state: dict, every: int, saves: 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/lm_tiny.py")
-  parser.add_argument("--rounds", type=int, default=6)
+  parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--steps", type=int, default=10, help="steps per round and side (P4)")
-  parser.add_argument("--saves", type=int, default=6, help="checkpoints started (P5)")
+  parser.add_argument("--saves", type=int, default=12, help="checkpoints started (P5)")
   parser.add_argument("--workdir", default="workdir/bench/training")
   parser.add_argument("--json")
   args = parser.parse_args()
