@@ -203,6 +203,28 @@ def test_opens_any_prepared_dataset_from_its_files_alone(tmp_path):
   assert datasets.open_source("tiny_digits:1.0.0", "train[:3]", tmp_path).info.name == "tiny_digits"
 
 
+def test_decodes_only_the_features_asked_for(built):
+  name, data_dir = built
+  full = datasets.open_source(name, "train", data_dir)
+  tokens_only = datasets.open_source(name, "train", data_dir, features=["tokens"])
+  assert len(tokens_only) == len(full) > 1
+  indices = list(range(len(full)))
+  for one, batch, whole in zip(
+    (tokens_only[i] for i in indices), tokens_only.__getitems__(indices), full.__getitems__(indices)
+  ):
+    assert set(one) == set(batch) == {"tokens"}
+    assert one["tokens"].dtype == whole["tokens"].dtype == np.uint8
+    assert one["tokens"].tobytes() == batch["tokens"].tobytes() == whole["tokens"].tobytes()
+
+
+def test_unknown_feature_lists_the_features(built):
+  name, data_dir = built
+  with pytest.raises(
+    ValueError, match=re.escape("has no feature ['image']; its features are ['offset', 'source',")
+  ):
+    datasets.open_source(name, "train", data_dir, features=["tokens", "image"])
+
+
 def test_unknown_split_lists_the_splits(built):
   name, data_dir = built
   with pytest.raises(ValueError, match=r"split='test' is not a split .*\['train', 'validation'\]"):
@@ -228,12 +250,13 @@ def test_truncated_shard_is_a_clear_error(built, tmp_path):
     datasets.open_source(name, "train", data_dir)
 
 
-def test_corrupt_record_is_an_error_not_garbage(built, src, tmp_path):
+@pytest.mark.parametrize("features", [None, ("tokens", "source", "offset")])
+def test_corrupt_record_is_an_error_not_garbage(built, src, tmp_path, features):
   name, data_dir, shard = _copy(built, tmp_path)
   data = bytearray(shard.read_bytes())
   data[100:140] = bytes(b ^ 0xFF for b in data[100:140])  # Inside the first records.
   shard.write_bytes(data)
-  source = datasets.open_source(name, "train", data_dir)  # The index is intact.
+  source = datasets.open_source(name, "train", data_dir, features)  # The index is intact.
   expected = _expected(src)
   errors = 0
   for i in range(len(source)):

@@ -37,7 +37,9 @@ class Task:
   units_per_step: int
   flops_per_step: float
   language_model: bool  # a greedy sample at the end
-  record_template: dict  # a record of the data's format (zeros): example shapes without data
+  # A record of the data's format (zeros): example shapes without data; its keys are
+  # the features `to_example` reads, the only ones the pipeline decodes.
+  record_template: dict
 
 
 def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:

@@ -286,8 +286,12 @@ def open_global_batches(
   train: bool = True,
   batch_axes: Sequence[str] | None = None,
   examples_per_record: int = 1,
+  features: Sequence[str] | None = None,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
+
+  `features` names the record features `to_example` reads; only those are
+  decoded (None: all of them; see `datasets.open_source`).
 
   All hosts compare what they opened (dataset, size, batch, seed): a host
   with another copy of the data, or one whose open failed (missing or
@@ -298,7 +302,7 @@ def open_global_batches(
 
   what = f"input pipeline {name}[{split}]"
   try:
-    records = open_source(name, split, data_dir)
+    records = open_source(name, split, data_dir, features)
     batches = GlobalBatches(
       records,
       to_example,
