@@ -203,26 +203,21 @@ def open_source(
     )
   files = _check_files(full_name, split, info)
   if features is None:
-    source = builder.as_data_source(split, file_format=_ARRAY_RECORD)
-    return RecordSource(source, name=full_name, split=split, info=info, files=files)
-  available = sorted(info.features.keys())
-  missing = [f for f in features if f not in available]
-  if missing:
-    raise ValueError(f"{full_name} has no feature {missing}; its features are {available}")
-  # TFDS's own decoder for a dict of just these features, over raw records:
-  # its parser skips what is not in the dict.
-  subset = tfds.features.FeaturesDict({f: info.features[f] for f in features})
-  raw = builder.as_data_source(
-    split, file_format=_ARRAY_RECORD, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
-  )
-  return RecordSource(
-    raw,
-    name=full_name,
-    split=split,
-    info=info,
-    files=files,
-    decode=subset.deserialize_example_np,
-  )
+    source, decode = builder.as_data_source(split, file_format=_ARRAY_RECORD), None
+  else:
+    available = sorted(info.features.keys())
+    missing = [f for f in features if f not in available]
+    if missing:
+      raise ValueError(f"{full_name} has no feature {missing}; its features are {available}")
+    # TFDS's own decoder for a dict of just these features, over raw records:
+    # its parser skips what is not in the dict.
+    decode = tfds.features.FeaturesDict(
+      {f: info.features[f] for f in features}
+    ).deserialize_example_np
+    source = builder.as_data_source(
+      split, file_format=_ARRAY_RECORD, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
+    )
+  return RecordSource(source, name=full_name, split=split, info=info, files=files, decode=decode)
 
 
 def prepare_text_corpus(
