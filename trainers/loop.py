@@ -110,10 +110,10 @@ class MetricsHook(Hook):
 
 
 class CheckpointHook(Hook):
-  """Starts an asynchronous save; saves at the end and waits for it.
+  """Starts an asynchronous save every `every` steps and at the end; waits at the end.
 
-  `save(step, state, force)` returns whether a save began (the manager skips
-  steps off its interval unless forced; the last step is always forced).
+  `save(step, state)` starts a save and returns whether it began (see
+  `checkpoint.Saver`: a step not after the last saved is refused).
   `last_saved` is the step the run started from when it resumed from its own
   checkpoint: a run resumed at its last step must not save that step again.
   """
@@ -121,7 +121,7 @@ class CheckpointHook(Hook):
   def __init__(
     self,
     every: int,
-    save: Callable[[int, Any, bool], bool],
+    save: Callable[[int, Any], bool],
     wait: Callable[[], None],
     last_saved: int = -1,
   ):
@@ -130,7 +130,7 @@ class CheckpointHook(Hook):
     self.last_saved = last_saved
 
   def run(self, loop: LoopState) -> None:
-    if self._save(loop.step, loop.state, loop.step == loop.total_steps):
+    if self._save(loop.step, loop.state):
       self.last_saved = loop.step
 
   def close(self, loop: LoopState, ok: bool) -> None:
@@ -139,7 +139,7 @@ class CheckpointHook(Hook):
     if not ok:
       return
     if self.last_saved != loop.step and loop.step > 0:
-      self._save(loop.step, loop.state, True)
+      self._save(loop.step, loop.state)
       self.last_saved = loop.step
     self._wait()
 

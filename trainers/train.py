@@ -263,8 +263,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   writer = metrics.MetricsWriter(workdir, enabled=chief)
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
-  def save(step, state, force):
-    return checkpoint.save(manager, step, state, train_batches.state(step).to_dict(), force=force)
+  saver = checkpoint.Saver(manager)
+
+  def save(step, state):
+    return saver.save(step, state, train_batches.state(step).to_dict())
 
   def evaluate(params):
     return _evaluate(eval_step, eval_batches, params, config.eval_batches)
@@ -282,7 +284,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       task.unit,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
-    CheckpointHook(config.checkpoint.every, save, manager.wait_until_finished, last_saved=start),
+    CheckpointHook(config.checkpoint.every, save, saver.wait, last_saved=start),
     ProfileHook(
       config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
     ),
@@ -330,7 +332,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       setup, loop.state["params"], b"def ", config.sample_tokens, config.model.seq_len
     )
   writer.close()
-  manager.close()
+  saver.close()
   last = loop.history[-1] if loop.history else {}
   rates = [h[rate] for h in loop.history[1:]] or [last.get(rate, 0.0)]
   summary = {
