@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.train_split = "train"
   config.data.eval_split = "validation"
   config.data.prefetch = 2
+  # Records per shuffle block when records hold several examples (LM windows):
+  # a batch draws from this many records, each read about once per block.
+  config.data.shuffle_block = 256
 
   # Model: a byte-level decoder-only transformer.
   config.model = ml_collections.ConfigDict()

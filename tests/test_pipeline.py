@@ -155,3 +155,69 @@ def test_windows_split_long_records_into_examples(records):
   for row, e in enumerate(b.record_indices(0)):
     expected = to_example(records[int(e) // per], int(e) % per)
     np.testing.assert_array_equal(batch["targets"][row], expected["targets"])
+
+
+class CountingRecords:
+  """A record list that counts how many records were read, one or a batch at a time."""
+
+  def __init__(self, n: int, length: int):
+    self._records = [{"tokens": np.full(length, i % 250, np.uint8)} for i in range(n)]
+    self.reads = 0
+
+  def __len__(self):
+    return len(self._records)
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return self._records[i]
+
+  def __getitems__(self, indices):
+    self.reads += len(indices)
+    return [self._records[i] for i in indices]
+
+
+@pytest.mark.parametrize("block", [1, 7, 1000])
+def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_epoch(block):
+  per, seq_len, n = 5, 7, 48  # 48 records of 5 windows; blocks of 7: the last one short
+  source = CountingRecords(n, per * (seq_len + 1))
+  b = pipeline.GlobalBatches(
+    source,
+    pipeline.lm_example(seq_len),
+    8,
+    create_mesh("data=-1,fsdp=1,tensor=1"),
+    seed=1,
+    examples_per_record=per,
+    shuffle_block=block,
+  )
+  assert b.num_records == n * per and b.steps_per_epoch == n * per // 8
+  epochs = []
+  for epoch in range(2):
+    source.reads = 0
+    steps = range(epoch * b.steps_per_epoch, (epoch + 1) * b.steps_per_epoch)
+    seen = np.concatenate([b.record_indices(s) for s in steps])
+    assert sorted(seen.tolist()) == list(range(n * per)), "every window once per epoch"
+    for s in steps:
+      batch = b.host_batch(s)
+      for row, e in enumerate(b.record_indices(s)):  # the rows hold those windows
+        expected = pipeline.lm_example(seq_len)(source._records[int(e) // per], int(e) % per)
+        np.testing.assert_array_equal(batch["targets"][row], expected["targets"])
+    # Each record read once an epoch at most (fewer when still cached from the last).
+    assert source.reads <= n and (epoch or source.reads == n), f"{source.reads} reads, {n} records"
+    if 8 <= block * per < n * per:  # a batch's rows come from two consecutive blocks at most
+      order = [int(b._order[epoch * n + i]) % n for i in range(n)]
+      block_of = {r: i // block for i, r in enumerate(order)}
+      for s in steps:
+        blocks = {block_of[int(e) // per] for e in b.record_indices(s)}
+        assert max(blocks) - min(blocks) <= 1, blocks
+    epochs.append(seen)
+  assert not np.array_equal(epochs[0], epochs[1]), "each epoch its own order"
+  again = pipeline.GlobalBatches(
+    source,
+    pipeline.lm_example(seq_len),
+    8,
+    create_mesh("data=-1,fsdp=1,tensor=1"),
+    seed=1,
+    examples_per_record=per,
+    shuffle_block=block,
+  )
+  assert np.array_equal(again.record_indices(3), b.record_indices(3)), "a pure function of the step"

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -115,6 +116,19 @@ class GlobalBatches:
     examples_per_record: each record holds this many examples (windows);
       example `e` is window `e % n` of record `e // n`, read as
       `to_example(record, window)`.
+    shuffle_block: with several examples per record, how many records a
+      block of the shuffle holds (see below).
+
+  With one example per record, each epoch is one uniform permutation of the
+  records. With `n` windows per record, a uniform permutation of the windows
+  would read a whole record for every example: 32 records read and decoded
+  for a batch of 32, each for one window. So each epoch shuffles the
+  records, cuts that order into blocks of `shuffle_block` records, and
+  permutes the windows within each block; decoded records are kept (an LRU
+  cache of `shuffle_block` + `global_batch` records), so each record is read
+  about once per block, not once per window. A batch then draws its rows
+  from `shuffle_block` records (the role of a shuffle buffer in a streaming
+  pipeline), and positions stay a pure function of the step.
   """
 
   def __init__(
@@ -128,9 +142,13 @@ class GlobalBatches:
     batch_axes: Sequence[str] | None = None,
     name: str = "records",
     examples_per_record: int = 1,
+    shuffle_block: int = 256,
   ):
     if examples_per_record < 1:
       raise ValueError(f"{examples_per_record=} must be at least 1")
+    if shuffle_block < 1:
+      raise ValueError(f"{shuffle_block=} must be at least 1")
+    self.shuffle_block = shuffle_block
     self.examples_per_record = examples_per_record
     self.num_records = len(records) * examples_per_record  # examples, really
     self.global_batch = global_batch
@@ -160,18 +178,24 @@ class GlobalBatches:
     else:
       self.steps_per_epoch = -(-self.num_records // global_batch)
     # shuffle() reseeds for every epoch of indices past len(); see grain's MapDataset.
+    # With windows, the records are shuffled and the windows then within blocks.
+    shuffled = self.num_records if examples_per_record == 1 else len(records)
     self._order = (
-      grain.MapDataset.range(self.num_records).seed(seed).shuffle()
+      grain.MapDataset.range(shuffled).seed(seed).shuffle()
       if train
       else grain.MapDataset.range(self.num_records)
     )
+    self._block_orders: collections.OrderedDict[tuple[int, int], grain.MapDataset] = (
+      collections.OrderedDict()
+    )
+    self._cache = _RecordCache(shuffle_block + global_batch) if examples_per_record > 1 else None
     self._records = records
     self._to_example = to_example
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
     self._example_spec = self._example(records[0], 0)
     self.fingerprint = hashlib.sha256(
-      f"{name}|{self.num_records}|{examples_per_record}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
+      f"{name}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
     ).hexdigest()[:16]
 
   # -- positions and records ---------------------------------------------------
@@ -189,7 +213,30 @@ class GlobalBatches:
     positions = self.positions(step, rows)
     if not self.train:
       return np.where(positions < self.num_records, positions, -1)
-    return np.array([self._order[int(p)] % self.num_records for p in positions], np.int64)
+    if self.examples_per_record == 1:
+      return np.array([self._order[int(p)] % self.num_records for p in positions], np.int64)
+    return np.array([self._window_at(int(p)) for p in positions], np.int64)
+
+  def _window_at(self, position: int) -> int:
+    """The example (record * n + window) at a train position: blocks of shuffled records."""
+    per, block_records, count = self.examples_per_record, self.shuffle_block, len(self._records)
+    epoch, within = divmod(position, self.num_records)
+    block, j = divmod(within, block_records * per)
+    first = block * block_records
+    k = self._block_order(epoch, block, min(block_records, count - first) * per)[j]
+    record = self._order[epoch * count + first + k // per] % count
+    return record * per + k % per
+
+  def _block_order(self, epoch: int, block: int, size: int) -> grain.MapDataset:
+    key = (epoch, block)
+    order = self._block_orders.get(key)
+    if order is None:
+      seed = int(np.random.SeedSequence([self.seed, epoch, block]).generate_state(1)[0])
+      order = grain.MapDataset.range(size).seed(seed).shuffle()
+      self._block_orders[key] = order
+      while len(self._block_orders) > 4:  # a batch spans at most two blocks
+        self._block_orders.popitem(last=False)
+    return order
 
   def host_batch(self, step: int) -> Example:
     """This host's rows of the global batch at `step`, as numpy arrays."""
@@ -200,9 +247,10 @@ class GlobalBatches:
     # One batched read of the distinct records: an ArrayRecord source reads a
     # batch ~10x faster than the same records one by one.
     distinct = sorted({i // per for i in wanted})
-    getitems = getattr(self._records, "__getitems__", None)
-    read = getitems(distinct) if getitems else [self._records[i] for i in distinct]
-    by_record = dict(zip(distinct, read))
+    if self._cache is None:
+      by_record = dict(zip(distinct, self._read(distinct)))
+    else:
+      by_record = self._cache.get_or_read(distinct, self._read)
     it = iter(self._example(by_record[i // per], i % per) for i in wanted)
     examples = [next(it) if ok else None for ok in valid]
     out = {}
@@ -212,6 +260,10 @@ class GlobalBatches:
       mask = out.get("mask", np.ones((len(indices),), np.float32))
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
+
+  def _read(self, indices: list[int]) -> Sequence[Any]:
+    getitems = getattr(self._records, "__getitems__", None)
+    return getitems(indices) if getitems else [self._records[i] for i in indices]
 
   def _example(self, record: Any, window: int) -> Example:
     if self.examples_per_record == 1:
@@ -287,6 +339,7 @@ def open_global_batches(
   batch_axes: Sequence[str] | None = None,
   examples_per_record: int = 1,
   features: Sequence[str] | None = None,
+  shuffle_block: int = 256,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
 
@@ -313,6 +366,7 @@ def open_global_batches(
       batch_axes=batch_axes,
       name=f"{records.name}[{split}]",
       examples_per_record=examples_per_record,
+      shuffle_block=shuffle_block,
     )
   except (OSError, ValueError) as e:
     multihost.check_agreement(what, {multihost.ERROR_KEY: f"{type(e).__name__}: {e}"})
@@ -329,6 +383,32 @@ def open_global_batches(
     },
   )
   return batches
+
+
+class _RecordCache:
+  """The last `capacity` records read, by index; safe to share between threads."""
+
+  def __init__(self, capacity: int):
+    self.capacity = capacity
+    self._records: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  def get_or_read(
+    self, indices: list[int], read: Callable[[list[int]], Sequence[Any]]
+  ) -> dict[int, Any]:
+    with self._lock:
+      found = {i: self._records[i] for i in indices if i in self._records}
+      for i in found:
+        self._records.move_to_end(i)
+    missing = [i for i in indices if i not in found]
+    if missing:  # one batched read, outside the lock
+      found.update(zip(missing, read(missing)))
+      with self._lock:
+        for i in missing:
+          self._records[i] = found[i]
+        while len(self._records) > self.capacity:
+          self._records.popitem(last=False)
+    return found
 
 
 class BatchIterator(Iterator[tuple[int, dict[str, jax.Array]]]):
