@@ -180,15 +180,15 @@ class CountingRecords:
 def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_epoch(block):
   per, seq_len, n = 5, 7, 48  # 48 records of 5 windows; blocks of 7: the last one short
   source = CountingRecords(n, per * (seq_len + 1))
-  b = pipeline.GlobalBatches(
-    source,
-    pipeline.lm_example(seq_len),
-    8,
-    create_mesh("data=-1,fsdp=1,tensor=1"),
-    seed=1,
-    examples_per_record=per,
-    shuffle_block=block,
-  )
+  mesh = create_mesh("data=-1,fsdp=1,tensor=1")
+
+  def build():
+    example = pipeline.lm_example(seq_len)
+    return pipeline.GlobalBatches(
+      source, example, 8, mesh, seed=1, examples_per_record=per, shuffle_block=block
+    )
+
+  b = build()
   assert b.num_records == n * per and b.steps_per_epoch == n * per // 8
   epochs = []
   for epoch in range(2):
@@ -211,13 +211,4 @@ def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_e
         assert max(blocks) - min(blocks) <= 1, blocks
     epochs.append(seen)
   assert not np.array_equal(epochs[0], epochs[1]), "each epoch its own order"
-  again = pipeline.GlobalBatches(
-    source,
-    pipeline.lm_example(seq_len),
-    8,
-    create_mesh("data=-1,fsdp=1,tensor=1"),
-    seed=1,
-    examples_per_record=per,
-    shuffle_block=block,
-  )
-  assert np.array_equal(again.record_indices(3), b.record_indices(3)), "a pure function of the step"
+  assert np.array_equal(build().record_indices(3), b.record_indices(3)), "a pure function of step"
