@@ -253,11 +253,11 @@ def _snapshot_sharding(x: jax.Array) -> jax.sharding.Sharding:
   sharding = x.sharding
   if isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
     mesh = sharding.mesh
-    for dim, size in enumerate(x.shape):
-      piece = x.nbytes // max(mesh.size, 1)
-      if mesh.size > 1 and size % mesh.size == 0 and piece >= REPLICA_PARALLEL_MIN_SLICE_BYTES:
-        sharding = NamedSharding(mesh, P(*[None] * dim, tuple(mesh.axis_names)))
-        break
+    if mesh.size > 1 and x.nbytes // mesh.size >= REPLICA_PARALLEL_MIN_SLICE_BYTES:
+      for dim, size in enumerate(x.shape):
+        if size % mesh.size == 0:
+          sharding = NamedSharding(mesh, P(*[None] * dim, tuple(mesh.axis_names)))
+          break
   return _in_host_memory(sharding)
 
 

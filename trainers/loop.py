@@ -112,35 +112,25 @@ class MetricsHook(Hook):
 class CheckpointHook(Hook):
   """Starts an asynchronous save every `every` steps and at the end; waits at the end.
 
-  `save(step, state)` starts a save and returns whether it began (see
-  `checkpoint.Saver`: a step not after the last saved is refused).
-  `last_saved` is the step the run started from when it resumed from its own
-  checkpoint: a run resumed at its last step must not save that step again.
+  `save(step, state)` starts a save and returns whether it began. It refuses
+  a step not after the last saved (`checkpoint.Saver`), so the end of a run
+  resumed at its last step, or just saved, saves nothing twice.
   """
 
-  def __init__(
-    self,
-    every: int,
-    save: Callable[[int, Any], bool],
-    wait: Callable[[], None],
-    last_saved: int = -1,
-  ):
+  def __init__(self, every: int, save: Callable[[int, Any], bool], wait: Callable[[], None]):
     self.every = every
     self._save, self._wait = save, wait
-    self.last_saved = last_saved
 
   def run(self, loop: LoopState) -> None:
-    if self._save(loop.step, loop.state):
-      self.last_saved = loop.step
+    self._save(loop.step, loop.state)
 
   def close(self, loop: LoopState, ok: bool) -> None:
     # After an error another host may be gone: saving (a collective) or
     # waiting for a save could then hang, so only a clean end saves.
     if not ok:
       return
-    if self.last_saved != loop.step and loop.step > 0:
+    if loop.step > 0:
       self._save(loop.step, loop.state)
-      self.last_saved = loop.step
     self._wait()
 
 

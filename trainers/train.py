@@ -285,7 +285,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       task.unit,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
-    CheckpointHook(config.checkpoint.every, save, saver.wait, last_saved=start),
+    CheckpointHook(config.checkpoint.every, save, saver.wait),
     ProfileHook(
       config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
     ),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import queue
@@ -185,9 +186,6 @@ class GlobalBatches:
       if train
       else grain.MapDataset.range(self.num_records)
     )
-    self._block_orders: collections.OrderedDict[tuple[int, int], grain.MapDataset] = (
-      collections.OrderedDict()
-    )
     self._cache = _RecordCache(shuffle_block + global_batch) if examples_per_record > 1 else None
     self._records = records
     self._to_example = to_example
@@ -223,20 +221,9 @@ class GlobalBatches:
     epoch, within = divmod(position, self.num_records)
     block, j = divmod(within, block_records * per)
     first = block * block_records
-    k = self._block_order(epoch, block, min(block_records, count - first) * per)[j]
+    k = _block_order(self.seed, epoch, block, min(block_records, count - first) * per)[j]
     record = self._order[epoch * count + first + k // per] % count
     return record * per + k % per
-
-  def _block_order(self, epoch: int, block: int, size: int) -> grain.MapDataset:
-    key = (epoch, block)
-    order = self._block_orders.get(key)
-    if order is None:
-      seed = int(np.random.SeedSequence([self.seed, epoch, block]).generate_state(1)[0])
-      order = grain.MapDataset.range(size).seed(seed).shuffle()
-      self._block_orders[key] = order
-      while len(self._block_orders) > 4:  # a batch spans at most two blocks
-        self._block_orders.popitem(last=False)
-    return order
 
   def host_batch(self, step: int) -> Example:
     """This host's rows of the global batch at `step`, as numpy arrays."""
@@ -383,6 +370,13 @@ def open_global_batches(
     },
   )
   return batches
+
+
+@functools.lru_cache(maxsize=8)  # a batch spans at most two blocks
+def _block_order(seed: int, epoch: int, block: int, size: int) -> grain.MapDataset:
+  """The permutation of the `size` windows of one block of one epoch."""
+  block_seed = int(np.random.SeedSequence([seed, epoch, block]).generate_state(1)[0])
+  return grain.MapDataset.range(size).seed(block_seed).shuffle()
 
 
 class _RecordCache:
