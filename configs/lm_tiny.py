@@ -16,6 +16,9 @@ def get_config():
   config.model.d_model = 128
   config.model.num_heads = 4
   config.model.d_ff = 512
+  # Two layers: the scan's loop costs more than it saves (compile time is
+  # small either way); unrolled, the step ran 7-10 % faster on CPU.
+  config.model.scan_unroll = config.model.num_layers
   config.global_batch = 32
   config.train.steps = 300
   config.train.learning_rate = 3e-3

@@ -108,6 +108,8 @@ def _windows(batch, length):
     (dict(vocab_size=-1), "vocab_size=-1 must be a positive integer"),
     (dict(dtype="int32"), "dtype='int32' is not a floating point dtype"),
     (dict(param_dtype="floaty"), "param_dtype='floaty' is not a dtype"),
+    (dict(scan_unroll=0), "scan_unroll=0 must be a positive integer"),
+    (dict(scan_unroll=True), "scan_unroll=True must be a positive integer"),
   ],
 )
 def test_config_errors_name_the_values(kwargs, message):
@@ -311,6 +313,32 @@ def test_scanned_and_unrolled_models_are_the_same_model():
     for scan in (True, False)
   ]
   np.testing.assert_array_equal(*samples)
+
+
+def test_an_unrolled_scan_is_the_same_model_and_keeps_the_remat():
+  """scan_unroll only changes how the loop runs: the same logits and gradients, no loop."""
+  tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size
+
+  def logits_and_grads(unroll):
+    config = dataclasses.replace(TWO_LAYERS, scan_unroll=unroll)
+    graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss(params):
+      logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, logits), grads = grad_fn(params)
+    hlo = grad_fn.lower(params).compile().as_text()
+    return logits, nnx.to_pure_dict(grads), hlo
+
+  looped, unrolled = logits_and_grads(1), logits_and_grads(TWO_LAYERS.num_layers)
+  np.testing.assert_allclose(looped[0], unrolled[0], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(looped[1]), jax.tree.leaves(unrolled[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  assert " while(" in looped[2] and " while(" not in unrolled[2]
+  # That the unrolled layers are still rematerialised is checked by counting
+  # the compiled matmul FLOPs (tests/test_plan.py, unrolled layers).
 
 
 def _optimizer_shardings(opt_state, mesh, rule_set=rules.FSDP_TP):

@@ -54,25 +54,28 @@ def test_sharded_matmul_bytes_match_hand_computed():
   assert kinds & {"all-gather", "all-reduce"}, compiled.as_text()[:2000]
 
 
-def _tiny(rules: str, ici: str):
+def _tiny(rules: str, ici: str, scan_unroll: int = 1):
+  """lm_tiny, its layers scanned in a loop unless `scan_unroll` says otherwise."""
   config = lm_tiny.get_config()
   config.mesh.rules, config.mesh.ici = rules, ici
+  config.model.scan_unroll = scan_unroll
   return config
 
 
-def _lm_tiny_matmul_flops(tokens: int, recomputed_attention: bool = False) -> int:
+def _lm_tiny_matmul_flops(tokens: int, recomputed_attention_dots: int = 0) -> int:
   """lm_tiny's matmul FLOPs for `tokens` tokens, by hand.
 
   Weights: 2 FLOPs per parameter and token forward, 4 backward; the one-hot
   token embedding is a matmul whose input needs no gradient (2 + 2).
   Attention: QK^T and the weighted sum, 2 * L * D each forward, twice that
   backward. Scanned layers recompute the attention's forward (the remat policy
-  keeps only the weight matmuls' outputs).
+  keeps only the weight matmuls' outputs): both dots in a loop, only QK^T
+  once unrolled, where XLA sees that the recomputed weighted sum is unused.
   """
   weights = LAYERS * (4 * D * D + 2 * D * F) + D * V
-  attention_forward = LAYERS * 2 * (2 * L * D)
-  flops = 6 * weights + 4 * V * D + 3 * attention_forward
-  return tokens * (flops + (attention_forward if recomputed_attention else 0))
+  attention_dot = LAYERS * 2 * L * D
+  flops = 6 * weights + 4 * V * D + 3 * 2 * attention_dot
+  return tokens * (flops + recomputed_attention_dots * attention_dot)
 
 
 def test_small_lm_state_bytes_match_hand_computed():
@@ -87,7 +90,7 @@ def test_small_lm_state_bytes_match_hand_computed():
   assert reduce.group_size == 8 and reduce.bytes >= LM_TINY_PARAMS * 4
   model_flops = 6 * (LM_TINY_PARAMS - (V + L) * D) + 12 * LAYERS * D * L
   assert plan.compute.model_flops == model_flops * 32 * L / 8
-  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, True)
+  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 2)
 
 
 def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
@@ -95,6 +98,9 @@ def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
   config.model.scan_layers = False
   unrolled = plan_lib.make_plan(config, plan_lib.gpu_target("h100", 8))
   assert unrolled.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
+  # A fully unrolled scan keeps the layer remat (only the unused weighted sum goes).
+  scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS), plan_lib.gpu_target("h100", 8))
+  assert scan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 1)
 
 
 @needs_libtpu
@@ -102,7 +108,7 @@ def test_tpu_matmuls_written_as_convolutions_count_the_same():
   # libtpu writes most of the step's matmuls as convolutions with padded,
   # dilated or strided windows; counted right, they are the same FLOPs.
   plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_lib.tpu_target("v5e-8"))
-  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, True)
+  assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 2)
 
 
 def test_matmul_flops_of_a_loop_count_every_iteration():

@@ -28,6 +28,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,54 @@ def device_memory_bytes(device_kind: str) -> int | None:
   return next((size for pattern, size in _MEMORY if re.search(pattern, kind)), None)
 
 
+def matmul_sampler(
+  dtype: Any = "float32", size: int | None = None, device: jax.Device | None = None
+) -> Callable[[int, float], float]:
+  """A function `sample(repeats, budget_s)`: FLOP/s of the best of `repeats` matmuls now.
+
+  Builds two `size` x `size` operands on `device` once and compiles and runs
+  the square matmul once (not timed); each call of the returned function
+  then times up to `repeats` runs, stopping early once `budget_s` seconds
+  have been spent, and returns the fastest run's FLOP/s. `size` defaults to
+  2048 on CPU (about 0.15 s a run on two cores) and 8192 elsewhere (smaller
+  matmuls do not fill an accelerator). Runs no collectives, so one process
+  may call it alone. Benchmarks that compare a step with the peak sample it
+  between their rounds: on a shared machine the peak moves as much as the
+  step does.
+
+  Example:
+    >>> sample = matmul_sampler(size=256)
+    >>> sample(2, 1.0) > 0
+    True
+  """
+  device = jax.local_devices()[0] if device is None else device
+  if size is None:
+    size = 2048 if device.platform == "cpu" else 8192
+  if size < 1:
+    raise ValueError(f"{size=} must be >= 1")
+  dtype = _dtype_name(dtype)
+  kx, ky = jax.random.split(jax.random.key(0))
+  x = jax.device_put(jax.random.normal(kx, (size, size), dtype), device)
+  y = jax.device_put(jax.random.normal(ky, (size, size), dtype), device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(x, y).block_until_ready()  # compile and warm caches; not timed
+
+  def sample(repeats: int, budget_s: float) -> float:
+    if repeats < 1:
+      raise ValueError(f"{repeats=} must be >= 1")
+    best = math.inf
+    start = time.perf_counter()
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      matmul(x, y).block_until_ready()
+      best = min(best, time.perf_counter() - t0)
+      if time.perf_counter() - start > budget_s:
+        break
+    return 2 * size**3 / best
+
+  return sample
+
+
 def measure_matmul_peak(
   dtype: Any = "float32",
   size: int | None = None,
@@ -189,35 +238,16 @@ def measure_matmul_peak(
   """FLOP/s of a square jitted `size` x `size` matmul on one device.
 
   The best of up to `repeats` timed runs after a compile-and-warm-up run;
-  repetitions stop early once `budget_s` seconds have been spent timing.
-  `size` defaults to 2048 on CPU (about 0.15 s a run on two cores) and 8192
-  elsewhere (smaller matmuls do not fill an accelerator). Runs no collectives,
-  so one process may call it alone.
+  repetitions stop early once `budget_s` seconds have been spent timing (see
+  `matmul_sampler`, which this calls once).
 
   Example:
     >>> measure_matmul_peak(size=256, repeats=2) > 0
     True
   """
-  device = jax.local_devices()[0] if device is None else device
-  if size is None:
-    size = 2048 if device.platform == "cpu" else 8192
-  if size < 1 or repeats < 1:
-    raise ValueError(f"{size=} and {repeats=} must both be >= 1")
-  dtype = _dtype_name(dtype)
-  kx, ky = jax.random.split(jax.random.key(0))
-  x = jax.device_put(jax.random.normal(kx, (size, size), dtype), device)
-  y = jax.device_put(jax.random.normal(ky, (size, size), dtype), device)
-  matmul = jax.jit(jnp.matmul)
-  matmul(x, y).block_until_ready()  # compile and warm caches; not timed
-  best = math.inf
-  start = time.perf_counter()
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    matmul(x, y).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-    if time.perf_counter() - start > budget_s:
-      break
-  return 2 * size**3 / best
+  if repeats < 1:
+    raise ValueError(f"{repeats=} must be >= 1")
+  return matmul_sampler(dtype, size, device)(repeats, budget_s)
 
 
 def _cpu_count() -> int:

@@ -54,6 +54,7 @@ def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfi
     dtype=m.dtype,
     param_dtype=m.param_dtype,
     scan_layers=m.scan_layers,
+    scan_unroll=m.scan_unroll,
   )
 
 

@@ -117,6 +117,14 @@ class TransformerConfig:
   """Stack the blocks' weights on a `layers` axis and `lax.scan` over them,
   rematerialising all but the matmul outputs (compile time independent of
   depth, less activation memory); False unrolls the blocks, without remat."""
+  scan_unroll: int = 1
+  """With scan_layers: layers per iteration of the scan's loop (`lax.scan`'s
+  `unroll`). num_layers runs the stack as straight-line code: the same
+  parameters, checkpoints and remat, compile time growing with depth, and
+  no loop machinery (per-layer weight slices, stacked residual buffers,
+  no overlap between layers). For a shallow model that is the faster
+  choice: lm_tiny-width-512's step on one CPU device ran 7-10 % faster
+  fully unrolled (see README, Performance, P3)."""
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff"):
@@ -129,6 +137,9 @@ class TransformerConfig:
     _float_dtype("param_dtype", self.param_dtype)
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"scan_layers={self.scan_layers!r} must be True or False")
+    unroll = self.scan_unroll
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+      raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
 
   @property
   def head_dim(self) -> int:
@@ -260,7 +271,7 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> _Block:
   return nnx.merge(graphdef, state)
 
 
-def _scan_blocks(blocks: _Block, x: jax.Array) -> jax.Array:
+def _scan_blocks(blocks: _Block, x: jax.Array, unroll: int = 1) -> jax.Array:
   """Applies the stacked blocks in order, one `lax.scan` step per layer.
 
   Each step is rematerialised, saving only the outputs of the weight matmuls
@@ -269,23 +280,26 @@ def _scan_blocks(blocks: _Block, x: jax.Array) -> jax.Array:
   output that XLA cannot fuse away (f32 attention scores, bf16 probabilities,
   GELU's inputs...): 30 GB per device for lm_small on v4-32 against 17.6 GB
   unrolled. With it, 7.4 GB, for recomputing the attention scores, softmax
-  and elementwise ops (about 6% more FLOPs).
+  and elementwise ops (about 6% more FLOPs). `unroll` layers run per loop
+  iteration (`TransformerConfig.scan_unroll`).
   """
   graphdef, state = nnx.split(blocks)
 
-  # prevent_cse=False: scan already keeps XLA from merging the recomputation
-  # into the forward pass, and the barrier would only cost speed.
+  # prevent_cse: a rolled loop already keeps XLA from merging the
+  # recomputation into the forward pass (they are in different loops), and
+  # the barrier would only cost speed. Unrolled, forward and backward can
+  # end up in one computation, and then only the barrier keeps the remat.
   @functools.partial(
     jax.checkpoint,
     policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    prevent_cse=False,
+    prevent_cse=unroll > 1,
   )
   def layer(x, params):
     # The slices keep the stack's ("layers", ...) annotations; nothing reads
     # them here (parameters are placed by the trainer, not by the model).
     return nnx.merge(graphdef, params)(x), None
 
-  return jax.lax.scan(layer, x, state)[0]
+  return jax.lax.scan(layer, x, state, unroll=unroll)[0]
 
 
 class TransformerLM(nnx.Module):
@@ -336,7 +350,7 @@ class TransformerLM(nnx.Module):
     x = _dense(one_hot, self.token_embed[...].astype(dt))
     x = x + self.pos_embed[:length].astype(dt)
     if config.scan_layers:
-      x = _scan_blocks(self.blocks, x)
+      x = _scan_blocks(self.blocks, x, config.scan_unroll)
     else:
       for block in self.blocks:
         x = block(x)
