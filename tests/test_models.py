@@ -110,6 +110,7 @@ def _windows(batch, length):
     (dict(param_dtype="floaty"), "param_dtype='floaty' is not a dtype"),
     (dict(scan_unroll=0), "scan_unroll=0 must be a positive integer"),
     (dict(scan_unroll=True), "scan_unroll=True must be a positive integer"),
+    (dict(remat_policy="full"), r"remat_policy='full' is not one of \('minimal', 'none'\)"),
   ],
 )
 def test_config_errors_name_the_values(kwargs, message):
@@ -315,12 +316,12 @@ def test_scanned_and_unrolled_models_are_the_same_model():
   np.testing.assert_array_equal(*samples)
 
 
-def test_an_unrolled_scan_is_the_same_model_and_keeps_the_remat():
-  """scan_unroll only changes how the loop runs: the same logits and gradients, no loop."""
+def test_unrolling_the_scan_or_dropping_the_remat_is_the_same_model():
+  """scan_unroll and remat_policy change how the layers run, not what they compute."""
   tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size
 
-  def logits_and_grads(unroll):
-    config = dataclasses.replace(TWO_LAYERS, scan_unroll=unroll)
+  def logits_and_grads(unroll, remat_policy="minimal"):
+    config = dataclasses.replace(TWO_LAYERS, scan_unroll=unroll, remat_policy=remat_policy)
     graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param)
 
     def loss(params):
@@ -332,10 +333,11 @@ def test_an_unrolled_scan_is_the_same_model_and_keeps_the_remat():
     hlo = grad_fn.lower(params).compile().as_text()
     return logits, nnx.to_pure_dict(grads), hlo
 
-  looped, unrolled = logits_and_grads(1), logits_and_grads(TWO_LAYERS.num_layers)
-  np.testing.assert_allclose(looped[0], unrolled[0], rtol=1e-5, atol=1e-5)
-  for a, b in zip(jax.tree.leaves(looped[1]), jax.tree.leaves(unrolled[1]), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  looped, unrolled = logits_and_grads(1), logits_and_grads(2)
+  for other in (unrolled, logits_and_grads(2, "none"), logits_and_grads(1, "none")):
+    np.testing.assert_allclose(looped[0], other[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(looped[1]), jax.tree.leaves(other[1]), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert " while(" in looped[2] and " while(" not in unrolled[2]
   # That the unrolled layers are still rematerialised is checked by counting
   # the compiled matmul FLOPs (tests/test_plan.py, unrolled layers).

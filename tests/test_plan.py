@@ -54,11 +54,11 @@ def test_sharded_matmul_bytes_match_hand_computed():
   assert kinds & {"all-gather", "all-reduce"}, compiled.as_text()[:2000]
 
 
-def _tiny(rules: str, ici: str, scan_unroll: int = 1):
-  """lm_tiny, its layers scanned in a loop unless `scan_unroll` says otherwise."""
+def _tiny(rules: str, ici: str, scan_unroll: int = 1, remat_policy: str = "minimal"):
+  """lm_tiny, its layers scanned in a loop and rematerialised unless told otherwise."""
   config = lm_tiny.get_config()
   config.mesh.rules, config.mesh.ici = rules, ici
-  config.model.scan_unroll = scan_unroll
+  config.model.scan_unroll, config.model.remat_policy = scan_unroll, remat_policy
   return config
 
 
@@ -98,9 +98,15 @@ def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
   config.model.scan_layers = False
   unrolled = plan_lib.make_plan(config, plan_lib.gpu_target("h100", 8))
   assert unrolled.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
-  # A fully unrolled scan keeps the layer remat (only the unused weighted sum goes).
-  scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS), plan_lib.gpu_target("h100", 8))
+  # A fully unrolled scan keeps the layer remat (only the unused weighted sum
+  # goes), unless told to keep everything.
+  h100 = plan_lib.gpu_target("h100", 8)
+  scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS), h100)
   assert scan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 1)
+  scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS, "none"), h100)
+  assert scan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
+  looped = plan_lib.make_plan(_tiny("dp", "data=-1", 1, "none"), h100)
+  assert looped.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
 
 
 @needs_libtpu

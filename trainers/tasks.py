@@ -55,6 +55,7 @@ def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfi
     param_dtype=m.param_dtype,
     scan_layers=m.scan_layers,
     scan_unroll=m.scan_unroll,
+    remat_policy=m.remat_policy,
   )
 
 

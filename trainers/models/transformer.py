@@ -87,6 +87,9 @@ def _float_dtype(name: str, value: str) -> jnp.dtype:
   return dtype
 
 
+REMAT_POLICIES = ("minimal", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Sizes and dtypes of a `TransformerLM`.
@@ -125,6 +128,13 @@ class TransformerConfig:
   no overlap between layers). For a shallow model that is the faster
   choice: lm_tiny-width-512's step on one CPU device ran 7-10 % faster
   fully unrolled (see README, Performance, P3)."""
+  remat_policy: str = "minimal"
+  """With scan_layers: what each layer keeps for the backward pass.
+  "minimal" keeps only the weight matmuls' outputs and recomputes the rest
+  (attention scores, softmax, norms, GELU): far less activation memory for
+  a few percent more compute. "none" keeps everything and recomputes
+  nothing: faster where memory is plentiful (about 4 % for lm_tiny-width-512
+  on CPU), but in a rolled loop every intermediate becomes a stacked buffer."""
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff"):
@@ -140,6 +150,8 @@ class TransformerConfig:
     unroll = self.scan_unroll
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
       raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
 
   @property
   def head_dim(self) -> int:
@@ -271,34 +283,38 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> _Block:
   return nnx.merge(graphdef, state)
 
 
-def _scan_blocks(blocks: _Block, x: jax.Array, unroll: int = 1) -> jax.Array:
+def _scan_blocks(
+  blocks: _Block, x: jax.Array, unroll: int = 1, remat_policy: str = "minimal"
+) -> jax.Array:
   """Applies the stacked blocks in order, one `lax.scan` step per layer.
 
-  Each step is rematerialised, saving only the outputs of the weight matmuls
-  (`dots_with_no_batch_dims_saveable`, MaxText's "minimal"): without it the
-  backward pass keeps every intermediate of every layer as a stacked loop
-  output that XLA cannot fuse away (f32 attention scores, bf16 probabilities,
-  GELU's inputs...): 30 GB per device for lm_small on v4-32 against 17.6 GB
-  unrolled. With it, 7.4 GB, for recomputing the attention scores, softmax
-  and elementwise ops (about 6% more FLOPs). `unroll` layers run per loop
-  iteration (`TransformerConfig.scan_unroll`).
+  With remat_policy "minimal", each step is rematerialised, saving only the
+  outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`,
+  MaxText's "minimal"): without it the backward pass keeps every
+  intermediate of every layer as a stacked loop output that XLA cannot fuse
+  away (f32 attention scores, bf16 probabilities, GELU's inputs...): 30 GB
+  per device for lm_small on v4-32 against 17.6 GB unrolled. With it,
+  7.4 GB, for recomputing the attention scores, softmax and elementwise ops
+  (about 6% more FLOPs). "none" keeps everything. `unroll` layers run per
+  loop iteration (`TransformerConfig.scan_unroll`).
   """
   graphdef, state = nnx.split(blocks)
 
-  # prevent_cse: a rolled loop already keeps XLA from merging the
-  # recomputation into the forward pass (they are in different loops), and
-  # the barrier would only cost speed. Unrolled, forward and backward can
-  # end up in one computation, and then only the barrier keeps the remat.
-  @functools.partial(
-    jax.checkpoint,
-    policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    prevent_cse=unroll > 1,
-  )
   def layer(x, params):
     # The slices keep the stack's ("layers", ...) annotations; nothing reads
     # them here (parameters are placed by the trainer, not by the model).
     return nnx.merge(graphdef, params)(x), None
 
+  if remat_policy == "minimal":
+    # prevent_cse: a rolled loop already keeps XLA from merging the
+    # recomputation into the forward pass (they are in different loops), and
+    # the barrier would only cost speed. Unrolled, forward and backward can
+    # end up in one computation, and then only the barrier keeps the remat.
+    layer = jax.checkpoint(
+      layer,
+      policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+      prevent_cse=unroll > 1,
+    )
   return jax.lax.scan(layer, x, state, unroll=unroll)[0]
 
 
@@ -350,7 +366,7 @@ class TransformerLM(nnx.Module):
     x = _dense(one_hot, self.token_embed[...].astype(dt))
     x = x + self.pos_embed[:length].astype(dt)
     if config.scan_layers:
-      x = _scan_blocks(self.blocks, x, config.scan_unroll)
+      x = _scan_blocks(self.blocks, x, config.scan_unroll, config.remat_policy)
     else:
       for block in self.blocks:
         x = block(x)
