@@ -25,7 +25,10 @@ num_layers; the rules presets never split it) and the forward pass is one
 `jax.lax.scan` over them, so XLA compiles one block whatever the depth (as
 MaxText's `scan_layers`, T5X and Levanter's `Stacked` do). Each layer is
 rematerialised except for its matmul outputs (see `_scan_blocks`: less
-memory than unrolled, for a few percent more FLOPs). `scan_layers=False`
+memory than unrolled, for a few percent more FLOPs); `remat_policy="none"`
+keeps everything instead, and `scan_unroll` runs several layers (or all of
+them) per loop iteration, for shallow models where the loop costs more
+than it saves. `scan_layers=False`
 builds the blocks unrolled instead, as `blocks/i/...` without the `layers`
 axis and without remat; block i's weights are then exactly the stack's row
 i for the same seed (see `_stacked_blocks`): only the checkpoint layout
@@ -118,8 +121,8 @@ class TransformerConfig:
   """Storage dtype of the parameters."""
   scan_layers: bool = True
   """Stack the blocks' weights on a `layers` axis and `lax.scan` over them,
-  rematerialising all but the matmul outputs (compile time independent of
-  depth, less activation memory); False unrolls the blocks, without remat."""
+  rematerialised as `remat_policy` says (compile time independent of depth,
+  less activation memory); False unrolls the blocks, without remat."""
   scan_unroll: int = 1
   """With scan_layers: layers per iteration of the scan's loop (`lax.scan`'s
   `unroll`). num_layers runs the stack as straight-line code: the same
