@@ -109,7 +109,7 @@ def main() -> None:
   flops = lm.flops_per_token(model_config) * shape[0] * shape[1]
   # The peak is sampled in every round, next to the steps it is compared
   # with: on this shared machine the matmul peak itself moves by 30 % or more
-  # within a run (100-160 GFLOP/s on 2 cores), so a peak measured once, at
+  # within a run (73-184 GFLOP/s on 2 cores), so a peak measured once, at
   # another moment, makes P3 swing more than any change to the step does.
   sample_peak = peaks.matmul_sampler("float32")
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b = [], [], [], [], [], []
