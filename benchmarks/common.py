@@ -84,18 +84,25 @@ def row(
   figure: str,
   what: str,
   value: float,
-  goal: float,
+  goal: float | None,
   at_most: bool,
   detail: str,
   machine_text: str,
 ) -> dict:
-  """One figure of the table; `at_most` says whether the goal is a ceiling or a floor."""
+  """One figure of the table; `at_most` says whether the goal is a ceiling or a floor.
+
+  A figure reported without a goal (`goal=None`) has `meets_goal` None.
+
+  Example:
+    >>> row("P9", "x", 1.0, 1.1, True, "", "m")["meets_goal"], row("P9", "x", 1.0, None, True, "", "m")["goal"]
+    (True, '—')
+  """
   return {
     "id": figure,
     "what": what,
     "value": round(value, 4),
-    "goal": f"{'≤' if at_most else '≥'} {goal}",
-    "meets_goal": value <= goal if at_most else value >= goal,
+    "goal": "—" if goal is None else f"{'≤' if at_most else '≥'} {goal}",
+    "meets_goal": None if goal is None else value <= goal if at_most else value >= goal,
     "detail": detail,
     "machine": machine_text,
     "date": datetime.date.today().isoformat(),
@@ -118,7 +125,7 @@ def markdown(rows: list[dict]) -> str:
     "|---|---|---|---|---|---|",
   ]
   for r in rows:
-    met = "yes" if r["meets_goal"] else "**no**"
+    met = {True: "yes", False: "**no**", None: "—"}[r["meets_goal"]]
     lines.append(
       f"| {r['id']} | {r['what']} | {r['value']:.3f} | {r['goal']} | {met} | {r['detail']} |"
     )

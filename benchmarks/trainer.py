@@ -1,18 +1,27 @@
-"""The trainer's step against a hand-written `jax.jit` step, and MFU on this CPU.
+"""The trainer's step against a hand-written `jax.jit` step, and MFU.
 
   python -m benchmarks.trainer [--rounds=10] [--json=out.json]
+  # on one GPU (the issue's H200 check): lm_small in bf16, MFU against the
+  # chip's dense bf16 peak from `trainers.peaks` (989 TFLOP/s on H100/H200 SXM)
+  BENCH_PLATFORM=cuda python -m benchmarks.trainer --model=lm_small --json=gpu.json
 
-One process, `BENCH_DEVICES` CPU devices (default 4; `make bench` reports P1
-from 4 devices and P3 from 1), in one run:
+One process, in one run:
   P1  trainer step time ÷ hand-written step time: the same model, shardings,
       optimizer and batch; alternating rounds, median of per-round ratios.
       Goal <= 1.02. The hand-written step is what an expert writes without
       the harness: value_and_grad, optax update, jax.jit with shardings and
       donation (no NaN guard, no extra metrics).
-  P3  model FLOP/s of the lm_tiny config at width 512 ÷ float32 matmul peak
-      measured in the same run: the best of 3 square 2048 matmuls just
-      before each round, and the round's step time against it; median of
-      the per-round ratios. Goal >= 0.75.
+  P3  model FLOP/s ÷ peak. On CPU (`BENCH_DEVICES` devices, default 4;
+      `make bench` reports P1 from 4 devices and P3 from 1): lm_tiny at width
+      512 against the float32 matmul peak measured in the same run, the best
+      of 3 square 2048 matmuls just before each round, and the round's step
+      time against it; median of the per-round ratios. Goal >= 0.75.
+      On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
+      against the chip's dense peak for the model's dtype from the table in
+      `trainers.peaks` (a sampled matmul where the chip is not in it), with
+      tokens/s; rows `P1-cuda` and `P3-cuda` (`-tpu` on TPU), no goal for the MFU.
+`--global-batch`, `--seq-len` and `--num-layers` shrink the model for a quick
+check that the script runs (`tests/test_benchmarks.py` runs it so on CPU).
 """
 
 from __future__ import annotations
@@ -24,16 +33,18 @@ import time
 
 import jax
 
+PLATFORM = os.environ.get("BENCH_PLATFORM", "cpu")
 DEVICES = int(os.environ.get("BENCH_DEVICES", "4"))
-jax.config.update("jax_num_cpu_devices", DEVICES)
-jax.config.update("jax_platforms", "cpu")
+if PLATFORM == "cpu":
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+jax.config.update("jax_platforms", PLATFORM)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from configs import lm_tiny  # noqa: E402
+from configs import lm_small, lm_tiny  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
@@ -77,15 +88,39 @@ def timed(step, state, batch, n):
   return state, (time.perf_counter() - start) / n
 
 
+MODELS = ("lm_tiny_512", "lm_small")
+
+
+def model_config_for(args: argparse.Namespace):
+  """The experiment config of `--model`, with the size overrides applied."""
+  if args.model == "lm_small":
+    config = lm_small.get_config()
+  else:  # lm_tiny at width 512: big enough for matmuls to dominate on a CPU
+    config = lm_tiny.get_config()
+    config.model.d_model, config.model.num_heads, config.model.d_ff = 512, 8, 2048
+  for name, value in (
+    ("global_batch", args.global_batch),
+    ("model.seq_len", args.seq_len),
+    ("model.num_layers", args.num_layers),
+  ):
+    if value is not None:
+      parent, _, leaf = name.rpartition(".")
+      setattr(config.model if parent else config, leaf, value)
+  return config
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", choices=MODELS, default=MODELS[0])
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--steps", type=int, default=5, help="steps per round and side")
+  parser.add_argument("--global-batch", type=int)
+  parser.add_argument("--seq-len", type=int)
+  parser.add_argument("--num-layers", type=int)
   parser.add_argument("--json")
   args = parser.parse_args()
 
-  config = lm_tiny.get_config()
-  config.model.d_model, config.model.num_heads, config.model.d_ff = 512, 8, 2048
+  config = model_config_for(args)
   mesh = create_mesh("data=-1")
   batch_axes = ("data",)
   model_config = transformer_config(config)
@@ -95,9 +130,10 @@ def main() -> None:
   spec = batch_sharding(mesh, batch_axes)
   rng = np.random.default_rng(0)
   shape = (config.global_batch, config.model.seq_len)
+  vocab = model_config.vocab_size
   batch = {
-    "inputs": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
-    "targets": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
+    "inputs": jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), spec),
+    "targets": jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), spec),
     "mask": jax.device_put(np.ones(shape, np.float32), spec),
   }
   ours = make_train_step(setup, config, mesh, batch_axes)
@@ -106,15 +142,23 @@ def main() -> None:
   for _ in range(2):  # compile and warm up both
     state_a, _ = timed(ours, state_a, batch, 2)
     state_b, _ = timed(theirs, state_b, batch, 2)
-  flops = lm.flops_per_token(model_config) * shape[0] * shape[1]
-  # The peak is sampled in every round, next to the steps it is compared
-  # with: on this shared machine the matmul peak itself moves by 30 % or more
-  # within a run (73-184 GFLOP/s on 2 cores), so a peak measured once, at
-  # another moment, makes P3 swing more than any change to the step does.
-  sample_peak = peaks.matmul_sampler("float32")
+  tokens = shape[0] * shape[1]
+  flops = lm.flops_per_token(model_config) * tokens
+  devices = mesh.devices.size
+  # On CPU the peak is sampled in every round, next to the steps it is
+  # compared with: on this shared machine the matmul peak itself moves by 30 %
+  # or more within a run (73-184 GFLOP/s on 2 cores), so a peak measured once,
+  # at another moment, makes P3 swing more than any change to the step does.
+  # An accelerator's is the vendor's dense peak for the model's dtype.
+  # CPU devices share the host's cores, so the host's peak is all of theirs.
+  kind = jax.devices()[0].device_kind
+  table = None if PLATFORM == "cpu" else peaks.table_peak(kind, config.model.dtype)
+  if table is None:
+    sample_peak = peaks.matmul_sampler("float32" if PLATFORM == "cpu" else config.model.dtype)
+  chips = 1 if PLATFORM == "cpu" else devices
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b = [], [], [], [], [], []
   for i in range(args.rounds):
-    peak = sample_peak(3, 1.0)
+    peak = (table or sample_peak(3, 1.0)) * chips
     if i % 2:
       state_a, a = timed(ours, state_a, batch, args.steps)
       state_b, b = timed(theirs, state_b, batch, args.steps)
@@ -128,14 +172,18 @@ def main() -> None:
     mfu_a.append(flops / a / peak)
     mfu_b.append(flops / b / peak)
   step_a, step_b = statistics.median(times_a), statistics.median(times_b)
-  peak_text = (
-    f"peak {statistics.median(peaks_seen) / 1e9:.0f} GFLOP/s "
-    f"({min(peaks_seen) / 1e9:.0f}-{max(peaks_seen) / 1e9:.0f} over the rounds)"
-  )
-  model = f"lm_tiny at width 512 ({lm.param_count(model_config) / 1e6:.1f}M parameters)"
-  machine = common.machine(f"1 process x {DEVICES} CPU devices")
-  common.emit(
-    [
+  if table is not None:
+    peak_text = f"{kind} dense {config.model.dtype} peak {table / 1e12:.0f} TFLOP/s"
+  else:
+    peak_text = (
+      f"peak {statistics.median(peaks_seen) / 1e9:.0f} GFLOP/s "
+      f"({min(peaks_seen) / 1e9:.0f}-{max(peaks_seen) / 1e9:.0f} over the rounds)"
+    )
+  name = "lm_tiny at width 512" if args.model == "lm_tiny_512" else args.model
+  model = f"{name} ({lm.param_count(model_config) / 1e6:.1f}M parameters)"
+  if PLATFORM == "cpu":
+    machine = common.machine(f"1 process x {DEVICES} CPU devices")
+    rows = [
       common.row(
         "P1",
         "trainer step ÷ hand-written `jax.jit` step (same model, shardings, optimizer)",
@@ -154,9 +202,32 @@ def main() -> None:
         f"{model}, {peak_text}; hand-written step {statistics.median(mfu_b):.2f}",
         machine,
       ),
-    ],
-    args.json,
-  )
+    ]
+  else:
+    machine = common.machine(f"1 process x {devices} {kind}")
+    dims = f"{model}, {config.model.dtype}, batch {shape[0]} x {shape[1]} tokens"
+    rows = [
+      common.row(
+        f"P1-{PLATFORM}",
+        "trainer step ÷ hand-written `jax.jit` step (same model, shardings, optimizer)",
+        statistics.median(ratios),
+        1.02,
+        True,
+        f"{dims}: {step_a * 1e3:.1f} vs {step_b * 1e3:.1f} ms",
+        machine,
+      ),
+      common.row(
+        f"P3-{PLATFORM}",
+        "trainer MFU (model FLOP/s ÷ the chip's dense peak)",
+        statistics.median(mfu_a),
+        None,
+        False,
+        f"{dims}: {tokens / step_a:,.0f} tokens/s against {peak_text}; hand-written step "
+        f"MFU {statistics.median(mfu_b):.3f}, {tokens / step_b:,.0f} tokens/s",
+        machine,
+      ),
+    ]
+  common.emit(rows, args.json)
 
 
 if __name__ == "__main__":

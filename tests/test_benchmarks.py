@@ -63,3 +63,28 @@ def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   [row] = json.loads(out.read_text())
   assert row["id"] == "P7" and row["value"] > 0 and "| P7 |" in done.stdout
+
+
+def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
+  # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
+  # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.
+  out = tmp_path / "steps.json"
+  module = ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.trainer"]
+  shrunk = ["--model=lm_small", "--global-batch=2", "--seq-len=32", "--num-layers=1"]
+  done = subprocess.run(
+    [*module, *shrunk, "--rounds=2", "--steps=1", f"--json={out}"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, BENCH_DEVICES="1", PYTHONPATH=str(ROOT)),
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  rows = {r["id"]: r for r in json.loads(out.read_text())}
+  assert set(rows) == {"P1", "P3"} and rows["P1"]["value"] > 0 and rows["P3"]["value"] > 0
+  assert "lm_small (" in rows["P1"]["detail"], rows["P1"]["detail"]
+
+
+def test_a_figure_without_a_goal_shows_a_dash():
+  r = common.row("P3-gpu", "MFU", 0.41, None, False, "detail", "machine")
+  assert r["meets_goal"] is None and r["goal"] == "—"
+  assert "| P3-gpu | MFU | 0.410 | — | — | detail |" in common.markdown([r])
