@@ -98,14 +98,12 @@ def model_config_for(args: argparse.Namespace):
   else:  # lm_tiny at width 512: big enough for matmuls to dominate on a CPU
     config = lm_tiny.get_config()
     config.model.d_model, config.model.num_heads, config.model.d_ff = 512, 8, 2048
-  for name, value in (
-    ("global_batch", args.global_batch),
-    ("model.seq_len", args.seq_len),
-    ("model.num_layers", args.num_layers),
-  ):
-    if value is not None:
-      parent, _, leaf = name.rpartition(".")
-      setattr(config.model if parent else config, leaf, value)
+  if args.global_batch is not None:
+    config.global_batch = args.global_batch
+  if args.seq_len is not None:
+    config.model.seq_len = args.seq_len
+  if args.num_layers is not None:
+    config.model.num_layers = args.num_layers
   return config
 
 
@@ -181,53 +179,45 @@ def main() -> None:
     )
   name = "lm_tiny at width 512" if args.model == "lm_tiny_512" else args.model
   model = f"{name} ({lm.param_count(model_config) / 1e6:.1f}M parameters)"
-  if PLATFORM == "cpu":
+  on_cpu = PLATFORM == "cpu"
+  if on_cpu:
     machine = common.machine(f"1 process x {DEVICES} CPU devices")
-    rows = [
-      common.row(
-        "P1",
-        "trainer step ÷ hand-written `jax.jit` step (same model, shardings, optimizer)",
-        statistics.median(ratios),
-        1.02,
-        True,
-        f"{model}: {step_a * 1e3:.1f} vs {step_b * 1e3:.1f} ms",
-        machine,
-      ),
-      common.row(
-        "P3",
-        "trainer model FLOP/s ÷ float32 matmul peak measured in the same run",
-        statistics.median(mfu_a),
-        0.75,
-        False,
-        f"{model}, {peak_text}; hand-written step {statistics.median(mfu_b):.2f}",
-        machine,
-      ),
-    ]
+    dims, suffix = model, ""
   else:
     machine = common.machine(f"1 process x {devices} {kind}")
     dims = f"{model}, {config.model.dtype}, batch {shape[0]} x {shape[1]} tokens"
-    rows = [
-      common.row(
-        f"P1-{PLATFORM}",
-        "trainer step ÷ hand-written `jax.jit` step (same model, shardings, optimizer)",
-        statistics.median(ratios),
-        1.02,
-        True,
-        f"{dims}: {step_a * 1e3:.1f} vs {step_b * 1e3:.1f} ms",
-        machine,
-      ),
-      common.row(
-        f"P3-{PLATFORM}",
-        "trainer MFU (model FLOP/s ÷ the chip's dense peak)",
-        statistics.median(mfu_a),
-        None,
-        False,
-        f"{dims}: {tokens / step_a:,.0f} tokens/s against {peak_text}; hand-written step "
-        f"MFU {statistics.median(mfu_b):.3f}, {tokens / step_b:,.0f} tokens/s",
-        machine,
-      ),
-    ]
-  common.emit(rows, args.json)
+    suffix = f"-{PLATFORM}"
+  p1 = common.row(
+    f"P1{suffix}",
+    "trainer step ÷ hand-written `jax.jit` step (same model, shardings, optimizer)",
+    statistics.median(ratios),
+    1.02,
+    True,
+    f"{dims}: {step_a * 1e3:.1f} vs {step_b * 1e3:.1f} ms",
+    machine,
+  )
+  if on_cpu:
+    p3 = common.row(
+      "P3",
+      "trainer model FLOP/s ÷ float32 matmul peak measured in the same run",
+      statistics.median(mfu_a),
+      0.75,
+      False,
+      f"{model}, {peak_text}; hand-written step {statistics.median(mfu_b):.2f}",
+      machine,
+    )
+  else:  # the issue sets no goal for the accelerator's MFU
+    p3 = common.row(
+      f"P3{suffix}",
+      "trainer MFU (model FLOP/s ÷ the chip's dense peak)",
+      statistics.median(mfu_a),
+      None,
+      False,
+      f"{dims}: {tokens / step_a:,.0f} tokens/s against {peak_text}; hand-written step "
+      f"MFU {statistics.median(mfu_b):.3f}, {tokens / step_b:,.0f} tokens/s",
+      machine,
+    )
+  common.emit([p1, p3], args.json)
 
 
 if __name__ == "__main__":
