@@ -1,6 +1,6 @@
 """P6 and P8: whole `spmd-train` runs started through `spmd-launch local`.
 
-  python -m benchmarks.launches [--config=configs/lm_tiny.py] [--rounds=2] [--json=out.json]
+  python -m benchmarks.launches [--config=configs/lm_tiny.py] [--rounds=3] [--json=out.json]
 
   P6  2 processes x 1 device ÷ 1 process x 2 devices: median steady-state
       step time (the trainer's own `step_time_s`, first logging window left
@@ -31,6 +31,7 @@ import time
 from benchmarks import common
 
 BIN = os.path.dirname(sys.executable)
+LOG_EVERY = 10  # steps per logged window of the P6 runs
 
 
 def run_training(
@@ -72,21 +73,37 @@ def run_training(
     return json.load(f), started
 
 
-def steady_step_s(workdir: str) -> float:
-  """Median `step_time_s` of the logged windows after the first (which holds the compile)."""
+def steady_step_s(workdir: str, log_every: int) -> float:
+  """Median `step_time_s` of the logging windows after the first (which holds the compile).
+
+  `metrics.jsonl` has a row per step, and every row of a window carries that
+  window's mean step time, so each window counts once: by its last row.
+
+  Example:
+    >>> import json, tempfile
+    >>> workdir = tempfile.mkdtemp()
+    >>> times = [9.0] * 3 + [1.0] * 3 + [2.0] * 3 + [1.5] * 2  # windows of 3 steps
+    >>> with open(f"{workdir}/metrics.jsonl", "w") as f:
+    ...   for step, t in enumerate(times, 1):
+    ...     _ = f.write(json.dumps({"step": step, "step_time_s": t}) + "\\n")
+    >>> steady_step_s(workdir, log_every=3)
+    1.5
+  """
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  times = [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
-  if not times:
+  rows = [r for r in rows if "step_time_s" in r]
+  last = rows[-1]["step"] if rows else 0
+  windows = [r["step_time_s"] for r in rows if r["step"] % log_every == 0 or r["step"] == last]
+  if len(windows) < 2:
     raise RuntimeError(f"no step times after the first window in {workdir}/metrics.jsonl")
-  return statistics.median(times)
+  return statistics.median(windows[1:])
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/lm_tiny.py")
-  parser.add_argument("--rounds", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=60, help="train steps per P6 run")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=120, help="train steps per P6 run")
   parser.add_argument("--workdir", default="workdir/bench/launches")
   parser.add_argument("--json")
   args = parser.parse_args()
@@ -94,7 +111,7 @@ def main() -> None:
   quiet = [
     "--config.eval_every=100000",
     "--config.checkpoint.every=100000",
-    "--config.log_every=10",
+    f"--config.log_every={LOG_EVERY}",
     f"--config.data.dir={os.path.join(root, 'data')}",
     f"--config.compilation_cache_dir={os.path.join(root, 'cache_shared')}",
   ]
@@ -107,7 +124,7 @@ def main() -> None:
     def one_round() -> float:
       workdir = os.path.join(root, f"p6_{processes}x{devices}{'_pinned' if pin_cpus else ''}")
       run_training(workdir, args.config, processes, devices, steps, pin_cpus=pin_cpus)
-      return steady_step_s(workdir)
+      return steady_step_s(workdir, LOG_EVERY)
 
     return one_round
 
