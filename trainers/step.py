@@ -136,15 +136,24 @@ def make_train_step(
       grads = jax.tree.map(lambda g: jnp.where(bad, float(poison), g), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = setup.tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
 
-    def keep_if_bad(new, old):
-      return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    def update(operands):
+      grads, opt_state, params = operands
+      updates, new_opt = setup.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_opt
 
+    def keep(operands):
+      return operands[2], operands[1]
+
+    # A branch, not a select of new against old state: `jnp.where(finite,
+    # new, old)` over every leaf made XLA copy each donated optimizer moment
+    # before updating it in place (the parameter update still reads the old
+    # moment), 31 copies, and the optimizer part of lm_tiny-width-512's step
+    # took 55-60 instead of 38-43 ms on CPU. A bad step now skips the update.
+    new_params, new_opt = jax.lax.cond(finite, update, keep, (grads, opt_state, params))
     new_state = {
-      "params": keep_if_bad(new_params, params),
-      "opt_state": keep_if_bad(new_opt, opt_state),
+      "params": new_params,
+      "opt_state": new_opt,
       "step": state["step"] + 1,
       "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
     }
