@@ -58,6 +58,7 @@ def _tiny(rules: str, ici: str, scan_unroll: int = 1, remat_policy: str = "minim
   """lm_tiny, its layers scanned in a loop and rematerialised unless told otherwise."""
   config = lm_tiny.get_config()
   config.mesh.rules, config.mesh.ici = rules, ici
+  config.model.scan_layers = True  # lm_tiny itself runs a plain list of blocks
   config.model.scan_unroll, config.model.remat_policy = scan_unroll, remat_policy
   return config
 
