@@ -76,6 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
   # with replicated parameters (gloo pays per array; see trainers/step.py).
   config.train.flat_grad_reduce = "auto"
+  # How a step with a non-finite loss or gradient keeps the old state: "auto" =
+  # a branch (lax.cond), except on GPU, where a conditional blocks the host every
+  # step, a select (see trainers/step.py).
+  config.train.nonfinite_guard = "auto"
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
   # Fault injection for tests (tests/faults); empty = off.

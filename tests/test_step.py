@@ -1,4 +1,5 @@
-"""The train step's flat gradient reduction (one psum of one vector) against GSPMD's."""
+"""The train step: its flat gradient reduction (one psum of one vector) against GSPMD's,
+and its two ways of keeping the old state on a non-finite step."""
 
 import re
 
@@ -12,7 +13,7 @@ from spmd.mesh import create_mesh
 from trainers.models import logical_axes
 from trainers.models import transformer as lm
 from trainers.state import make_state
-from trainers.step import flat_gradient_reduction, make_train_step
+from trainers.step import branch_on_nonfinite, flat_gradient_reduction, make_train_step
 from trainers.tasks import transformer_config
 
 
@@ -74,3 +75,55 @@ def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
   config, _, sharded = _setup("data=2,fsdp=4,tensor=1", flat_grad_reduce="on")
   with pytest.raises(ValueError, match="needs replicated parameters"):
     flat_gradient_reduction(sharded, config, ("data", "fsdp"))
+
+
+def _batch(mesh, axes):
+  spec = batch_sharding(mesh, axes)
+  tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
+  return {
+    "inputs": jax.device_put(tokens[:, :-1], spec),
+    "targets": jax.device_put(tokens[:, 1:], spec),
+    "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
+  }
+
+
+def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_otherwise():
+  runs = {}
+  for guard in ("branch", "select"):
+    config, mesh, setup = _setup(nonfinite_guard=guard, inject_nonfinite_at=(1,))
+    axes = ("data", "fsdp")
+    batch = _batch(mesh, axes)
+    step = make_train_step(setup, config, mesh, axes)
+    state = setup.init()
+    text = step.lower(state, batch).compile().as_text()
+    # The select copies every donated parameter and optimizer moment first.
+    entry = text[text.index("ENTRY") :]
+    copies = len(re.findall(r"= f32\[[\d,]+\]\S* copy\(", entry))
+    runs[guard] = {"conditional": " conditional(" in text, "copies": copies, "states": []}
+    for _ in range(3):  # step 0 good, step 1 poisoned, step 2 good
+      state, _ = step(state, batch)
+      runs[guard]["states"].append(jax.device_get(state))
+  assert runs["branch"]["conditional"] and not runs["select"]["conditional"]
+  assert runs["branch"]["copies"] == 0 < runs["select"]["copies"], runs
+  for guard, run in runs.items():
+    after_good, after_bad, _ = run["states"]
+    for a, b in zip(jax.tree.leaves(after_good["params"]), jax.tree.leaves(after_bad["params"])):
+      np.testing.assert_array_equal(a, b, err_msg=guard)
+    for a, b in zip(
+      jax.tree.leaves(after_good["opt_state"]), jax.tree.leaves(after_bad["opt_state"])
+    ):
+      np.testing.assert_array_equal(a, b, err_msg=guard)
+    assert (after_bad["step"], after_bad["bad_steps"]) == (2, 1), guard
+  last = [run["states"][-1] for run in runs.values()]
+  for a, b in zip(jax.tree.leaves(last[0]), jax.tree.leaves(last[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_guard_branches_except_on_gpu_unless_told():
+  config, mesh, _ = _setup()
+  assert branch_on_nonfinite(config, mesh)  # auto, CPU
+  config.train.nonfinite_guard = "select"
+  assert not branch_on_nonfinite(config, mesh)
+  config.train.nonfinite_guard = "maybe"
+  with pytest.raises(ValueError, match="nonfinite_guard='maybe' must be"):
+    branch_on_nonfinite(config, mesh)
