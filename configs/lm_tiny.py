@@ -20,8 +20,9 @@ def get_config():
   # remat cost more than they save (compile time and activation memory are
   # small either way). Unrolled, the step ran 7-10 % faster on CPU, without
   # remat 4 % more, and unstacked (no per-layer slices of the stacked
-  # weights, no concatenation of their gradients) 5 % more. A seed gives the
-  # same weights in either layout.
+  # weights, no concatenation of their gradients) 0-5 % more
+  # (`python -m benchmarks.step_variants`). A seed gives the same weights in
+  # either layout.
   config.model.scan_layers = False
   config.global_batch = 32
   config.train.steps = 300

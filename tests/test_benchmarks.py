@@ -88,3 +88,17 @@ def test_a_figure_without_a_goal_shows_a_dash():
   r = common.row("P3-gpu", "MFU", 0.41, None, False, "detail", "machine")
   assert r["meets_goal"] is None and r["goal"] == "—"
   assert "| P3-gpu | MFU | 0.410 | — | — | detail |" in common.markdown([r])
+
+
+def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
+  shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
+  done = subprocess.run(
+    ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.step_variants", *shrunk],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+  assert rows == ["variant", "branch", "select", "stacked"], done.stdout
