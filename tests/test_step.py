@@ -32,6 +32,16 @@ def _setup(ici="data=-1,fsdp=1,tensor=1", **train):
   return config, mesh, setup
 
 
+def _batch(mesh, axes):
+  spec = batch_sharding(mesh, axes)
+  tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
+  return {
+    "inputs": jax.device_put(tokens[:, :-1], spec),
+    "targets": jax.device_put(tokens[:, 1:], spec),
+    "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
+  }
+
+
 def _all_reduce_operands(step, state, batch) -> list[int]:
   text = step.lower(state, batch).compile().as_text()
   lines = [line for line in text.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
@@ -44,13 +54,7 @@ def test_flat_reduction_trains_like_gspmd(micro_batches):
   for mode in ("on", "off"):
     config, mesh, setup = _setup(flat_grad_reduce=mode, micro_batches=micro_batches)
     axes = ("data", "fsdp")
-    spec = batch_sharding(mesh, axes)
-    tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
-    batch = {
-      "inputs": jax.device_put(tokens[:, :-1], spec),
-      "targets": jax.device_put(tokens[:, 1:], spec),
-      "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
-    }
+    batch = _batch(mesh, axes)
     step = make_train_step(setup, config, mesh, axes)
     state = setup.init()
     runs[mode] = {"operands": _all_reduce_operands(step, state, batch)}
@@ -75,16 +79,6 @@ def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
   config, _, sharded = _setup("data=2,fsdp=4,tensor=1", flat_grad_reduce="on")
   with pytest.raises(ValueError, match="needs replicated parameters"):
     flat_gradient_reduction(sharded, config, ("data", "fsdp"))
-
-
-def _batch(mesh, axes):
-  spec = batch_sharding(mesh, axes)
-  tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
-  return {
-    "inputs": jax.device_put(tokens[:, :-1], spec),
-    "targets": jax.device_put(tokens[:, 1:], spec),
-    "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
-  }
 
 
 def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_otherwise():

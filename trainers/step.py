@@ -84,10 +84,10 @@ def branch_on_nonfinite(config: ml_collections.ConfigDict, mesh: jax.sharding.Me
   lm_tiny, and the optimizer part of the width-512 step took 55-60 ms
   against 38-43 with a branch (the whole step 0.94-1.0x: the copies partly
   run beside the matmuls; `python -m benchmarks.step_variants`). A branch
-  also skips a bad step's update. But XLA:GPU runs a conditional by copying its predicate
-  to the host and blocking the host until the stream is done, every step,
-  which stops the host from queueing the next step ahead; so on GPU the
-  select stays. TPUs branch on the device. `train.nonfinite_guard`
+  also skips a bad step's update. But XLA:GPU runs a conditional by copying
+  its predicate to the host and blocking the host until the stream is done,
+  every step, which stops the host from queueing the next step ahead; so on
+  GPU the select stays. TPUs branch on the device. `train.nonfinite_guard`
   ("auto", "branch", "select") overrides.
   """
   mode = config.train.get("nonfinite_guard", "auto")
