@@ -44,6 +44,48 @@ def load_config(path: str):
   return fv.config
 
 
+def transformer_setup(config, mesh, batch_axes: tuple[str, ...] = ("data",)):
+  """(train state setup, model config, a placed random batch) for the transformer in `config`.
+
+  The batch is one random token stream cut into inputs and the next tokens
+  as targets, all positions counted: what the language-model task feeds,
+  without reading data. The benchmarks that time the step of a config
+  (P1, P3, `profile_step`, `step_variants`) build their state here.
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> from spmd.mesh import create_mesh
+    >>> config = lm_tiny.get_config()
+    >>> config.global_batch, config.model.seq_len = 8, 16
+    >>> setup, model_config, batch = transformer_setup(config, create_mesh("data=-1"))
+    >>> batch["inputs"].shape, model_config.d_model
+    ((8, 16), 128)
+  """
+  import jax
+  import numpy as np
+
+  from spmd.layout import batch_sharding
+  from trainers.models import logical_axes
+  from trainers.models import transformer as lm
+  from trainers.state import make_state
+  from trainers.tasks import transformer_config
+
+  model_config = transformer_config(config)
+  setup = make_state(
+    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
+  )
+  spec = batch_sharding(mesh, batch_axes)
+  batch_size, length = config.global_batch, config.model.seq_len
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, model_config.vocab_size, (batch_size, length + 1), np.int32)
+  batch = {
+    "inputs": jax.device_put(tokens[:, :-1], spec),
+    "targets": jax.device_put(tokens[:, 1:], spec),
+    "mask": jax.device_put(np.ones((batch_size, length), np.float32), spec),
+  }
+  return setup, model_config, batch
+
+
 def alternate(
   ours: Callable[[], float], theirs: Callable[[], float], rounds: int
 ) -> tuple[float, float, float]:

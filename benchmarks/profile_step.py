@@ -28,16 +28,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_DEVICES", "1")))
 jax.config.update("jax_platforms", "cpu")
 
-import numpy as np  # noqa: E402
-
+from benchmarks import common  # noqa: E402
 from configs import lm_tiny  # noqa: E402
-from spmd.layout import batch_sharding  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.models import logical_axes  # noqa: E402
-from trainers.models import transformer as lm  # noqa: E402
-from trainers.state import make_state  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
-from trainers.tasks import transformer_config  # noqa: E402
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -79,18 +73,7 @@ def main() -> None:
     4 * args.width,
   )
   mesh = create_mesh("data=-1")
-  model_config = transformer_config(config)
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-  )
-  spec = batch_sharding(mesh, ("data",))
-  shape = (config.global_batch, config.model.seq_len)
-  rng = np.random.default_rng(0)
-  batch = {
-    "inputs": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
-    "targets": jax.device_put(rng.integers(0, 256, shape, dtype=np.int32), spec),
-    "mask": jax.device_put(np.ones(shape, np.float32), spec),
-  }
+  setup, _, batch = common.transformer_setup(config, mesh)
   step = make_train_step(setup, config, mesh, ("data",))
   state = setup.init()
   hlo_text = step.lower(state, batch).compile().as_text()

@@ -34,16 +34,10 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 
-import numpy as np  # noqa: E402
-
+from benchmarks import common  # noqa: E402
 from benchmarks.trainer import model_config_for  # noqa: E402
-from spmd.layout import batch_sharding  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.models import logical_axes  # noqa: E402
-from trainers.models import transformer as lm  # noqa: E402
-from trainers.state import make_state  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
-from trainers.tasks import transformer_config  # noqa: E402
 
 
 def _branch(config):
@@ -76,7 +70,6 @@ def main() -> None:
   if unknown := [n for n in names if n not in VARIANTS]:
     parser.error(f"variants {unknown} are not among {sorted(VARIANTS)}")
   mesh = create_mesh("data=-1")
-  spec = batch_sharding(mesh, ("data",))
   runs = []
   for name in names:
     config = model_config_for(
@@ -86,17 +79,7 @@ def main() -> None:
       )
     )
     VARIANTS[name](config)
-    model_config = transformer_config(config)
-    setup = make_state(
-      lambda rngs, c=model_config: lm.TransformerLM(c, rngs=rngs), logical_axes, config, mesh
-    )
-    shape = (config.global_batch, config.model.seq_len)
-    tokens = np.random.default_rng(0).integers(0, 256, (shape[0], shape[1] + 1), np.int32)
-    batch = {
-      "inputs": jax.device_put(tokens[:, :-1], spec),
-      "targets": jax.device_put(tokens[:, 1:], spec),
-      "mask": jax.device_put(np.ones(shape, np.float32), spec),
-    }
+    setup, _, batch = common.transformer_setup(config, mesh)
     runs.append(
       {
         "step": make_train_step(setup, config, mesh, ("data",)),

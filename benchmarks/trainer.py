@@ -40,19 +40,15 @@ if PLATFORM == "cpu":
 jax.config.update("jax_platforms", PLATFORM)
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import lm_small, lm_tiny  # noqa: E402
-from spmd.layout import batch_sharding  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
-from trainers.models import logical_axes  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
-from trainers.state import make_state, model_from_params  # noqa: E402
+from trainers.state import model_from_params  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
-from trainers.tasks import transformer_config  # noqa: E402
 
 
 def hand_written_step(setup, mesh, batch_spec):
@@ -121,21 +117,10 @@ def main() -> None:
   config = model_config_for(args)
   mesh = create_mesh("data=-1")
   batch_axes = ("data",)
-  model_config = transformer_config(config)
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-  )
-  spec = batch_sharding(mesh, batch_axes)
-  rng = np.random.default_rng(0)
-  shape = (config.global_batch, config.model.seq_len)
-  vocab = model_config.vocab_size
-  batch = {
-    "inputs": jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), spec),
-    "targets": jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), spec),
-    "mask": jax.device_put(np.ones(shape, np.float32), spec),
-  }
+  setup, model_config, batch = common.transformer_setup(config, mesh, batch_axes)
+  shape = batch["inputs"].shape
   ours = make_train_step(setup, config, mesh, batch_axes)
-  theirs = hand_written_step(setup, mesh, spec)
+  theirs = hand_written_step(setup, mesh, batch["inputs"].sharding)
   state_a, state_b = setup.init(), setup.init()
   for _ in range(2):  # compile and warm up both
     state_a, _ = timed(ours, state_a, batch, 2)

@@ -4,6 +4,7 @@ Timings are never asserted here (they belong in `make bench`); only that the
 tools work and the README's table is the committed latest run's.
 """
 
+import doctest
 import json
 import os
 import subprocess
@@ -39,6 +40,13 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
   ratio, median_a, median_b = common.alternate(a, b, rounds=3)
   assert order == ["b", "a", "a", "b", "b", "a"]
   assert (ratio, median_a, median_b) == (2.0, 3.0, 1.0)
+
+
+def test_the_shared_helpers_examples_hold():
+  # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
+  # devices when imported. common sets up nothing, so its examples run here.
+  result = doctest.testmod(common)
+  assert result.attempted > 0 and result.failed == 0
 
 
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
