@@ -122,6 +122,40 @@ def peer_failed_first(error: BaseException) -> str | None:
   return f"process {jax.process_index()}: stopping ({here}) because process {p} failed: {cause}"
 
 
+def furthest_behind(records: dict[int, dict], processes: int, now: float) -> str:
+  """Who fell behind, from each process's last published `{"step", "time"}` record.
+
+  The fewest steps, not the oldest progress: a healthy host dispatches ahead
+  asynchronously and may have finished its last step before the stuck one
+  finished its own, earlier step. Processes tied at the fewest steps are all
+  named: a record can be stale (a peer's watchdog held up before publishing
+  its latest step), and guessing between them by time named the healthy
+  process in a test once.
+
+  Example:
+    >>> records = {0: {"step": 7, "time": 95.0}, 1: {"step": 6, "time": 96.0}}
+    >>> furthest_behind(records, 2, now=100.0)
+    'process 1 is furthest behind (last progress per process: 0: step 7 5s ago, 1: step 6 4s ago)'
+    >>> furthest_behind({0: {"step": 6, "time": 95.0}, 1: {"step": 6, "time": 96.0}}, 2, 100.0)[:40]
+    'processes [0, 1] are furthest behind, at'
+    >>> furthest_behind({0: {"step": 3, "time": 99.0}}, 2, 100.0)[:35]
+    'processes [1] never finished a step'
+  """
+  seen = ", ".join(
+    f"{p}: step {r['step']} {now - r['time']:.0f}s ago" for p, r in sorted(records.items())
+  )
+  missing = sorted(set(range(processes)) - set(records))
+  if missing:
+    return f"processes {missing} never finished a step (last progress per process: {seen})"
+  fewest = min(r["step"] for r in records.values())
+  behind = sorted(p for p, r in records.items() if r["step"] == fewest)
+  if len(behind) == 1:
+    who = f"process {behind[0]} is furthest behind"
+  else:
+    who = f"processes {behind} are furthest behind, at step {fewest}"
+  return f"{who} (last progress per process: {seen})"
+
+
 class ProgressWatchdog:
   """Ends the process after `timeout_s` without a finished step (first step: `first_timeout_s`).
 
@@ -187,21 +221,15 @@ class ProgressWatchdog:
       f"({where}; limit {limit:g}s, train.step_timeout_s)"
     )
     peers = self._peers()
+    if peers and self._step is not None:
+      # This process's own record may be stale: its watchdog thread can be
+      # held up between a step and the next publish (seen once in
+      # tests/faults/test_stuck.py: process 0's record stayed at step 6 for
+      # 8 s while it was at step 7). What it knows of itself is current.
+      since_wall = time.time() - (time.monotonic() - self._since)
+      peers[jax.process_index()] = {"step": self._step, "time": since_wall}
     if peers:
-      now = time.time()
-      # Fewest steps, not oldest progress: a healthy host dispatches ahead
-      # asynchronously and may have finished its last step before the stuck
-      # one finished its own, earlier step.
-      behind = min(peers, key=lambda p: (peers[p]["step"], peers[p]["time"]))
-      missing = sorted(set(range(jax.process_count())) - set(peers))
-      seen = ", ".join(
-        f"{p}: step {r['step']} {now - r['time']:.0f}s ago" for p, r in sorted(peers.items())
-      )
-      if missing:
-        message += f"; processes {missing} never finished a step"
-      else:
-        message += f"; process {behind} is furthest behind"
-      message += f" (last progress per process: {seen})"
+      message += "; " + furthest_behind(peers, jax.process_count(), time.time())
     return message
 
   def peer_failure(self) -> str | None:
