@@ -110,6 +110,27 @@ def alternate(
   return statistics.median(ratios), statistics.median(a_times), statistics.median(b_times)
 
 
+def covered(intervals: list[tuple[float, float]]) -> float:
+  """How much time the (start, end) intervals cover together: overlaps count once.
+
+  A trace's ops can run at once (XLA:CPU runs independent ops side by side),
+  so the sum of their durations can exceed the time they took.
+
+  Example:
+    >>> covered([(0, 2), (1, 3), (5, 6)])
+    4
+    >>> covered([])
+    0
+  """
+  total, end = 0, None
+  for s, e in sorted(intervals):
+    if end is None or s > end:
+      total, end = total + e - s, e
+    elif e > end:
+      total, end = total + e - end, e
+  return total
+
+
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
   """Seconds per call of `fn` over `calls` calls, waiting for the last result."""
   import jax
