@@ -110,3 +110,18 @@ def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
   assert rows == ["variant", "branch", "select", "stacked"], done.stdout
+
+
+def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
+  narrow = ["--width=64", "--steps=1", "--top=3"]
+  done = subprocess.run(
+    ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.profile_step", *narrow],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  kinds = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
+  assert "matmuls" in kinds and "optimizer, clipping, metrics" in kinds, done.stdout
+  assert "ms traced; some traced op ran for" in done.stdout, done.stdout
