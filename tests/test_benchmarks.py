@@ -14,6 +14,17 @@ from benchmarks import common, run
 from tests.multiprocess import ROOT
 
 
+def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+  """`python -m module args` from the repository root, killed after 300 s."""
+  return subprocess.run(
+    ["timeout", "-k", "5", "300", sys.executable, "-m", module, *args],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+  )
+
+
 def test_readme_shows_the_latest_run():
   with open(run.LATEST) as f:
     rows = json.load(f)
@@ -51,22 +62,8 @@ def test_the_shared_helpers_examples_hold():
 
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   out = tmp_path / "p7.json"
-  done = subprocess.run(
-    [
-      "timeout",
-      "-k",
-      "5",
-      "240",
-      sys.executable,
-      "-m",
-      "benchmarks.memory",
-      "--config=configs/lm_tiny.py",
-      f"--json={out}",
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=dict(os.environ, BENCH_DEVICES="2", PYTHONPATH=str(ROOT)),
+  done = _run_module(
+    "benchmarks.memory", "--config=configs/lm_tiny.py", f"--json={out}", BENCH_DEVICES="2"
   )
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   [row] = json.loads(out.read_text())
@@ -77,14 +74,9 @@ def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
   # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.
   out = tmp_path / "steps.json"
-  module = ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.trainer"]
   shrunk = ["--model=lm_small", "--global-batch=2", "--seq-len=32", "--num-layers=1"]
-  done = subprocess.run(
-    [*module, *shrunk, "--rounds=2", "--steps=1", f"--json={out}"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=dict(os.environ, BENCH_DEVICES="1", PYTHONPATH=str(ROOT)),
+  done = _run_module(
+    "benchmarks.trainer", *shrunk, "--rounds=2", "--steps=1", f"--json={out}", BENCH_DEVICES="1"
   )
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = {r["id"]: r for r in json.loads(out.read_text())}
@@ -100,27 +92,14 @@ def test_a_figure_without_a_goal_shows_a_dash():
 
 def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
   shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
-  done = subprocess.run(
-    ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.step_variants", *shrunk],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
-  )
+  done = _run_module("benchmarks.step_variants", *shrunk)
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
   assert rows == ["variant", "branch", "select", "stacked"], done.stdout
 
 
 def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
-  narrow = ["--width=64", "--steps=1", "--top=3"]
-  done = subprocess.run(
-    ["timeout", "-k", "5", "300", sys.executable, "-m", "benchmarks.profile_step", *narrow],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
-  )
+  done = _run_module("benchmarks.profile_step", "--width=64", "--steps=1", "--top=3")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   kinds = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
   assert "matmuls" in kinds and "optimizer, clipping, metrics" in kinds, done.stdout
