@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import common, run
+from benchmarks import common, process_layouts, run
 from tests.multiprocess import ROOT
 
 
@@ -55,9 +55,10 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
-  # devices when imported. common sets up nothing, so its examples run here.
-  result = doctest.testmod(common)
-  assert result.attempted > 0 and result.failed == 0
+  # devices when imported. These modules set up nothing, so their examples run here.
+  for module in (common, process_layouts):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
@@ -104,3 +105,10 @@ def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
   kinds = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
   assert "matmuls" in kinds and "optimizer, clipping, metrics" in kinds, done.stdout
   assert "ms traced; some traced op ran for" in done.stdout, done.stdout
+
+
+def test_the_process_layouts_run_end_to_end_as_real_jobs():
+  done = _run_module("benchmarks.process_layouts", "--layouts=1x2,2x1", "--rounds=1", "--steps=3")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+  assert rows == ["layout", "1x2", "2x1"], done.stdout
