@@ -16,6 +16,10 @@ One process, in one run:
       512 against the float32 matmul peak measured in the same run, the best
       of 3 square 2048 matmuls just before each round, and the round's step
       time against it; median of the per-round ratios. Goal >= 0.75.
+      Beside it, the same estimate for a "step" of nothing but square 2048
+      matmuls (as many FLOPs as lm_tiny's step), timed in the same rounds:
+      the most any step can score here, since the peak is the best of 3
+      runs and a step's time is the mean of several.
       On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
       against the chip's dense peak for the model's dtype from the table in
       `trainers.peaks` (a sampled matmul where the chip is not in it), with
@@ -74,6 +78,23 @@ def hand_written_step(setup, mesh, batch_spec):
     out_shardings=(setup.shardings, replicated),
     donate_argnums=0,
   )
+
+
+def square_matmul_step(flops: float, size: int = 2048):
+  """(a jitted chain of square matmuls of about `flops` in all, its input, its FLOPs).
+
+  The chain's output feeds the next call, as a train step's state does.
+  """
+  links = max(1, round(flops / (2 * size**3)))
+  x = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+
+  @jax.jit
+  def chain(y):
+    for _ in range(links):
+      y = (y @ y) * (1.0 / size**0.5)  # scaled, so values stay finite
+    return y
+
+  return chain, x, links * 2.0 * size**3
 
 
 def timed(step, state, batch, n):
@@ -139,9 +160,19 @@ def main() -> None:
   if table is None:
     sample_peak = peaks.matmul_sampler("float32" if PLATFORM == "cpu" else config.model.dtype)
   chips = 1 if PLATFORM == "cpu" else devices
-  ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b = [], [], [], [], [], []
+  if table is None:
+    chain, chain_x, chain_flops = square_matmul_step(flops)
+    chain(chain_x).block_until_ready()  # compile; not timed
+  ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b, mfu_chain = [], [], [], [], [], [], []
   for i in range(args.rounds):
     peak = (table or sample_peak(3, 1.0)) * chips
+    if table is None:
+      start = time.perf_counter()
+      y = chain_x
+      for _ in range(args.steps):
+        y = chain(y)
+      y.block_until_ready()
+      mfu_chain.append(chain_flops / ((time.perf_counter() - start) / args.steps) / peak)
     if i % 2:
       state_a, a = timed(ours, state_a, batch, args.steps)
       state_b, b = timed(theirs, state_b, batch, args.steps)
@@ -188,7 +219,8 @@ def main() -> None:
       statistics.median(mfu_a),
       0.75,
       False,
-      f"{model}, {peak_text}; hand-written step {statistics.median(mfu_b):.2f}",
+      f"{model}, {peak_text}; hand-written step {statistics.median(mfu_b):.2f}; "
+      f"square matmuls alone {statistics.median(mfu_chain):.2f}",
       machine,
     )
   else:  # the issue sets no goal for the accelerator's MFU
