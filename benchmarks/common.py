@@ -131,6 +131,39 @@ def covered(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
+def square_matmul_step(flops: float, size: int = 2048):
+  """(a step of square matmuls of about `flops` in all, its first state, its FLOPs).
+
+  The step has a train step's signature, `(state, batch) -> (state, metrics)`,
+  so the loop that times a train step times it too: its output feeds the
+  next call, as a train step's state does. Each matmul multiplies by one orthogonal matrix, which keeps
+  every value finite however many steps run (squaring the state instead
+  overflowed to inf within two steps).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> step, state, flops = square_matmul_step(3 * 2 * 64**3, size=64)
+    >>> for _ in range(50):  # 150 matmuls
+    ...   state, _ = step(state, None)
+    >>> flops, bool(jnp.isfinite(state).all())
+    (1572864.0, True)
+  """
+  import jax
+  import jax.numpy as jnp
+
+  links = max(1, round(flops / (2 * size**3)))
+  kq, kx = jax.random.split(jax.random.key(1))
+  q, _ = jnp.linalg.qr(jax.random.normal(kq, (size, size), jnp.float32))
+
+  @jax.jit
+  def step(y, _batch):
+    for _ in range(links):
+      y = y @ q
+    return y, y
+
+  return step, jax.random.normal(kx, (size, size), jnp.float32), links * 2.0 * size**3
+
+
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
   """Seconds per call of `fn` over `calls` calls, waiting for the last result."""
   import jax

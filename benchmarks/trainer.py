@@ -80,23 +80,6 @@ def hand_written_step(setup, mesh, batch_spec):
   )
 
 
-def square_matmul_step(flops: float, size: int = 2048):
-  """(a jitted chain of square matmuls of about `flops` in all, its input, its FLOPs).
-
-  The chain's output feeds the next call, as a train step's state does.
-  """
-  links = max(1, round(flops / (2 * size**3)))
-  x = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-
-  @jax.jit
-  def chain(y):
-    for _ in range(links):
-      y = (y @ y) * (1.0 / size**0.5)  # scaled, so values stay finite
-    return y
-
-  return chain, x, links * 2.0 * size**3
-
-
 def timed(step, state, batch, n):
   start = time.perf_counter()
   for _ in range(n):
@@ -157,22 +140,17 @@ def main() -> None:
   # CPU devices share the host's cores, so the host's peak is all of theirs.
   kind = jax.devices()[0].device_kind
   table = None if PLATFORM == "cpu" else peaks.table_peak(kind, config.model.dtype)
-  if table is None:
-    sample_peak = peaks.matmul_sampler("float32" if PLATFORM == "cpu" else config.model.dtype)
   chips = 1 if PLATFORM == "cpu" else devices
   if table is None:
-    chain, chain_x, chain_flops = square_matmul_step(flops)
-    chain(chain_x).block_until_ready()  # compile; not timed
+    sample_peak = peaks.matmul_sampler("float32" if PLATFORM == "cpu" else config.model.dtype)
+    chain, chain_state, chain_flops = common.square_matmul_step(flops)
+    chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b, mfu_chain = [], [], [], [], [], [], []
   for i in range(args.rounds):
     peak = (table or sample_peak(3, 1.0)) * chips
     if table is None:
-      start = time.perf_counter()
-      y = chain_x
-      for _ in range(args.steps):
-        y = chain(y)
-      y.block_until_ready()
-      mfu_chain.append(chain_flops / ((time.perf_counter() - start) / args.steps) / peak)
+      chain_state, c = timed(chain, chain_state, None, args.steps)
+      mfu_chain.append(chain_flops / c / peak)
     if i % 2:
       state_a, a = timed(ours, state_a, batch, args.steps)
       state_b, b = timed(theirs, state_b, batch, args.steps)
