@@ -6,8 +6,10 @@
       step time (the trainer's own `step_time_s`, first logging window left
       out) of the same config and global batch. Rounds alternate the order.
       Goal <= 1.25: what simulated hosts cost over one host (gloo collectives
-      between processes instead of in-process ones). The two processes'
-      time with `--pin-cpus` (a core each) is reported beside it.
+      between processes instead of in-process ones). Both run as
+      `spmd-launch local` runs them by default, so the 2 processes get a
+      core each (`--pin-cpus`); their time unpinned (`--no-pin-cpus`) is
+      reported beside it.
   P8  seconds from starting the job to the first finished train step, with a
       warm persistent compilation cache ÷ with an empty one. Each round uses
       a fresh cache directory: a cold run fills it, a warm run reuses it.
@@ -41,7 +43,7 @@ def run_training(
   devices: int,
   overrides: list[str],
   timeout_s: float = 600,
-  pin_cpus: bool = False,
+  pin_cpus: bool | None = None,
 ) -> tuple[dict, float]:
   """(summary.json of the run, Unix time it was started); raises if the run fails."""
   shutil.rmtree(workdir, ignore_errors=True)
@@ -54,7 +56,7 @@ def run_training(
     str(devices),
     "--timeout",
     str(timeout_s),
-    *(["--pin-cpus"] if pin_cpus else []),
+    *({True: ["--pin-cpus"], False: ["--no-pin-cpus"], None: []}[pin_cpus]),
     "--",
     os.path.join(BIN, "spmd-train"),
     f"--config={config}",
@@ -120,16 +122,17 @@ def main() -> None:
 
   steps = [*quiet, f"--config.train.steps={args.steps}"]
 
-  def layout(processes: int, devices: int, pin_cpus: bool):
+  def layout(processes: int, devices: int, pin_cpus: bool | None):
     def one_round() -> float:
-      workdir = os.path.join(root, f"p6_{processes}x{devices}{'_pinned' if pin_cpus else ''}")
+      suffix = {True: "_pinned", False: "_unpinned", None: ""}[pin_cpus]
+      workdir = os.path.join(root, f"p6_{processes}x{devices}{suffix}")
       run_training(workdir, args.config, processes, devices, steps, pin_cpus=pin_cpus)
       return steady_step_s(workdir, LOG_EVERY)
 
     return one_round
 
-  p6, multi_s, single_s = common.alternate(layout(2, 1, False), layout(1, 2, False), args.rounds)
-  pinned_s = statistics.median(layout(2, 1, True)() for _ in range(args.rounds))
+  p6, multi_s, single_s = common.alternate(layout(2, 1, None), layout(1, 2, None), args.rounds)
+  unpinned_s = statistics.median(layout(2, 1, False)() for _ in range(args.rounds))
 
   first_step = {"cold": [], "warm": []}
 
@@ -170,7 +173,7 @@ def main() -> None:
         1.25,
         True,
         f"{name}: step {multi_s * 1e3:.1f} vs {single_s * 1e3:.1f} ms "
-        f"(with `--pin-cpus`, a core each: {pinned_s * 1e3:.1f} ms)",
+        f"(a core each; unpinned, `--no-pin-cpus`: {unpinned_s * 1e3:.1f} ms)",
         machine,
       ),
       common.row(

@@ -1,9 +1,11 @@
 """The train step on a fixed batch under several process layouts: where P6's cost lies.
 
-  python -m benchmarks.process_layouts [--layouts=1x2,2x1,2x1p] [--rounds=2] [--steps=100]
+  python -m benchmarks.process_layouts [--layouts=1x2,2x1,2x1u] [--rounds=2] [--steps=100]
 
 Each layout is `PROCESSESxDEVICES` (devices per process), with a trailing `p`
-for `--pin-cpus` (a disjoint share of the CPUs per process). Every layout
+for `--pin-cpus` (a disjoint share of the CPUs per process) or `u` for
+`--no-pin-cpus`; without either, `spmd-launch local`'s default (pinned when
+there are several processes). Every layout
 runs the trainer's real step (`trainers.step.make_train_step`) of
 `--config` on one placed random batch of the config's global batch, as a
 job of `spmd-launch local` processes: no input pipeline, no logging, no
@@ -25,23 +27,23 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LAYOUT = re.compile(r"^(\d+)x(\d+)(p?)$")
+_LAYOUT = re.compile(r"^(\d+)x(\d+)([pu]?)$")
 
 
-def parse_layout(text: str) -> tuple[int, int, bool]:
-  """`"2x1p"` -> (processes, devices per process, pinned).
+def parse_layout(text: str) -> tuple[int, int, bool | None]:
+  """`"2x1p"` -> (processes, devices per process, pinned: True, False or None = default).
 
   Example:
-    >>> parse_layout("2x1p"), parse_layout("1x2")
-    ((2, 1, True), (1, 2, False))
+    >>> parse_layout("2x1p"), parse_layout("2x1u"), parse_layout("1x2")
+    ((2, 1, True), (2, 1, False), (1, 2, None))
     >>> parse_layout("2x")
     Traceback (most recent call last):
-    ValueError: layout '2x' is not PROCESSESxDEVICES[p], e.g. 2x1 or 2x1p
+    ValueError: layout '2x' is not PROCESSESxDEVICES[p|u], e.g. 2x1, 2x1p or 2x1u
   """
   m = _LAYOUT.match(text)
   if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-    raise ValueError(f"layout {text!r} is not PROCESSESxDEVICES[p], e.g. 2x1 or 2x1p")
-  return int(m.group(1)), int(m.group(2)), m.group(3) == "p"
+    raise ValueError(f"layout {text!r} is not PROCESSESxDEVICES[p|u], e.g. 2x1, 2x1p or 2x1u")
+  return int(m.group(1)), int(m.group(2)), {"p": True, "u": False}.get(m.group(3))
 
 
 def worker(config_path: str, steps: int) -> None:
@@ -97,7 +99,7 @@ def run_layout(layout: str, config: str, steps: int) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layouts", default="1x2,2x1,2x1p")
+  parser.add_argument("--layouts", default="1x2,2x1,2x1u")
   parser.add_argument("--config", default="configs/lm_tiny.py")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--steps", type=int, default=100, help="timed steps per job")

@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   loc.add_argument(
     "--pin-cpus",
-    action="store_true",
-    help="give each process its own share of this machine's CPUs, as separate hosts have",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="give each process its own share of this machine's CPUs, as separate hosts have "
+    "(default: on for several processes when `taskset` is installed)",
   )
   loc.add_argument(
     "--no-tcmalloc",

@@ -1,5 +1,7 @@
 """spmd-launch local: N processes, fail-fast, timeouts, and what it reports."""
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,9 +142,10 @@ def test_max_restarts_runs_the_job_again_after_a_failure(tmp_path):
   assert none.returncode == 1 and "process 0 failed first: exit code 3" in out
 
 
-def test_pinned_processes_get_disjoint_cpus():
+def _affinities(num_processes: int, **kwargs) -> list[list[int]]:
+  """Each process's CPUs, as `taskset` reports them from inside the job."""
   result = local.run_local(
-    ["sh", "-c", "taskset -cp $$"], num_processes=2, timeout_s=30, echo=False, pin_cpus=True
+    ["sh", "-c", "taskset -cp $$"], num_processes, timeout_s=30, echo=False, **kwargs
   )
   assert result.ok, result.report()
 
@@ -153,7 +156,16 @@ def test_pinned_processes_get_disjoint_cpus():
       out += range(int(first), int(last or first) + 1)
     return out
 
-  assert [cpus(p.output.strip()) for p in result.processes] == local.cpu_shares(2)
+  return [cpus(p.output.strip()) for p in result.processes]
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="needs taskset (util-linux)")
+def test_processes_get_disjoint_cpus_by_default_and_all_when_unpinned():
+  every = sorted(os.sched_getaffinity(0))
+  assert _affinities(2) == local.cpu_shares(2)  # the default: simulated hosts own their CPUs
+  assert _affinities(2, pin_cpus=True) == local.cpu_shares(2)
+  assert _affinities(2, pin_cpus=False) == [every, every]
+  assert _affinities(1) == [every]  # one process keeps the whole machine
 
 
 def test_tcmalloc_is_put_first_in_ld_preload_when_found(tmp_path):
