@@ -16,6 +16,7 @@ SCENARIOS = [
   "grad of a replicated input sums over every process's rows",
   "constraints inside, replicated output whole",
   "global array in, global array out",
+  "replicated global output, read on every process",
   "named specs, global arrays, fast path",
   "numpy into a global-only call is a clear error",
   "replicated-only with local_num_partitions",

@@ -148,13 +148,21 @@ def named_global_fast_path():
     (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
   )
   rows = jax.sharding.PartitionSpec("rows")
-  f = sharded_jit(lambda x: x * 3, in_parts=rows, out_parts=rows, mesh=mesh)
+  # An empty named spec is a replicated global output (as the trainer's
+  # metrics are): still all global, and every process can read it whole.
+  f = sharded_jit(
+    lambda x: (x * 3, x.sum()),
+    in_parts=rows,
+    out_parts=(rows, jax.sharding.PartitionSpec()),
+    mesh=mesh,
+  )
   gx = jax.make_array_from_process_local_data(
     jax.sharding.NamedSharding(mesh, rows), X[mine], X.shape
   )
   for _ in range(3):
-    out = f(gx)
+    out, total = f(gx)
   assert f.sharded_jit.fast is not None, "the all-global plan should use the fast path"
+  close(np.asarray(total), X.sum(), "replicated global output, read on every process")
   local = np.concatenate(
     [np.asarray(s.data) for s in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
   )
