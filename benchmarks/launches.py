@@ -31,6 +31,7 @@ import sys
 import time
 
 from benchmarks import common
+from launch.local import cpu_shares
 
 BIN = os.path.dirname(sys.executable)
 LOG_EVERY = 10  # steps per logged window of the P6 runs
@@ -163,6 +164,7 @@ def main() -> None:
   cold_s, warm_s = statistics.median(first_step["cold"]), statistics.median(first_step["warm"])
 
   name = os.path.basename(args.config)
+  cpus_each = len(cpu_shares(2)[0])
   machine = common.machine("CPU devices as stated")
   common.emit(
     [
@@ -173,7 +175,8 @@ def main() -> None:
         1.25,
         True,
         f"{name}: step {multi_s * 1e3:.1f} vs {single_s * 1e3:.1f} ms "
-        f"(a core each; unpinned, `--no-pin-cpus`: {unpinned_s * 1e3:.1f} ms)",
+        f"(pinned, {cpus_each} CPU{'s' if cpus_each > 1 else ''} each; "
+        f"unpinned, `--no-pin-cpus`: {unpinned_s * 1e3:.1f} ms)",
         machine,
       ),
       common.row(
