@@ -146,7 +146,7 @@ def run_local(
       N simulated hosts run N times as many compute threads as there are
       CPUs, and a process that falls behind holds up the others at every
       collective: 2 processes x 1 device took 1.08-1.30x the step of
-      1 process x 2 devices unpinned and 0.95-1.09x pinned (lm_tiny, 2 cores;
+      1 process x 2 devices unpinned and 0.95-1.11x pinned (lm_tiny, 2 cores;
       README, P6).
     tcmalloc: preload TCMalloc into every process when this machine has it
       (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
