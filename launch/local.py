@@ -103,6 +103,22 @@ def cpu_shares(num_processes: int, cpus: Sequence[int] | None = None) -> list[li
   ]
 
 
+def taskset_works() -> bool:
+  """Whether `taskset` is installed and may set affinities here.
+
+  Some sandboxes refuse `sched_setaffinity`; pinning by default must not
+  make every job fail to start there, so the default asks first (a few ms).
+  """
+  if not shutil.which("taskset"):
+    return False
+  cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+  try:
+    done = subprocess.run(["taskset", "-c", cpus, "true"], capture_output=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return done.returncode == 0
+
+
 def run_local(
   command: Sequence[str],
   num_processes: int,
@@ -141,11 +157,11 @@ def run_local(
     term_grace_s: how long a stopped job may take to save and exit.
     pin_cpus: give each process its own share of this machine's CPUs
       (`cpu_shares`, through `taskset`), as separate hosts have. None (the
-      default) pins whenever the job has several processes and `taskset` is
-      installed. Unpinned, every process's XLA thread pool spans all CPUs, so
-      N simulated hosts run N times as many compute threads as there are
-      CPUs, and a process that falls behind holds up the others at every
-      collective: 2 processes x 1 device took 1.08-1.30x the step of
+      default) pins whenever the job has several processes and `taskset`
+      works here (`taskset_works`). Unpinned, every process's XLA thread
+      pool spans all CPUs, so N simulated hosts run N times as many compute
+      threads as there are CPUs, and a process that falls behind holds up
+      the others at every collective: 2 processes x 1 device took 1.08-1.30x the step of
       1 process x 2 devices unpinned and 0.95-1.11x pinned (lm_tiny, 2 cores;
       README, P6).
     tcmalloc: preload TCMalloc into every process when this machine has it
@@ -173,7 +189,7 @@ def run_local(
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
   if pin_cpus is None:
-    pin_cpus = num_processes > 1 and shutil.which("taskset") is not None
+    pin_cpus = num_processes > 1 and taskset_works()
   elif pin_cpus and not shutil.which("taskset"):
     raise ValueError("pin_cpus needs `taskset` (util-linux) on PATH")
   shares = cpu_shares(num_processes) if pin_cpus else []

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     action=argparse.BooleanOptionalAction,
     default=None,
     help="give each process its own share of this machine's CPUs, as separate hosts have "
-    "(default: on for several processes when `taskset` is installed)",
+    "(default: on for several processes where `taskset` works)",
   )
   loc.add_argument(
     "--no-tcmalloc",

@@ -168,6 +168,24 @@ def test_processes_get_disjoint_cpus_by_default_and_all_when_unpinned():
   assert _affinities(1) == [every]  # one process keeps the whole machine
 
 
+def test_a_refusing_taskset_means_unpinned_by_default_and_an_error_when_asked(
+  tmp_path, monkeypatch
+):
+  # A sandbox that refuses sched_setaffinity: taskset exists but fails.
+  fake = tmp_path / "taskset"
+  fake.write_text("#!/bin/sh\necho 'taskset: failed to set pid 0 affinity' >&2\nexit 1\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  assert not local.taskset_works()
+  every = str(sorted(os.sched_getaffinity(0)))
+  show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+  result = local.run_local(show, 2, timeout_s=30, echo=False)
+  assert result.ok, result.report()
+  assert [p.output.strip() for p in result.processes] == [every, every]
+  asked = local.run_local(show, 2, timeout_s=30, echo=False, pin_cpus=True)
+  assert not asked.ok and "failed to set" in asked.report()
+
+
 def test_tcmalloc_is_put_first_in_ld_preload_when_found(tmp_path):
   empty, lib = tmp_path / "empty", tmp_path / "lib"
   empty.mkdir()
