@@ -220,6 +220,11 @@ def make_eval_step(
     return {"loss_sum": loss_sum, **aux}
 
   batch_spec = NamedSpec(batch_axes if batch_axes else None)
+  # Global replicated sums, as the train step's metrics: every call takes
+  # the fast path, and `jax.device_get` reads them on every process.
   return spmd.sharded_jit(
-    eval_step, in_parts=(_specs(setup.shardings["params"]), batch_spec), out_parts=None, mesh=mesh
+    eval_step,
+    in_parts=(_specs(setup.shardings["params"]), batch_spec),
+    out_parts=NamedSpec(),
+    mesh=mesh,
   )
