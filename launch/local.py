@@ -161,9 +161,9 @@ def run_local(
       works here (`taskset_works`). Unpinned, every process's XLA thread
       pool spans all CPUs, so N simulated hosts run N times as many compute
       threads as there are CPUs, and a process that falls behind holds up
-      the others at every collective: 2 processes x 1 device took 1.08-1.30x the step of
-      1 process x 2 devices unpinned and 0.95-1.11x pinned (lm_tiny, 2 cores;
-      README, P6).
+      the others at every collective: 2 processes x 1 device took
+      1.08-1.30x the step of 1 process x 2 devices unpinned and 0.95-1.11x
+      pinned (lm_tiny, 2 cores; README, P6).
     tcmalloc: preload TCMalloc into every process when this machine has it
       (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
 
