@@ -9,7 +9,7 @@ matmuls, layout copies (transposes XLA inserts so a dot gets the operand
 layout its kernel wants), collectives, the optimizer (with gradient clipping
 and metrics: every op outside the differentiated loss)
 and other elementwise work (of the loss's forward and backward). This is how the P3 figure is explained in the
-README.
+README and `benchmarks/NOTES.md`.
 
 Two columns per kind: the ops' summed durations, and the time at least one
 of them ran (XLA:CPU runs independent ops at once, so the sum can exceed
