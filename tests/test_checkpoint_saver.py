@@ -44,7 +44,7 @@ def test_each_save_writes_the_state_of_its_step_although_the_next_update_donates
   tmp_path, monkeypatch
 ):
   # "large" is 8 KB: with the threshold at 1 KB it is spread for the copy.
-  monkeypatch.setattr(checkpoint, "REPLICA_PARALLEL_MIN_SLICE_BYTES", 1024)
+  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
   state = _state(mesh)
   update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
@@ -70,7 +70,7 @@ def test_each_save_writes_the_state_of_its_step_although_the_next_update_donates
 
 
 def test_the_snapshot_is_in_host_memory_and_one_copy_of_a_large_replicated_array(monkeypatch):
-  monkeypatch.setattr(checkpoint, "REPLICA_PARALLEL_MIN_SLICE_BYTES", 1024)
+  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
   state = _state(mesh)
   shardings = jax.tree.map(checkpoint._snapshot_sharding, state)
@@ -79,6 +79,41 @@ def test_the_snapshot_is_in_host_memory_and_one_copy_of_a_large_replicated_array
   assert shardings["small"].spec == P()  # 48 bytes: copied whole
   assert shardings["sharded"].spec == P("data")
   assert shardings["step"].spec == P()
+
+
+def test_a_partly_replicated_array_is_spread_over_the_axes_it_is_replicated_on(
+  tmp_path, monkeypatch
+):
+  # FSDP over 4 devices and 2 data-parallel replicas: each large array is
+  # sharded over "fsdp" and held twice; the snapshot holds it once, each
+  # device keeping part of its own block, and restores exactly.
+  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
+  mesh = create_mesh("data=2,fsdp=4,tensor=1")
+  fsdp = NamedSharding(mesh, P("fsdp"))
+  state = {
+    "rows": jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), fsdp),
+    "columns": jax.device_put(np.arange(4 * 512, dtype=np.float32).reshape(4, 512), fsdp),
+    "small": jax.device_put(np.arange(8 * 4, dtype=np.float32).reshape(8, 4), fsdp),
+  }
+  shardings = jax.tree.map(checkpoint._snapshot_sharding, state)
+  assert shardings["rows"].spec == P(("fsdp", "data", "tensor"))
+  assert shardings["columns"].spec == P("fsdp", ("data", "tensor"))  # 4 rows: not by 8
+  assert shardings["small"].spec == P("fsdp")  # 128 bytes: as it is
+  for name, x in state.items():  # each device's part lies inside the block it holds
+    new = shardings[name].devices_indices_map(x.shape)
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+      held = np.zeros(x.shape, bool)
+      held[index] = True
+      assert held[new[device]].all(), (name, device)
+  saver = checkpoint.Saver(checkpoint.make_manager(str(tmp_path), every=1, keep=1))
+  try:
+    saver.save(1, state, {})
+    saver.wait()
+    restored = _restore(saver.manager, 1, state)["state"]
+  finally:
+    saver.close()
+  for name, x in state.items():
+    np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(x), err_msg=name)
 
 
 def test_a_save_that_fails_in_the_background_is_raised_on_the_training_thread(tmp_path):

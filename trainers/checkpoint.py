@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -66,13 +67,12 @@ class Restored:
   step: int
 
 
-# orbax splits each replicated array into one slice per replica so that the
-# replicas share the writing. Every slice is a separate device dispatch on the
-# training thread, which for the many small arrays of a data-parallel state
-# cost more than the write it spreads (lm_tiny on 4 devices: 184 slices, the
-# save call 130-350 ms instead of 45-65 ms). Arrays whose per-replica slice
-# would be under this size are written whole by one replica.
-REPLICA_PARALLEL_MIN_SLICE_BYTES = 1 << 20
+# Every array `Saver` hands orbax is a snapshot without replicas of any
+# large array (`_snapshot_sharding`): each one over this many bytes per device
+# is spread over the devices that held copies of it, so each host writes its
+# own part, with no extra dispatches. Smaller ones are copied whole and written
+# by one replica: one fragment per piece costs orbax more CPU than the write.
+SNAPSHOT_SPREAD_MIN_BYTES = 1 << 20
 
 
 @functools.cache
@@ -80,7 +80,13 @@ def _register_array_handler() -> None:
   ocp.type_handlers.register_type_handler(
     jax.Array,
     ocp.type_handlers.ArrayHandler(
-      min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES,
+      # orbax's replica-parallel writing splits a replicated array's writing
+      # across its replicas. The snapshot leaves it nothing to split (above:
+      # the large arrays have no replicas, the small ones would be under its
+      # threshold), so it is off rather than asked about every array of every
+      # save. (What it cost was within the noise on lm_tiny: 1.02x the CPU
+      # per save, 16 alternating rounds of 5 saves in one process.)
+      use_replica_parallel=False,
       # orbax's `_sharding` file records each array's saved sharding, for
       # restores that give none. Ours always give the target's (any mesh and
       # process count), so it is never read; serializing it cost a quarter of
@@ -243,22 +249,39 @@ class Saver:
 def _snapshot_sharding(x: jax.Array) -> jax.sharding.Sharding:
   """Where the snapshot of `x` lives: host memory, and one copy, not one per replica.
 
-  A large replicated array is spread over every device of its mesh along its
-  first dimension that divides evenly, so the copy costs 1/replicas of
-  copying every replica, and each host writes its part of it (as orbax's
-  replica-parallel writing, without its per-slice dispatches). Small ones
-  stay whole: each piece is one more file fragment for orbax to write, which
-  costs more CPU than copying a small array a few times.
+  An array over `SNAPSHOT_SPREAD_MIN_BYTES` per device that is replicated
+  over some mesh axes (all of them, or those its spec leaves out) is spread
+  over those axes too, on the first dimension that divides evenly: the copy
+  costs 1/replicas of copying every replica, each device keeps a part of what
+  it already holds (no data moves between devices), and each host writes its
+  part. Small ones stay as they are: each piece is one more file fragment for
+  orbax to write, which costs more CPU than copying a small array a few times.
   """
   sharding = x.sharding
-  if isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
-    mesh = sharding.mesh
-    if mesh.size > 1 and x.nbytes // mesh.size >= REPLICA_PARALLEL_MIN_SLICE_BYTES:
-      for dim, size in enumerate(x.shape):
-        if size % mesh.size == 0:
-          sharding = NamedSharding(mesh, P(*[None] * dim, tuple(mesh.axis_names)))
-          break
+  if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+    if x.nbytes // sharding.mesh.size >= SNAPSHOT_SPREAD_MIN_BYTES:
+      sharding = _without_replicas(sharding, x.shape)
   return _in_host_memory(sharding)
+
+
+def _without_replicas(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+  """`sharding` with the mesh axes its spec leaves out added to one dimension, where one divides."""
+  mesh = sharding.mesh
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  axes_of = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+  used = {a for axes in axes_of for a in axes}
+  spare = tuple(a for a in mesh.axis_names if a not in used)
+  if math.prod(mesh.shape[a] for a in spare) == 1:
+    return sharding
+  for dim, axes in enumerate(axes_of):
+    # After the dimension's own axes: each device's new block lies inside
+    # the block it holds now.
+    if shape[dim] % math.prod(mesh.shape[a] for a in axes + spare) == 0:
+      new = [*spec[:dim], axes + spare, *spec[dim + 1 :]]
+      while new and new[-1] is None:  # P("a", None) != P("a")
+        new.pop()
+      return NamedSharding(mesh, P(*new))
+  return sharding
 
 
 @functools.lru_cache(maxsize=4096)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import checkpoint  # noqa: E402
 
-checkpoint.REPLICA_PARALLEL_MIN_SLICE_BYTES = 1024  # "large" (8 KB) is spread for the copy
+checkpoint.SNAPSHOT_SPREAD_MIN_BYTES = 1024  # "large" (8 KB) is spread for the copy
 mesh = create_mesh("data=-1,fsdp=1,tensor=1")
 replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 values = {
