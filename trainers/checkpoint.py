@@ -48,6 +48,8 @@ from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.partition import axis_names, spec_axis_names
+
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
@@ -268,12 +270,11 @@ def _without_replicas(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedS
   """`sharding` with the mesh axes its spec leaves out added to one dimension, where one divides."""
   mesh = sharding.mesh
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-  axes_of = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
-  used = {a for axes in axes_of for a in axes}
+  used = spec_axis_names(spec)
   spare = tuple(a for a in mesh.axis_names if a not in used)
   if math.prod(mesh.shape[a] for a in spare) == 1:
     return sharding
-  for dim, axes in enumerate(axes_of):
+  for dim, axes in enumerate(map(axis_names, spec)):
     # After the dimension's own axes: each device's new block lies inside
     # the block it holds now.
     if shape[dim] % math.prod(mesh.shape[a] for a in axes + spare) == 0:
