@@ -241,6 +241,12 @@ class Saver:
       state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
     )
     try:
+      # orbax's Python work per array (~2 ms each on a CPU host) starts once
+      # the copy is in host memory, which is after the step it follows: begun
+      # at once it competes with the end of that step for the host's cores
+      # and the GIL (lm_tiny on 2 cores: the saving step 1.13x an ordinary
+      # one, 1.08x with this wait; see benchmarks/NOTES.md, P5).
+      jax.block_until_ready(state)
       # force: the caller decided the step (orbax's interval check would
       # otherwise decide a second time, in another thread).
       self.manager.save(step, args=args, force=True)
