@@ -151,8 +151,8 @@ class Saver:
   deeper models), and only the file writes run in the background. Here
   `save` only starts one batched, asynchronous copy of the state into host
   memory (`pinned_host`, so no device memory is held) and queues it; a
-  worker thread hands the copy to orbax, so the step after `save` is
-  dispatched at once. The data position is passed by value.
+  worker thread waits for the copy and hands it to orbax, so the step after
+  `save` is dispatched at once. The data position is passed by value.
 
   At most one copy waits for the worker: a `save` that finds the previous one
   not yet taken by orbax waits for it (the memory bound is one host copy of
