@@ -69,11 +69,11 @@ class Restored:
   step: int
 
 
-# Every array `Saver` hands orbax is a snapshot without replicas of any
-# large array (`_snapshot_sharding`): each one over this many bytes per device
-# is spread over the devices that held copies of it, so each host writes its
-# own part, with no extra dispatches. Smaller ones are copied whole and written
-# by one replica: one fragment per piece costs orbax more CPU than the write.
+# `Saver`'s snapshot of an array over this many bytes per device holds no
+# replicas (`_snapshot_sharding`): it is spread over the devices that held
+# copies of it, so each host writes its own part, with no extra dispatches.
+# Smaller ones are copied whole and written by one replica: one fragment per
+# piece costs orbax more CPU than the write.
 SNAPSHOT_SPREAD_MIN_BYTES = 1 << 20
 
 
