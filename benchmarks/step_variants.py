@@ -1,6 +1,9 @@
 """What one design choice of the train step costs: the same step under config variants, alternating.
 
   python -m benchmarks.step_variants [--variants=branch,select,stacked] [--rounds=30]
+  # what the parts outside the weight matmuls cost (2026-12-02: README, P3)
+  python -m benchmarks.step_variants --variants=branch,no_attention_core,affine_norms,relu \
+      --rounds=16 --steps=3
 
 One process, `BENCH_DEVICES` CPU devices (default 1, as P3), lm_tiny at
 width 512 (P3's model). Each variant is the trainer's real step with one
@@ -11,10 +14,20 @@ setting changed:
            XLA:CPU copy each donated optimizer moment first ("select")
   stacked  lm_tiny's former layout: its two blocks stacked and run as a fully
            unrolled scan, without remat (`model.scan_layers=True`)
+Ablations, which take a part out of the model to show what it costs (not
+models to train; they exist only while their step is traced):
+  no_attention_core  each attention layer's scores, mask, softmax and weighted
+           sum replaced by the values (`y = v + 0 * q * k`, which keeps the
+           Q, K and V projections and their gradients in the step; with
+           `0 * (q + k)` XLA would merge the Q and K projections into one
+           matmul, and the ablation would take out more than the core)
+  affine_norms  each layer norm replaced by its scale and bias alone
+  relu     GELU replaced by ReLU
 Rounds of `--steps` steps, each step timed alone (it waits for its result),
 the variants in turn and in reverse order every other round. Prints each
 variant's min, 10th percentile and median step time, and the median of its
-per-round ratios to the first variant. On this shared 2-core machine one
+per-round ratios to the first variant, and the matmul FLOPs of its compiled
+step (`spmd.hlo.matmul_flops`). On this shared 2-core machine one
 round's ratio swings by 15 % or more; the min and 10th percentile are what
 interference cannot lower.
 """
@@ -22,6 +35,7 @@ interference cannot lower.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -36,7 +50,9 @@ jax.config.update("jax_platforms", "cpu")
 
 from benchmarks import common  # noqa: E402
 from benchmarks.trainer import model_config_for  # noqa: E402
+from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
+from trainers.models import transformer as lm  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
 
 
@@ -54,7 +70,55 @@ def _stacked(config):
   config.model.remat_policy = "none"
 
 
-VARIANTS = {"branch": _branch, "select": _select, "stacked": _stacked}
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+  """`owner.name` is `value` inside the block (while a variant's step is traced)."""
+  old = getattr(owner, name)
+  setattr(owner, name, value)
+  try:
+    yield
+  finally:
+    setattr(owner, name, old)
+
+
+def _attention_without_core(self, x):
+  dt = x.dtype
+  q, k, v = (lm._dense(x, w[...].astype(dt)) for w in (self.query, self.key, self.value))
+  return lm._dense(v + 0 * q * k, self.out[...].astype(dt), contract=2)
+
+
+def _no_attention_core(config):
+  return _replaced(lm._Attention, "__call__", _attention_without_core)
+
+
+def _affine_norms(config):
+  return _replaced(lm._LayerNorm, "__call__", lambda self, x: x * self.scale[...] + self.bias[...])
+
+
+def _relu(config):
+  return _replaced(jax.nn, "gelu", lambda x, approximate=True: jax.nn.relu(x))
+
+
+# Each variant changes the config and may return a context in which its step
+# is built and traced (the ablations); the others return None.
+VARIANTS = {
+  "branch": _branch,
+  "select": _select,
+  "stacked": _stacked,
+  "no_attention_core": _no_attention_core,
+  "affine_norms": _affine_norms,
+  "relu": _relu,
+}
+
+
+def _one_round(run: dict, steps: int) -> list[float]:
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run["state"], metrics = run["step"](run["state"], run["batch"])
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return times
 
 
 def main() -> None:
@@ -78,45 +142,36 @@ def main() -> None:
         **{k: getattr(args, k) for k in ("global_batch", "seq_len", "num_layers")},
       )
     )
-    VARIANTS[name](config)
-    setup, _, batch = common.transformer_setup(config, mesh)
-    runs.append(
-      {
+    with VARIANTS[name](config) or contextlib.nullcontext():
+      setup, _, batch = common.transformer_setup(config, mesh)
+      run = {
         "step": make_train_step(setup, config, mesh, ("data",)),
         "state": setup.init(),
         "batch": batch,
         "times": [],
         "means": [],
       }
-    )
-
-  def one_round(run: dict, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-      start = time.perf_counter()
-      run["state"], metrics = run["step"](run["state"], run["batch"])
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - start)
-    return times
-
-  for run in runs:  # compile and warm up
-    one_round(run, 2)
+      _one_round(run, 2)  # traced (so an ablation takes effect), compiled, warmed up
+      # What the variant's compiled program multiplies: shows an ablation took effect.
+      compiled = run["step"].lower(run["state"], batch).compile()
+      run["matmul_flops"] = hlo.matmul_flops(compiled.as_text())
+    runs.append(run)
   for r in range(args.rounds):
     for run in runs if r % 2 == 0 else runs[::-1]:
-      times = one_round(run, args.steps)
+      times = _one_round(run, args.steps)
       run["times"] += times
       run["means"].append(statistics.mean(times))
   devices = mesh.devices.size
   print(f"lm_tiny at width 512, {devices} CPU device(s), {args.rounds} rounds of {args.steps}")
-  print("| variant | min ms | p10 ms | median ms | ÷ first (median of rounds) |")
-  print("|---|---|---|---|---|")
+  print("| variant | min ms | p10 ms | median ms | ÷ first (median of rounds) | matmul GFLOP |")
+  print("|---|---|---|---|---|---|")
   for name, run in zip(names, runs):
     times = sorted(run["times"])
     ratio = statistics.median(a / b for a, b in zip(run["means"], runs[0]["means"]))
     p10 = times[len(times) // 10]
     print(
       f"| {name} | {times[0] * 1e3:.1f} | {p10 * 1e3:.1f} | "
-      f"{statistics.median(times) * 1e3:.1f} | {ratio:.3f} |"
+      f"{statistics.median(times) * 1e3:.1f} | {ratio:.3f} | {run['matmul_flops'] / 1e9:.4f} |"
     )
 
 

@@ -95,10 +95,22 @@ def test_a_figure_without_a_goal_shows_a_dash():
 
 def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
   shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
-  done = _run_module("benchmarks.step_variants", *shrunk)
+  names = ["branch", "select", "stacked", "no_attention_core", "affine_norms", "relu"]
+  done = _run_module("benchmarks.step_variants", *shrunk, f"--variants={','.join(names)}")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+  assert [c[0].strip() for c in cells] == ["variant", *names], done.stdout
+  gflop = {c[0].strip(): float(c[-1]) for c in cells[1:]}
+  # The ablation is in the compiled step: its attention dots are gone (the
+  # other variants multiply the same matrices).
+  assert gflop["no_attention_core"] < gflop["branch"] == gflop["select"] == gflop["relu"], gflop
+
+
+def test_the_batched_matmul_comparison_runs_with_and_without_pinning():
+  done = _run_module("benchmarks.batched_matmul", "--rounds=1")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["variant", "branch", "select", "stacked"], done.stdout
+  assert rows == ["way", "attention", "32 items", "one 2-D", "square"], done.stdout
 
 
 def test_the_step_profile_runs_end_to_end_on_a_narrow_model():

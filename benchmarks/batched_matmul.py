@@ -1,0 +1,97 @@
+"""Why lm_tiny's attention core runs far below the matmul peak: XLA:CPU's batched dots of small items.
+
+  python -m benchmarks.batched_matmul [--rounds=30]
+
+Times, on one CPU device, the same FLOPs multiplied four ways:
+  attention     256 items of 64 x 64 x 64: the shape of each of the attention
+                core's six batched matmuls in P3's step (batch 32 x 8 heads,
+                seq_len 64, head_dim 64)
+  32 items      32 items of 512 x 64 x 64
+  one 2-D       one [16384, 64] x [64, 64] matmul
+  square        square 2048 matmuls (what P3's peak samples), reported as
+                the best of 3 per round
+once with every core and once in a child process pinned to one core
+(`os.sched_setaffinity` before JAX starts, so XLA:CPU sizes its thread pool
+to it). Prints GFLOP/s, the median over `--rounds` rounds of 5 calls.
+
+On 2026-12-02 (2 cores): the attention-shaped batched matmul ran at 52
+GFLOP/s on two cores and 57 on one, 32 larger items at 93 and 99, while the
+one 2-D matmul of the same FLOPs (146 against 106) and the square matmul
+(195 against 131) gained from the second core. A batched dot of small items
+gets nothing from XLA:CPU's second thread; handing each thread whole items
+would (`benchmarks/NOTES.md`, P3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def measure(rounds: int) -> dict[str, float]:
+  """GFLOP/s of each way, in this process (on whatever cores it may use)."""
+  import jax
+  import jax.numpy as jnp
+
+  jax.config.update("jax_platforms", "cpu")
+  flops = 2 * 256 * 64**3
+  key = jax.random.key(0)
+  a, b = (jax.random.normal(k, (256, 64, 64)) for k in jax.random.split(key))
+  batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
+  ways = {
+    "attention": (batched, (a, b)),
+    "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
+    "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
+  }
+  from trainers import peaks  # after the platform is set
+
+  square = peaks.matmul_sampler("float32")
+  times: dict[str, list[float]] = {name: [] for name in ways}
+  square_rates = []
+  for fn, args in ways.values():
+    jax.block_until_ready(fn(*args))  # compile; not timed
+  for _ in range(rounds):
+    for name, (fn, args) in ways.items():
+      start = time.perf_counter()
+      out = [fn(*args) for _ in range(5)]
+      jax.block_until_ready(out)
+      times[name].append((time.perf_counter() - start) / 5)
+    square_rates.append(square(3, 1.0))
+  rates = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
+  rates["square"] = statistics.median(square_rates) / 1e9
+  return rates
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=30)
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:  # pinned by the parent: measure and hand the figures back
+    print(json.dumps(measure(args.rounds)))
+    return
+  cores = len(os.sched_getaffinity(0))
+  one_core = subprocess.run(
+    [sys.executable, "-m", "benchmarks.batched_matmul", "--child", f"--rounds={args.rounds}"],
+    capture_output=True,
+    text=True,
+    check=True,
+    timeout=600,
+    preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+  )
+  pinned = json.loads(one_core.stdout.strip().splitlines()[-1])
+  every = measure(args.rounds)
+  print(f"GFLOP/s, median of {args.rounds} rounds")
+  print(f"| way | {cores} cores | 1 core | {cores} cores ÷ 1 core |")
+  print("|---|---|---|---|")
+  for name, rate in every.items():
+    print(f"| {name} | {rate:.1f} | {pinned[name]:.1f} | {rate / pinned[name]:.2f} |")
+
+
+if __name__ == "__main__":
+  main()
