@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 
 def measure(rounds: int) -> dict[str, float]:
@@ -48,6 +47,7 @@ def measure(rounds: int) -> dict[str, float]:
     "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
     "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
   }
+  from benchmarks import common
   from trainers import peaks  # after the platform is set
 
   square = peaks.matmul_sampler("float32")
@@ -57,10 +57,7 @@ def measure(rounds: int) -> dict[str, float]:
     jax.block_until_ready(fn(*args))  # compile; not timed
   for _ in range(rounds):
     for name, (fn, args) in ways.items():
-      start = time.perf_counter()
-      out = [fn(*args) for _ in range(5)]
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - start) / 5)
+      times[name].append(common.seconds_per_call(lambda f=fn, a=args: f(*a), 5))
     square_rates.append(square(3, 1.0))
   rates = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
   rates["square"] = statistics.median(square_rates) / 1e9
