@@ -10,7 +10,10 @@ Times, on one CPU device, the same FLOPs multiplied four ways:
   one 2-D       one [16384, 64] x [64, 64] matmul
   square        square 2048 matmuls (what P3's peak samples), reported as
                 the best of 3 per round
-once with every core and once in a child process pinned to one core
+and the attention shape and the square matmul again compiled with
+`common.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
+batched dot to Eigen one item at a time), rows "... (oneDNN)".
+Once with every core and once in a child process pinned to one core
 (`os.sched_setaffinity` before JAX starts, so XLA:CPU sizes its thread pool
 to it). Prints GFLOP/s, the median over `--rounds` rounds of 5 calls.
 
@@ -19,8 +22,7 @@ GFLOP/s on two cores and 57 on one, 32 larger items at 93 and 99, while the
 one 2-D matmul of the same FLOPs (146 against 106) and the square matmul
 (195 against 131) gained from the second core. A batched dot of small items
 gets nothing from XLA:CPU's second thread; handing each thread whole items
-would (`benchmarks/NOTES.md`, P3).
-"""
+would (`benchmarks/NOTES.md`, P3)."""
 
 from __future__ import annotations
 
@@ -41,26 +43,31 @@ def measure(rounds: int) -> dict[str, float]:
   flops = 2 * 256 * 64**3
   key = jax.random.key(0)
   a, b = (jax.random.normal(k, (256, 64, 64)) for k in jax.random.split(key))
-  batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
-  ways = {
-    "attention": (batched, (a, b)),
-    "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
-    "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
-  }
   from benchmarks import common
   from trainers import peaks  # after the platform is set
 
-  square = peaks.matmul_sampler("float32")
+  batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
+  ways = {
+    "attention": (batched, (a, b)),
+    "attention (oneDNN)": (batched.lower(a, b).compile(common.ONEDNN_DOTS), (a, b)),
+    "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
+    "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
+  }
+  squares = {
+    "square": peaks.matmul_sampler("float32"),
+    "square (oneDNN)": peaks.matmul_sampler("float32", compiler_options=common.ONEDNN_DOTS),
+  }
   times: dict[str, list[float]] = {name: [] for name in ways}
-  square_rates = []
+  square_rates: dict[str, list[float]] = {name: [] for name in squares}
   for fn, args in ways.values():
     jax.block_until_ready(fn(*args))  # compile; not timed
   for _ in range(rounds):
     for name, (fn, args) in ways.items():
       times[name].append(common.seconds_per_call(lambda f=fn, a=args: f(*a), 5))
-    square_rates.append(square(3, 1.0))
+    for name, sample in squares.items():
+      square_rates[name].append(sample(3, 1.0))
   rates = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
-  rates["square"] = statistics.median(square_rates) / 1e9
+  rates.update({name: statistics.median(r) / 1e9 for name, r in square_rates.items()})
   return rates
 
 

@@ -23,6 +23,8 @@ models to train; they exist only while their step is traced):
            matmul, and the ablation would take out more than the core)
   affine_norms  each layer norm replaced by its scale and bias alone
   relu     GELU replaced by ReLU
+And one compiler setting: `onednn_dots`, the default step compiled with
+`common.ONEDNN_DOTS` (every dot one oneDNN call, not YNNPACK or Eigen).
 Rounds of `--steps` steps, each step timed alone (it waits for its result),
 the variants in turn and in reverse order every other round. Prints each
 variant's min, 10th percentile and median step time, and the median of its
@@ -108,7 +110,10 @@ VARIANTS = {
   "no_attention_core": _no_attention_core,
   "affine_norms": _affine_norms,
   "relu": _relu,
+  "onednn_dots": _branch,  # the default step, compiled with COMPILER_OPTIONS below
 }
+# XLA options a variant's step is compiled with (the others: XLA's defaults).
+COMPILER_OPTIONS = {"onednn_dots": common.ONEDNN_DOTS}
 
 
 def _one_round(run: dict, steps: int) -> list[float]:
@@ -153,8 +158,11 @@ def main() -> None:
       }
       _one_round(run, 2)  # traced (so an ablation takes effect), compiled, warmed up
       # What the variant's compiled program multiplies: shows an ablation took effect.
-      compiled = run["step"].lower(run["state"], batch).compile()
+      compiled = run["step"].lower(run["state"], batch).compile(COMPILER_OPTIONS.get(name))
       run["matmul_flops"] = hlo.matmul_flops(compiled.as_text())
+      if name in COMPILER_OPTIONS:
+        run["step"] = compiled  # called as the jitted step is, state donated
+        _one_round(run, 1)
     runs.append(run)
   for r in range(args.rounds):
     for run in runs if r % 2 == 0 else runs[::-1]:

@@ -95,7 +95,15 @@ def test_a_figure_without_a_goal_shows_a_dash():
 
 def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
   shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
-  names = ["branch", "select", "stacked", "no_attention_core", "affine_norms", "relu"]
+  names = [
+    "branch",
+    "select",
+    "stacked",
+    "no_attention_core",
+    "affine_norms",
+    "relu",
+    "onednn_dots",
+  ]
   done = _run_module("benchmarks.step_variants", *shrunk, f"--variants={','.join(names)}")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
@@ -104,13 +112,23 @@ def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
   # The ablation is in the compiled step: its attention dots are gone (the
   # other variants multiply the same matrices).
   assert gflop["no_attention_core"] < gflop["branch"] == gflop["select"] == gflop["relu"], gflop
+  # Compiled for oneDNN, the same step multiplies the same matrices.
+  assert gflop["onednn_dots"] == gflop["branch"], gflop
 
 
 def test_the_batched_matmul_comparison_runs_with_and_without_pinning():
   done = _run_module("benchmarks.batched_matmul", "--rounds=1")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["way", "attention", "32 items", "one 2-D", "square"], done.stdout
+  assert rows == [
+    "way",
+    "attention",
+    "attention (oneDNN)",
+    "32 items",
+    "one 2-D",
+    "square",
+    "square (oneDNN)",
+  ], done.stdout
 
 
 def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
@@ -126,3 +144,15 @@ def test_the_process_layouts_run_end_to_end_as_real_jobs():
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
   assert rows == ["layout", "1x2", "2x1"], done.stdout
+
+
+def test_the_onednn_options_hand_every_dot_to_onednn():
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones((4, 8, 8))
+  batched = jax.jit(lambda a, b: jnp.einsum("nqs,nsd->nqd", a, b)).lower(x, x)
+  assert "__onednn_fusion" not in batched.compile().as_text()
+  compiled = batched.compile(common.ONEDNN_DOTS)
+  assert '"kind":"__onednn_fusion"' in compiled.as_text()
+  assert jnp.array_equal(compiled(x, x), jnp.full((4, 8, 8), 8.0))

@@ -181,14 +181,18 @@ def device_memory_bytes(device_kind: str) -> int | None:
 
 
 def matmul_sampler(
-  dtype: Any = "float32", size: int | None = None, device: jax.Device | None = None
+  dtype: Any = "float32",
+  size: int | None = None,
+  device: jax.Device | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> Callable[[int, float], float]:
   """A function `sample(repeats, budget_s)`: FLOP/s of the best of `repeats` matmuls now.
 
   Builds two `size` x `size` operands on `device` once and compiles and runs
   the square matmul once (not timed); each call of the returned function
   then times up to `repeats` runs, stopping early once `budget_s` seconds
-  have been spent, and returns the fastest run's FLOP/s. `size` defaults to
+  have been spent, and returns the fastest run's FLOP/s. `compiler_options`
+  go to XLA for that matmul alone (e.g. another matmul library). `size` defaults to
   2048 on CPU (about 0.15 s a run on two cores) and 8192 elsewhere (smaller
   matmuls do not fill an accelerator). Runs no collectives, so one process
   may call it alone. Benchmarks that compare a step with the peak sample it
@@ -209,8 +213,8 @@ def matmul_sampler(
   kx, ky = jax.random.split(jax.random.key(0))
   x = jax.device_put(jax.random.normal(kx, (size, size), dtype), device)
   y = jax.device_put(jax.random.normal(ky, (size, size), dtype), device)
-  matmul = jax.jit(jnp.matmul)
-  matmul(x, y).block_until_ready()  # compile and warm caches; not timed
+  matmul = jax.jit(jnp.matmul).lower(x, y).compile(compiler_options)
+  matmul(x, y).block_until_ready()  # warm caches; not timed
 
   def sample(repeats: int, budget_s: float) -> float:
     if repeats < 1:
