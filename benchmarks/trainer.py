@@ -20,9 +20,9 @@ One process, in one run:
       through oneDNN (`common.ONEDNN_DOTS`), which is faster on this machine;
       the detail also gives the figure against the default's alone.
       Beside it, the same estimate for a "step" of nothing but square 2048
-      matmuls (as many FLOPs as lm_tiny's step), timed in the same rounds:
-      the most any step can score here, since the peak is the best of 3
-      runs and a step's time is the mean of several.
+      matmuls (as many FLOPs as lm_tiny's step, XLA's default matmul),
+      timed in the same rounds: about the most a step can score here, since
+      the peak is the best of 3 runs and a step's time is the mean of several.
       On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
       against the chip's dense peak for the model's dtype from the table in
       `trainers.peaks` (a sampled matmul where the chip is not in it), with
