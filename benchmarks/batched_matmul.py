@@ -11,7 +11,7 @@ Times, on one CPU device, the same FLOPs multiplied four ways:
   square        square 2048 matmuls (what P3's peak samples), reported as
                 the best of 3 per round
 and the attention shape and the square matmul again compiled with
-`common.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
+`peaks.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
 batched dot to Eigen one item at a time), rows "... (oneDNN)".
 Once with every core and once in a child process pinned to one core
 (`os.sched_setaffinity` before JAX starts, so XLA:CPU sizes its thread pool
@@ -52,13 +52,13 @@ def measure(rounds: int) -> dict[str, float]:
   batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
   ways = {
     "attention": (batched, (a, b)),
-    "attention (oneDNN)": (batched.lower(a, b).compile(common.ONEDNN_DOTS), (a, b)),
+    "attention (oneDNN)": (batched.lower(a, b).compile(peaks.ONEDNN_DOTS), (a, b)),
     "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
     "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
   }
   squares = {
     "square": peaks.matmul_sampler("float32"),
-    "square (oneDNN)": peaks.matmul_sampler("float32", compiler_options=common.ONEDNN_DOTS),
+    "square (oneDNN)": peaks.matmul_sampler("float32", compiler_options=peaks.ONEDNN_DOTS),
   }
   times: dict[str, list[float]] = {name: [] for name in ways}
   square_rates: dict[str, list[float]] = {name: [] for name in squares}

@@ -20,17 +20,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-# XLA:CPU options (per program, `compile(compiler_options=...)`) that hand every
-# dot to oneDNN, one library call each, instead of YNNPACK (row-major 2-D dots)
-# and Eigen (the rest: batched dots, one call per item). Not the harness's
-# default: `benchmarks/NOTES.md`, P3. Wider oneDNN fusions
-# (`LIBRARY_FUSION_TYPE_DOT`, a dot with its elementwise producers) fail to
-# compile in jaxlib 0.10.2 ("partition compile failed", then SIGILL).
-ONEDNN_DOTS = {
-  "xla_cpu_use_onednn": True,
-  "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
-}
-
 
 def machine(devices: str) -> str:
   """One line: the CPU, its cores, the JAX devices, the JAX version and the allocator."""

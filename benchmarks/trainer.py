@@ -17,7 +17,7 @@ One process, in one run:
       of 3 square 2048 matmuls just before each round, and the round's step
       time against it; median of the per-round ratios. Goal >= 0.75.
       The peak is the better of XLA:CPU's default matmul and the same matmul
-      through oneDNN (`common.ONEDNN_DOTS`), which is faster on this machine;
+      through oneDNN (`peaks.ONEDNN_DOTS`), which is faster on this machine;
       the detail also gives the figure against the default's alone.
       Beside it, the same estimate for a "step" of nothing but square 2048
       matmuls (as many FLOPs as lm_tiny's step, XLA's default matmul),
@@ -152,9 +152,7 @@ def main() -> None:
     # jaxlib has: the same square matmul through oneDNN ran 1.13x faster
     # (2026-12-02). A peak is the best the machine does, so each round's is
     # the better of the two.
-    sample_onednn = (
-      peaks.matmul_sampler(dtype, compiler_options=common.ONEDNN_DOTS) if on_cpu else None
-    )
+    sample_onednn = peaks.onednn_matmul_sampler(dtype) if on_cpu else None
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b, mfu_chain = [], [], [], [], [], [], []

@@ -237,6 +237,28 @@ def test_cpu_peak_is_measured_once_and_cached(monkeypatch, tmp_path):
   assert "shared by 8 CPU devices" in first.source
 
 
+def test_cpu_peak_is_the_better_of_xla_and_onednn_matmuls(monkeypatch):
+  # Each sampler reports a fixed rate, told apart by its compiler options:
+  # the peak must be the faster of the two, whichever it is.
+  for xla, onednn in ((2e9, 3e9), (5e9, 4e9)):
+    rates = {None: xla, "onednn": onednn}
+
+    def sampler(dtype, size, device, compiler_options=None, rates=rates):
+      return lambda repeats, budget_s: rates["onednn" if compiler_options else None]
+
+    monkeypatch.setattr(peaks, "matmul_sampler", sampler)
+    assert peaks.measure_matmul_peak(size=64, repeats=1) == max(xla, onednn)
+
+
+def test_a_jaxlib_without_onednn_falls_back_to_the_default_matmul(monkeypatch):
+  assert peaks.onednn_matmul_sampler(size=64) is not None  # this jaxlib has it
+  # An option this XLA does not know makes the oneDNN compile fail, as it
+  # would on a jaxlib built without oneDNN: the peak is then XLA's alone.
+  monkeypatch.setattr(peaks, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
+  assert peaks.onednn_matmul_sampler(size=64) is None
+  assert peaks.measure_matmul_peak(size=64, repeats=1) > 0
+
+
 def test_mfu_arithmetic():
   # 8 devices at 100 TFLOP/s each for 0.5 s could do 400 TFLOP; the model used 100.
   assert peaks.mfu(100e12, step_time_s=0.5, num_devices=8, peak_per_device=100e12) == 0.25

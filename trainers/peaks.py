@@ -40,6 +40,20 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "peak_flops.json"
 
+# XLA:CPU options (per program, `compile(compiler_options=...)`) that hand every
+# dot to oneDNN, one library call each, instead of YNNPACK (row-major 2-D dots)
+# and Eigen (the rest: batched dots, one call per item). On the 2-core x86_64
+# machine this project is developed on, a square float32 matmul ran 1.06-1.16x
+# faster this way (2026-12-02), so a CPU's measured peak is the better of the
+# two (`measure_matmul_peak`). Train steps keep XLA's default
+# (`benchmarks/NOTES.md`, P3). Wider oneDNN fusions (`LIBRARY_FUSION_TYPE_DOT`,
+# a dot with its elementwise producers) fail to compile in jaxlib 0.10.2
+# ("partition compile failed", then SIGILL).
+ONEDNN_DOTS = {
+  "xla_cpu_use_onednn": True,
+  "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class _Chip:
@@ -243,13 +257,35 @@ def measure_matmul_peak(
 
   The best of up to `repeats` timed runs after a compile-and-warm-up run;
   repetitions stop early once `budget_s` seconds have been spent timing (see
-  `matmul_sampler`, which this calls once).
+  `matmul_sampler`). On CPU, the better of XLA's default matmul and the same
+  matmul through oneDNN (`ONEDNN_DOTS`), each timed so; the default alone
+  where this jaxlib cannot compile the oneDNN one.
 
   Example:
     >>> measure_matmul_peak(size=256, repeats=2) > 0
     True
   """
-  return matmul_sampler(dtype, size, device)(repeats, budget_s)
+  device = jax.local_devices()[0] if device is None else device
+  best = matmul_sampler(dtype, size, device)(repeats, budget_s)
+  onednn = onednn_matmul_sampler(dtype, size, device) if device.platform == "cpu" else None
+  return best if onednn is None else max(best, onednn(repeats, budget_s))
+
+
+def onednn_matmul_sampler(
+  dtype: Any = "float32", size: int | None = None, device: jax.Device | None = None
+) -> Callable[[int, float], float] | None:
+  """`matmul_sampler` with every dot through oneDNN (`ONEDNN_DOTS`); None where it won't compile.
+
+  Example:
+    >>> sample = onednn_matmul_sampler(size=256)
+    >>> sample is None or sample(2, 1.0) > 0
+    True
+  """
+  try:
+    return matmul_sampler(dtype, size, device, compiler_options=ONEDNN_DOTS)
+  except Exception as e:  # a jaxlib built without oneDNN, or an option renamed
+    log.info("no oneDNN matmul (%s: %s); the peak is XLA's default matmul", type(e).__name__, e)
+    return None
 
 
 def _cpu_count() -> int:
@@ -265,7 +301,9 @@ def _cache_key(device: jax.Device, dtype: str) -> str:
   precision = jax.config.jax_default_matmul_precision
   parts = [device.platform, device.device_kind, dtype, f"precision={precision}"]
   if device.platform == "cpu":
-    parts.append(f"cores={_cpu_count()}")
+    # "matmuls=xla,onednn": the better of the two (entries from before that
+    # hold XLA's default alone and are measured again).
+    parts += [f"cores={_cpu_count()}", "matmuls=xla,onednn"]
   parts.append(f"jaxlib={jaxlib.__version__}")  # a new XLA may be faster or slower
   return "|".join(parts)
 
@@ -324,7 +362,8 @@ def peak_flops(
   Accelerators in the table get the vendor peak (source "table"). CPUs and
   unknown kinds get `measure_matmul_peak`, measured on first use and cached
   in `cache_dir/peak_flops.json` (keyed by platform, kind, dtype, matmul
-  precision, usable cores and jaxlib version); with `cache_dir=None` the
+  precision, usable cores, the matmul libraries compared and jaxlib
+  version); with `cache_dir=None` the
   cache lives only in this process.
 
   On CPU all local devices share the host's cores (one device's matmul
