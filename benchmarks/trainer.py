@@ -146,21 +146,18 @@ def main() -> None:
   table = None if on_cpu else peaks.table_peak(kind, config.model.dtype)
   chips = 1 if on_cpu else devices
   if table is None:
-    dtype = "float32" if on_cpu else config.model.dtype
-    sample_peak = peaks.matmul_sampler(dtype)
     # On CPU, XLA's default matmul is not the fastest float32 matmul this
     # jaxlib has: the same square matmul through oneDNN ran 1.13x faster
     # (2026-12-02). A peak is the best the machine does, so each round's is
-    # the better of the two.
-    sample_onednn = peaks.onednn_matmul_sampler(dtype) if on_cpu else None
+    # the better of the two (`peaks.peak_sampler`).
+    sample_peak = peaks.peak_sampler("float32" if on_cpu else config.model.dtype)
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b, mfu_chain = [], [], [], [], [], [], []
   default_peaks, mfu_default_peak = [], []
   for i in range(args.rounds):
     if table is None:
-      default_peak = sample_peak(3, 1.0)
-      best = max(default_peak, sample_onednn(3, 1.0)) if sample_onednn else default_peak
+      best, default_peak = sample_peak(3, 1.0)
       peak = best * chips
       default_peaks.append(default_peak * chips)
       chain_state, c = timed(chain, chain_state, None, args.steps)

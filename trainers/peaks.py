@@ -265,10 +265,32 @@ def measure_matmul_peak(
     >>> measure_matmul_peak(size=256, repeats=2) > 0
     True
   """
+  return peak_sampler(dtype, size, device)(repeats, budget_s)[0]
+
+
+def peak_sampler(
+  dtype: Any = "float32", size: int | None = None, device: jax.Device | None = None
+) -> Callable[[int, float], tuple[float, float]]:
+  """`sample(repeats, budget_s)` -> (peak, XLA's default matmul) FLOP/s, as `matmul_sampler`.
+
+  The peak is the better of XLA's default matmul and, on CPU, the same
+  matmul through oneDNN (`onednn_matmul_sampler`); elsewhere, or without
+  oneDNN, the two figures are the same.
+
+  Example:
+    >>> peak, default = peak_sampler(size=256)(2, 1.0)
+    >>> peak >= default > 0
+    True
+  """
   device = jax.local_devices()[0] if device is None else device
-  best = matmul_sampler(dtype, size, device)(repeats, budget_s)
+  default = matmul_sampler(dtype, size, device)
   onednn = onednn_matmul_sampler(dtype, size, device) if device.platform == "cpu" else None
-  return best if onednn is None else max(best, onednn(repeats, budget_s))
+
+  def sample(repeats: int, budget_s: float) -> tuple[float, float]:
+    rate = default(repeats, budget_s)
+    return (rate if onednn is None else max(rate, onednn(repeats, budget_s))), rate
+
+  return sample
 
 
 def onednn_matmul_sampler(
