@@ -132,6 +132,14 @@ def test_the_batched_matmul_comparison_runs_with_and_without_pinning():
   ], done.stdout
 
 
+def test_the_input_cpu_comparison_checks_both_builders_agree_and_runs(tmp_path):
+  workdir = str(tmp_path / "training")
+  done = _run_module("benchmarks.input_cpu", "--rounds=2", "--batches=2", f"--workdir={workdir}")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+  assert rows == ["rows built", "to_batch", "row by row"], done.stdout
+
+
 def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
   done = _run_module("benchmarks.profile_step", "--width=64", "--steps=1", "--top=3")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]

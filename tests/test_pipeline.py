@@ -64,6 +64,52 @@ def test_lm_example_shifts_and_masks_short_records():
   assert ex["mask"].tolist() == [1, 1, 0, 0]
 
 
+@pytest.mark.parametrize("seq_len", [3, 4, 7])
+def test_lm_batch_equals_lm_example_row_by_row(seq_len):
+  # Full windows, a short last window and windows past the end (all masked).
+  lengths = [0, 1, 2, seq_len, seq_len + 1, seq_len + 2, 3 * (seq_len + 1) - 1]
+  records = [{"tokens": np.arange(n, dtype=np.uint8) + 7} for n in lengths]
+  rows = [(r, w) for r in records for w in range(3)]
+  batch = pipeline.lm_batch(seq_len)([r for r, _ in rows], np.array([w for _, w in rows]))
+  to_example = pipeline.lm_example(seq_len)
+  for key in ("inputs", "targets", "mask"):
+    expected = np.stack([to_example(r, w)[key] for r, w in rows])
+    assert batch[key].dtype == expected.dtype and batch[key].flags.c_contiguous
+    np.testing.assert_array_equal(batch[key], expected, err_msg=key)
+
+
+class CountingToBatch:
+  def __init__(self, to_batch):
+    self.to_batch, self.calls = to_batch, 0
+
+  def __call__(self, records, windows):
+    self.calls += 1
+    return self.to_batch(records, windows)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_to_batch_gives_the_same_batches_and_eval_padding_uses_rows(records, train):
+  per, seq_len = 2, SEQ_LEN // 2 - 1
+  to_batch = CountingToBatch(pipeline.lm_batch(seq_len))
+
+  def build(**kwargs):
+    return pipeline.GlobalBatches(
+      records, pipeline.lm_example(seq_len), 24, create_mesh("data=-1"),
+      train=train, examples_per_record=per, **kwargs,
+    )  # fmt: skip
+
+  fast, rows = build(to_batch=to_batch), build()
+  steps = range(fast.steps_per_epoch)
+  for step in steps:
+    a, b = fast.host_batch(step), rows.host_batch(step)
+    for key in b:
+      np.testing.assert_array_equal(a[key], b[key], err_msg=f"{key} at {step=}")
+  padded = 0 if train else sum(int((fast.record_indices(s) < 0).any()) for s in steps)
+  assert not train or padded == 0
+  assert to_batch.calls == len(steps) - padded, "to_batch builds every batch without padding"
+  assert train or padded == 1  # the eval pass ends in a padded batch, built row by row
+
+
 def test_eval_pads_with_a_mask_and_counts_every_example_once(records):
   b = make(records, global_batch=24, train=False)
   n = len(records)

@@ -40,6 +40,8 @@ class Task:
   # A record of the data's format (zeros): example shapes without data; its keys are
   # the features `to_example` reads, the only ones the pipeline decodes.
   record_template: dict
+  # Optional: all of a batch's rows at once, equal to stacking `to_example`'s.
+  to_batch: Callable | None = None
 
 
 def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:
@@ -99,6 +101,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
       lm.flops_per_token(model_config) * tokens,
       True,
       {"tokens": np.zeros(CORPUS_RECORD_BYTES, np.uint8)},
+      pipeline.lm_batch(config.model.seq_len),
     )
   if kind == "mlp":
     from trainers.data.blobs import classification_example

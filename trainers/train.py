@@ -88,6 +88,7 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh,
     examples_per_record=task.examples_per_record,
     features=tuple(task.record_template),  # decode only what the task reads
     shuffle_block=config.data.shuffle_block,
+    to_batch=task.to_batch,
   )
   train = pipeline.open_global_batches(
     name, config.data.train_split, data_dir, task.to_example, seed=config.seed, train=True, **common
