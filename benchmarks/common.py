@@ -164,6 +164,46 @@ def square_matmul_step(flops: float, size: int = 2048):
   return step, jax.random.normal(kx, (size, size), jnp.float32), links * 2.0 * size**3
 
 
+def dots_alone_step(dots):
+  """(a step of just these dots, its first state, its FLOPs): what a step's matmuls cost alone.
+
+  `dots` are a compiled step's (`spmd.hlo.dots`): the same shapes, dimension
+  numbers and count, each on operands of its own, with nothing else of the
+  step (no elementwise work, no optimizer, no data dependencies between
+  them, so XLA may run any of them side by side). Timed like the step, it
+  bounds what the step could score if everything but its matmuls were free.
+  Same signature as a train step, `(state, batch) -> (state, metrics)`.
+
+  Example:
+    >>> from spmd import hlo
+    >>> import jax, jax.numpy as jnp
+    >>> f = jax.jit(lambda a, b: jnp.tanh(a @ b) @ b.T)
+    >>> a = b = jnp.ones((8, 8))
+    >>> text = f.lower(a, b).compile().as_text()
+    >>> step, state, flops = dots_alone_step(hlo.dots(text))
+    >>> state, outs = step(state, None)
+    >>> len(outs), flops == hlo.matmul_flops(text)
+    (2, True)
+  """
+  import jax
+
+  dots = [d for d in dots for _ in range(d.count)]
+  keys = iter(jax.random.split(jax.random.key(2), 2 * len(dots)))
+  operands = tuple(
+    (jax.random.normal(next(keys), d.lhs, d.dtype), jax.random.normal(next(keys), d.rhs, d.dtype))
+    for d in dots
+  )
+
+  def step(state, _batch):
+    outs = [
+      jax.lax.dot_general(lhs, rhs, d.dimension_numbers) for d, (lhs, rhs) in zip(dots, state)
+    ]
+    return state, outs
+
+  # Donated and returned unchanged: the operands are aliased, not copied.
+  return jax.jit(step, donate_argnums=0), operands, float(sum(d.flops for d in dots))
+
+
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
   """Seconds per call of `fn` over `calls` calls, waiting for the last result."""
   import jax

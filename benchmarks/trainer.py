@@ -23,6 +23,11 @@ One process, in one run:
       matmuls (as many FLOPs as lm_tiny's step, XLA's default matmul),
       timed in the same rounds: about the most a step can score here, since
       the peak is the best of 3 runs and a step's time is the mean of several.
+      And on one device, the step's own matmuls alone: every dot of the
+      compiled step (`spmd.hlo.dots`: shapes, dimension numbers, count) and
+      nothing else (`common.dots_alone_step`), timed in the same rounds and
+      scored with the step's model FLOPs: what P3 would be if everything
+      but the matmuls were free.
       On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
       against the chip's dense peak for the model's dtype from the table in
       `trainers.peaks` (a sampled matmul where the chip is not in it), with
@@ -51,6 +56,7 @@ import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import lm_small, lm_tiny  # noqa: E402
+from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
@@ -153,6 +159,14 @@ def main() -> None:
     sample_peak = peaks.peak_sampler("float32" if on_cpu else config.model.dtype)
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
+  # On one CPU device: the step's own dots, nothing else, timed like the step.
+  # Its score is what P3 would be if all but the matmuls were free.
+  replay = None
+  if on_cpu and devices == 1:
+    dots = hlo.dots(ours.lower(state_a, batch).compile().as_text())
+    replay, replay_state, _ = common.dots_alone_step(dots)
+    replay_state, _ = timed(replay, replay_state, None, 1)  # compile; not timed
+  mfu_replay = []
   ratios, times_a, times_b, peaks_seen, mfu_a, mfu_b, mfu_chain = [], [], [], [], [], [], []
   default_peaks, mfu_default_peak = [], []
   for i in range(args.rounds):
@@ -162,6 +176,9 @@ def main() -> None:
       default_peaks.append(default_peak * chips)
       chain_state, c = timed(chain, chain_state, None, args.steps)
       mfu_chain.append(chain_flops / c / peak)
+      if replay is not None:
+        replay_state, r = timed(replay, replay_state, None, args.steps)
+        mfu_replay.append(flops / r / peak)
     else:
       peak = table * chips
     if i % 2:
@@ -214,7 +231,10 @@ def main() -> None:
       f"{model}, {peak_text}, the better of XLA's default and oneDNN's matmul "
       f"(default alone {statistics.median(default_peaks) / 1e9:.0f}; against it the step scores "
       f"{statistics.median(mfu_default_peak):.2f}); hand-written step "
-      f"{statistics.median(mfu_b):.2f}; square matmuls alone {statistics.median(mfu_chain):.2f}",
+      f"{statistics.median(mfu_b):.2f}; square matmuls alone {statistics.median(mfu_chain):.2f}"
+      + (
+        f"; the step's own matmuls alone {statistics.median(mfu_replay):.2f}" if mfu_replay else ""
+      ),
       machine,
     )
   else:  # the issue sets no goal for the accelerator's MFU

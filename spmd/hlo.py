@@ -33,9 +33,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -59,6 +60,15 @@ _DTYPE_BYTES = {
   "f64": 8,
   "c64": 8,
   "c128": 16,
+}
+_NUMPY_DTYPES = {
+  "pred": "bool",
+  "bf16": "bfloat16",
+  **{
+    f"{k}{n}": f"{v}{n}"
+    for k, v in (("f", "float"), ("s", "int"), ("u", "uint"))
+    for n in (8, 16, 32, 64)
+  },
 }
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(
@@ -297,6 +307,24 @@ def _convolution_flops(line: str, out: list[int], lhs: list[int], rhs: list[int]
   return flops
 
 
+def _matmuls(hlo_text: str) -> Iterator[tuple[int, str, re.Match, list[int], list[int], list[int]]]:
+  """(executions per call, line, match, out, lhs, rhs dims) of each dot and convolution."""
+  computations, entry = _split_computations(hlo_text)
+  runs = _executions(computations, entry)
+  for name, lines in computations.items():
+    times = runs.get(name, 0 if entry else 1)
+    if not times:
+      continue
+    shapes = {m.group(1): _dims(m.group(2)) for m in map(_NAMED_ARRAY.match, lines) if m}
+    for line in lines:
+      m = _MATMUL.search(line)
+      if not m:
+        continue
+      lhs, rhs = [*_operand_dims(m.group("args"), shapes), None, None][:2]
+      if lhs is not None and rhs is not None:
+        yield times, line, m, _dims(m.group("out")), lhs, rhs
+
+
 def matmul_flops(hlo_text: str) -> float:
   """FLOPs of the dots and convolutions in an optimised HLO module, per call.
 
@@ -316,30 +344,81 @@ def matmul_flops(hlo_text: str) -> float:
     >>> matmul_flops(text) == 2 * 8 * 16 * 32
     True
   """
-  computations, entry = _split_computations(hlo_text)
-  runs = _executions(computations, entry)
   total = 0.0
-  for name, lines in computations.items():
-    times = runs.get(name, 0 if entry else 1)
-    if not times:
-      continue
-    shapes = {m.group(1): _dims(m.group(2)) for m in map(_NAMED_ARRAY.match, lines) if m}
-    for line in lines:
-      m = _MATMUL.search(line)
-      if not m:
-        continue
-      out = _dims(m.group("out"))
-      lhs, rhs = [*_operand_dims(m.group("args"), shapes), None, None][:2]
-      if lhs is None or rhs is None:
-        continue
-      if m.group("op") == "dot":
-        contracting = _CONTRACTING.search(line)
-        inner = math.prod(lhs[i] for i in _dims(contracting.group(1))) if contracting else 1
-        flops = 2 * math.prod(out) * inner
-      else:
-        flops = _convolution_flops(line, out, lhs, rhs)
-      total += times * flops
+  for times, line, m, out, lhs, rhs in _matmuls(hlo_text):
+    if m.group("op") == "dot":
+      contracting = _CONTRACTING.search(line)
+      inner = math.prod(lhs[i] for i in _dims(contracting.group(1))) if contracting else 1
+      flops = 2 * math.prod(out) * inner
+    else:
+      flops = _convolution_flops(line, out, lhs, rhs)
+    total += times * flops
   return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+  """One dot of an optimised HLO module, as `jax.lax.dot_general` would take it."""
+
+  dtype: str  # the result's, as numpy names it: "float32" (HLO's f32)
+  lhs: tuple[int, ...]
+  rhs: tuple[int, ...]
+  # ((lhs contracting, rhs contracting), (lhs batch, rhs batch)), as dot_general's
+  dimension_numbers: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+  count: int  # executions per call
+
+  @property
+  def flops(self) -> int:
+    (contracting, _), _ = self.dimension_numbers
+    out = math.prod(self.lhs) * math.prod(self.rhs)
+    batch = math.prod(self.lhs[i] for i in self.dimension_numbers[1][0])
+    inner = math.prod(self.lhs[i] for i in contracting)
+    return 2 * out // (batch * inner)  # 2 x batch x free(lhs) x free(rhs) x inner
+
+
+def _dot_numbers(line: str, field: str) -> tuple[int, ...]:
+  """A dot's `field={...}` dimension list, e.g. `lhs_batch_dims` (absent: empty)."""
+  match = re.search(field + r"=\{([\d,]*)\}", line)
+  return tuple(_dims(match.group(1))) if match else ()
+
+
+def dots(hlo_text: str) -> list[Dot]:
+  """The dots of an optimised HLO module (`compiled.as_text()`), in program order.
+
+  What a step multiplies, to replay alone: `benchmarks.common.dots_alone_step`
+  times the same dots without anything else of the step.
+
+  Example:
+    >>> text = '''ENTRY %main (a: f32[4,8,32], b: f32[4,16,32]) -> f32[4,8,16] {
+    ...   %a = f32[4,8,32]{2,1,0} parameter(0)
+    ...   %b = f32[4,16,32]{2,1,0} parameter(1)
+    ...   ROOT %d = f32[4,8,16]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}
+    ... }'''
+    >>> [d] = dots(text)
+    >>> d.dtype, d.lhs, d.rhs, d.dimension_numbers, d.flops == 2 * 4 * 8 * 16 * 32
+    ('float32', (4, 8, 32), (4, 16, 32), (((2,), (2,)), ((0,), (0,))), True)
+  """
+  found = []
+  for times, line, m, _, lhs, rhs in _matmuls(hlo_text):
+    if m.group("op") != "dot":
+      continue
+    numbers = functools.partial(_dot_numbers, line)
+
+    hlo_dtype = line.split("=", 1)[1].split("[", 1)[0].strip()
+    dtype = _NUMPY_DTYPES.get(hlo_dtype, hlo_dtype)
+    found.append(
+      Dot(
+        dtype,
+        tuple(lhs),
+        tuple(rhs),
+        (
+          (numbers("lhs_contracting_dims"), numbers("rhs_contracting_dims")),
+          (numbers("lhs_batch_dims"), numbers("rhs_batch_dims")),
+        ),
+        times,
+      )
+    )
+  return found
 
 
 def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> list[Collective]:

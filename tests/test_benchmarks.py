@@ -86,6 +86,8 @@ def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   assert "lm_small (" in rows["P1"]["detail"], rows["P1"]["detail"]
   # P3's ceiling on this machine: square matmuls alone, by the same estimate.
   assert "square matmuls alone" in rows["P3"]["detail"], rows["P3"]["detail"]
+  # And on one device, the step's own dots replayed without the rest of the step.
+  assert "the step's own matmuls alone" in rows["P3"]["detail"], rows["P3"]["detail"]
 
 
 def test_a_figure_without_a_goal_shows_a_dash():
