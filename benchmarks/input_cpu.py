@@ -33,9 +33,8 @@ import numpy as np  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from spmd.mesh import create_mesh  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
-from trainers.train import open_data  # noqa: E402
+from trainers.train import build_mesh, open_data  # noqa: E402
 
 
 def cpu_ms_per_batch(batches, first_step: int, count: int) -> float:
@@ -55,8 +54,7 @@ def main() -> None:
   args = parser.parse_args()
   absl_logging.set_verbosity(absl_logging.WARNING)
   config = common.load_config(args.config)
-  mesh = create_mesh(config.mesh.ici)
-  batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  mesh, batch_axes = build_mesh(config)
   task = make_task(config)
   if task.to_batch is None:
     parser.error(f"{args.config}: its task builds batches row by row only")

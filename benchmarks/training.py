@@ -42,13 +42,12 @@ jax.config.update("jax_platforms", "cpu")
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from spmd.mesh import create_mesh  # noqa: E402
 from trainers import checkpoint  # noqa: E402
 from trainers.models import logical_axes  # noqa: E402
 from trainers.state import make_state  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
-from trainers.train import open_data  # noqa: E402
+from trainers.train import build_mesh, open_data  # noqa: E402
 
 
 def pipeline_cost(step_fn, state, train, prefetch: int, steps: int, rounds: int):
@@ -148,8 +147,7 @@ def main() -> None:
   args = parser.parse_args()
   absl_logging.set_verbosity(absl_logging.WARNING)
   config = common.load_config(args.config)
-  mesh = create_mesh(config.mesh.ici)
-  batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  mesh, batch_axes = build_mesh(config)
   task = make_task(config)
   train, _ = open_data(config, task, os.path.abspath(args.workdir), mesh, batch_axes)
   setup = make_state(task.model_fn, logical_axes, config, mesh)

@@ -369,11 +369,11 @@ class Dot:
 
   @property
   def flops(self) -> int:
-    (contracting, _), _ = self.dimension_numbers
-    out = math.prod(self.lhs) * math.prod(self.rhs)
-    batch = math.prod(self.lhs[i] for i in self.dimension_numbers[1][0])
-    inner = math.prod(self.lhs[i] for i in contracting)
-    return 2 * out // (batch * inner)  # 2 x batch x free(lhs) x free(rhs) x inner
+    """2 x batch x lhs free x rhs free x contracted size, per execution."""
+    (contracting, _), (batch, _) = self.dimension_numbers
+    # Both operands hold the batch and contracted dimensions: count them once.
+    shared = math.prod(self.lhs[i] for i in (*contracting, *batch))
+    return 2 * math.prod(self.lhs) * math.prod(self.rhs) // shared
 
 
 def _dot_numbers(line: str, field: str) -> tuple[int, ...]:
@@ -403,7 +403,6 @@ def dots(hlo_text: str) -> list[Dot]:
     if m.group("op") != "dot":
       continue
     numbers = functools.partial(_dot_numbers, line)
-
     hlo_dtype = line.split("=", 1)[1].split("[", 1)[0].strip()
     dtype = _NUMPY_DTYPES.get(hlo_dtype, hlo_dtype)
     found.append(
