@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -402,7 +401,6 @@ def dots(hlo_text: str) -> list[Dot]:
   for times, line, m, _, lhs, rhs in _matmuls(hlo_text):
     if m.group("op") != "dot":
       continue
-    numbers = functools.partial(_dot_numbers, line)
     hlo_dtype = line.split("=", 1)[1].split("[", 1)[0].strip()
     dtype = _NUMPY_DTYPES.get(hlo_dtype, hlo_dtype)
     found.append(
@@ -411,8 +409,8 @@ def dots(hlo_text: str) -> list[Dot]:
         tuple(lhs),
         tuple(rhs),
         (
-          (numbers("lhs_contracting_dims"), numbers("rhs_contracting_dims")),
-          (numbers("lhs_batch_dims"), numbers("rhs_batch_dims")),
+          (_dot_numbers(line, "lhs_contracting_dims"), _dot_numbers(line, "rhs_contracting_dims")),
+          (_dot_numbers(line, "lhs_batch_dims"), _dot_numbers(line, "rhs_batch_dims")),
         ),
         times,
       )
