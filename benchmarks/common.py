@@ -65,15 +65,12 @@ def transformer_setup(config, mesh, batch_axes: tuple[str, ...] = ("data",)):
   import numpy as np
 
   from spmd.layout import batch_sharding
-  from trainers.models import logical_axes
   from trainers.models import transformer as lm
   from trainers.state import make_state
-  from trainers.tasks import transformer_config
+  from trainers.tasks.lm import transformer_config
 
   model_config = transformer_config(config)
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-  )
+  setup = make_state(lambda rngs: lm.TransformerLM(model_config, rngs=rngs), config, mesh)
   spec = batch_sharding(mesh, batch_axes)
   batch_size, length = config.global_batch, config.model.seq_len
   rng = np.random.default_rng(0)

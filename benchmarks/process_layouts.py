@@ -55,11 +55,12 @@ def worker(config_path: str, steps: int) -> None:
   from benchmarks import common
   from spmd.mesh import create_mesh
   from trainers.step import make_train_step
+  from trainers.tasks import make_task
 
   config = common.load_config(config_path)
   mesh = create_mesh("data=-1")
   setup, _, batch = common.transformer_setup(config, mesh)
-  step = make_train_step(setup, config, mesh, ("data",))
+  step = make_train_step(setup, make_task(config), config, mesh, ("data",))
   state = setup.init()
   for _ in range(5):  # compile and warm up
     state, metrics = step(state, batch)

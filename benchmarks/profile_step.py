@@ -40,6 +40,7 @@ from benchmarks import common  # noqa: E402
 from configs import lm_tiny  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
+from trainers.tasks import make_task  # noqa: E402
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -82,7 +83,7 @@ def main() -> None:
   )
   mesh = create_mesh("data=-1")
   setup, _, batch = common.transformer_setup(config, mesh)
-  step = make_train_step(setup, config, mesh, ("data",))
+  step = make_train_step(setup, make_task(config), config, mesh, ("data",))
   state = setup.init()
   hlo_text = step.lower(state, batch).compile().as_text()
   kinds = categories(hlo_text)

@@ -57,6 +57,7 @@ from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
+from trainers.tasks import make_task  # noqa: E402
 
 
 def _branch(config):
@@ -151,7 +152,7 @@ def main() -> None:
     with VARIANTS[name](config) or contextlib.nullcontext():
       setup, _, batch = common.transformer_setup(config, mesh)
       run = {
-        "step": make_train_step(setup, config, mesh, ("data",)),
+        "step": make_train_step(setup, make_task(config), config, mesh, ("data",)),
         "state": setup.init(),
         "batch": batch,
         "times": [],

@@ -62,6 +62,7 @@ from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.state import model_from_params  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
+from trainers.tasks import make_task  # noqa: E402
 
 
 def hand_written_step(setup, mesh, batch_spec):
@@ -132,7 +133,7 @@ def main() -> None:
   batch_axes = ("data",)
   setup, model_config, batch = common.transformer_setup(config, mesh, batch_axes)
   shape = batch["inputs"].shape
-  ours = make_train_step(setup, config, mesh, batch_axes)
+  ours = make_train_step(setup, make_task(config), config, mesh, batch_axes)
   theirs = hand_written_step(setup, mesh, batch["inputs"].sharding)
   state_a, state_b = setup.init(), setup.init()
   for _ in range(2):  # compile and warm up both

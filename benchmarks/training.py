@@ -43,7 +43,6 @@ from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from trainers import checkpoint  # noqa: E402
-from trainers.models import logical_axes  # noqa: E402
 from trainers.state import make_state  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
@@ -150,9 +149,9 @@ def main() -> None:
   mesh, batch_axes = build_mesh(config)
   task = make_task(config)
   train, _ = open_data(config, task, os.path.abspath(args.workdir), mesh, batch_axes)
-  setup = make_state(task.model_fn, logical_axes, config, mesh)
+  setup = make_state(task.model, config, mesh, batch_axes)
   state = setup.init()
-  step_fn = make_train_step(setup, config, mesh, batch_axes)
+  step_fn = make_train_step(setup, task, config, mesh, batch_axes)
   batch = train.global_batch_arrays(0)
   for _ in range(2):
     state, metrics = step_fn(state, batch)

@@ -2,12 +2,13 @@
 
   spmd-train --config=configs/default.py --workdir=/tmp/run [--config.train.steps=100]
 
-Unknown keys and wrong types are rejected (the ConfigDict is locked by the
-flag parser), so a typo in an override is an error, not a silently ignored
-setting.
+Unknown keys and wrong types are rejected, in config files as in overrides
+(`trainers/config.py`), so a typo is an error, not a silently ignored setting.
 """
 
 import ml_collections
+
+from trainers.tasks import lm
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -20,6 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.dcn = ""  # across TPU slices / GPU nodes, e.g. "data=2"
   config.mesh.rules = "fsdp"  # logical axis rules preset: dp, fsdp, fsdp_tp
   config.mesh.batch_axes = ("data", "fsdp")  # mesh axes that split the batch
+  # Variables without sharding names (e.g. a stock nnx.Linear): "replicate", or
+  # "fsdp" = split over the batch axes along their largest divisible dimension.
+  config.mesh.unannotated = "replicate"
 
   # Global batch: the same whatever the number of hosts.
   config.global_batch = 32
@@ -38,29 +42,13 @@ def get_config() -> ml_collections.ConfigDict:
   # a batch draws from this many records, each read about once per block.
   config.data.shuffle_block = 256
 
-  # Model: a byte-level decoder-only transformer.
-  config.model = ml_collections.ConfigDict()
-  config.model.kind = "transformer"
-  config.model.seq_len = 128
-  config.model.num_layers = 4
-  config.model.d_model = 256
-  config.model.num_heads = 4
-  config.model.d_ff = 1024
-  config.model.vocab_size = 256
-  config.model.dtype = "float32"  # compute dtype; "bfloat16" for mixed precision
-  config.model.param_dtype = "float32"
-  # lax.scan over the layers' stacked weights: XLA compiles one block, not
-  # num_layers of them (a 12-layer TPU compile takes a fraction of the time).
-  # False unrolls the blocks; checkpoints of one layout do not load into the other.
-  config.model.scan_layers = True
-  # Layers per iteration of that scan; num_layers unrolls it into straight-line
-  # code (same parameters and remat, compile time growing with depth): faster
-  # for shallow models, see lm_tiny.
-  config.model.scan_unroll = 1
-  # What each scanned layer keeps for the backward pass: "minimal" (the weight
-  # matmuls' outputs; the rest is recomputed) or "none" (everything, no
-  # recomputation: more activation memory, a few percent faster).
-  config.model.remat_policy = "minimal"
+  # The task: what model trains on what data, with which loss (trainers/tasks).
+  # A built-in name ("lm", "classifier"), "package.module:function", or
+  # "file.py:function" relative to the config file's folder.
+  config.task = "lm"
+  # The task's own section: its keys are the task's (for "lm", the sizes of
+  # trainers.models.transformer.TransformerConfig; see trainers/tasks/lm.py).
+  config.model = lm.default_model_config()
 
   # Optimisation: adamw, linear warmup then cosine decay, global-norm clipping.
   config.train = ml_collections.ConfigDict()
@@ -104,7 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile = ml_collections.ConfigDict()
   config.profile.start_step = -1  # -1 = no trace
   config.profile.num_steps = 5
-  config.sample_tokens = 96  # greedy sample printed at the end (LM only)
+  config.sample_tokens = 96  # greedy sample printed at the end (the LM task)
   # Persistent compilation cache: restarts skip XLA compiles. Default: the
   # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
   config.compilation_cache_dir = ""

@@ -6,14 +6,13 @@
 """
 
 from configs import default
+from trainers.tasks import classifier
 
 
 def get_config():
   config = default.get_config()
-  config.model.kind = "mlp"
-  config.model.input_dim = 16
-  config.model.hidden_sizes = (256, 256)
-  config.model.num_classes = 10
+  config.task = "classifier"
+  config.model = classifier.default_model_config()  # the task's own section
   config.data.name = "blobs"
   config.data.eval_split = "test"
   config.global_batch = 128

@@ -109,6 +109,49 @@ def logical_to_spec(
   return NamedSpec(*entries)
 
 
+def annotation_to_spec(
+  names: Sequence[str | tuple[str, ...] | None], rules: Rules, mesh: jax.sharding.Mesh
+) -> NamedSpec:
+  """The named spec for one array's annotation, whose names are logical or mesh axes.
+
+  A name the rules know is logical and maps through them; otherwise it must
+  be one of the mesh's axes (as `flax.nnx.with_partitioning` names them) and
+  is used as is. Entries may be tuples of names. Axes of size 1 are dropped
+  and a mesh axis is used once per array, as in `logical_to_spec`.
+
+  Example:
+    >>> from spmd.mesh import create_mesh
+    >>> mesh = create_mesh("data=-1,fsdp=2,tensor=2")
+    >>> annotation_to_spec(("embed", "tensor"), FSDP, mesh)
+    P('fsdp', 'tensor')
+    >>> annotation_to_spec(("rows",), FSDP, mesh)
+    Traceback (most recent call last):
+    ...
+    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  entries = []
+  for entry in names:
+    candidates: list[str] = []
+    for name in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+      if name in table:
+        candidates.extend(_as_tuple(table[name]))
+      elif name in mesh.axis_names:
+        candidates.append(name)
+      else:
+        raise ValueError(
+          f"{name!r} is neither a logical axis of the rules ({sorted(table)}) "
+          f"nor a mesh axis ({mesh.axis_names})"
+        )
+    axes = [a for a in candidates if a not in used and mesh.shape.get(a, 1) > 1]
+    used.update(axes)
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  while entries and entries[-1] is None:
+    entries.pop()
+  return NamedSpec(*entries)
+
+
 def logical_to_sharding(
   logical_tree: Any, mesh: jax.sharding.Mesh, rules: Rules, shapes: Any = None
 ) -> Any:

@@ -6,10 +6,10 @@ import jax
 import pytest
 
 from spmd.mesh import create_mesh
-from trainers.models import logical_axes
 from trainers.models import transformer as lm
 from trainers.state import make_state
-from trainers.tasks import make_task, transformer_config
+from trainers.tasks import make_task
+from trainers.tasks.lm import transformer_config
 
 
 @pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_small", "mlp"])
@@ -19,14 +19,14 @@ def test_config_builds_its_state_shapes_and_shardings(name):
   assert "spmd-train --config=configs/" in module_doc or "spmd-mesh" in module_doc
   mesh = create_mesh("data=-1,fsdp=2,tensor=2")
   config.mesh.rules = "fsdp_tp"
-  setup = make_state(make_task(config).model_fn, logical_axes, config, mesh)
+  setup = make_state(make_task(config).model, config, mesh)
   leaves = jax.tree.leaves(setup.abstract["params"])
   count = sum(leaf.size for leaf in leaves)
-  if config.model.kind == "transformer":
+  if config.task == "lm":
     assert count == lm.param_count(transformer_config(config))
   else:  # 6 x parameters x batch: the FLOP count says how many parameters there are
     assert make_task(config).flops_per_step == 6.0 * count * config.global_batch
   kernel_specs = {s.spec for s in jax.tree.leaves(setup.shardings["params"])}
   assert any("fsdp" in str(spec) for spec in kernel_specs)
-  if config.model.kind == "transformer":
+  if config.task == "lm":
     assert any("tensor" in str(spec) for spec in kernel_specs)

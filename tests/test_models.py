@@ -235,9 +235,7 @@ def test_make_state_shards_stacked_params_like_their_layers(mesh, rules_name):
 
   def setup(scan_layers):
     model_config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
-    return make_state(
-      lambda rngs: TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-    )
+    return make_state(lambda rngs: TransformerLM(model_config, rngs=rngs), config, mesh)
 
   scanned, unrolled = setup(True), setup(False)
   stacked, per_layer = scanned.shardings["params"]["blocks"], unrolled.shardings["params"]["blocks"]

@@ -10,11 +10,9 @@ import pytest
 from configs import lm_tiny
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from trainers.models import logical_axes
-from trainers.models import transformer as lm
 from trainers.state import make_state
 from trainers.step import branch_on_nonfinite, flat_gradient_reduction, make_train_step
-from trainers.tasks import transformer_config
+from trainers.tasks import make_task
 
 
 def _setup(ici="data=-1,fsdp=1,tensor=1", **train):
@@ -25,11 +23,8 @@ def _setup(ici="data=-1,fsdp=1,tensor=1", **train):
   for key, value in train.items():
     config.train[key] = value
   mesh = create_mesh(config.mesh.ici)  # data=8 on the 8 CPU test devices
-  model_config = transformer_config(config)
-  setup = make_state(
-    lambda rngs: lm.TransformerLM(model_config, rngs=rngs), logical_axes, config, mesh
-  )
-  return config, mesh, setup
+  task = make_task(config)
+  return config, mesh, make_state(task.model, config, mesh), task
 
 
 def _batch(mesh, axes):
@@ -52,10 +47,10 @@ def _all_reduce_operands(step, state, batch) -> list[int]:
 def test_flat_reduction_trains_like_gspmd(micro_batches):
   runs = {}
   for mode in ("on", "off"):
-    config, mesh, setup = _setup(flat_grad_reduce=mode, micro_batches=micro_batches)
+    config, mesh, setup, task = _setup(flat_grad_reduce=mode, micro_batches=micro_batches)
     axes = ("data", "fsdp")
     batch = _batch(mesh, axes)
-    step = make_train_step(setup, config, mesh, axes)
+    step = make_train_step(setup, task, config, mesh, axes)
     state = setup.init()
     runs[mode] = {"operands": _all_reduce_operands(step, state, batch)}
     for _ in range(3):
@@ -66,17 +61,17 @@ def test_flat_reduction_trains_like_gspmd(micro_batches):
   assert sum(runs["off"]["operands"]) > 10, runs["off"]["operands"]
   for a, b in zip(jax.tree.leaves(runs["on"]["state"]), jax.tree.leaves(runs["off"]["state"])):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
-  for key in ("loss", "grad_norm", "tokens"):
+  for key in ("loss", "grad_norm", "weight", "units", "accuracy"):
     np.testing.assert_allclose(runs["on"]["metrics"][key], runs["off"]["metrics"][key], rtol=1e-5)
 
 
 def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
-  config, _, setup = _setup()
+  config, _, setup, _ = _setup()
   assert not flat_gradient_reduction(setup, config, ("data", "fsdp"))  # auto, one process
   config.train.flat_grad_reduce = "sideways"
   with pytest.raises(ValueError, match="flat_grad_reduce='sideways' must be"):
     flat_gradient_reduction(setup, config, ("data", "fsdp"))
-  config, _, sharded = _setup("data=2,fsdp=4,tensor=1", flat_grad_reduce="on")
+  config, _, sharded, _ = _setup("data=2,fsdp=4,tensor=1", flat_grad_reduce="on")
   with pytest.raises(ValueError, match="needs replicated parameters"):
     flat_gradient_reduction(sharded, config, ("data", "fsdp"))
 
@@ -84,10 +79,10 @@ def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
 def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_otherwise():
   runs = {}
   for guard in ("branch", "select"):
-    config, mesh, setup = _setup(nonfinite_guard=guard, inject_nonfinite_at=(1,))
+    config, mesh, setup, task = _setup(nonfinite_guard=guard, inject_nonfinite_at=(1,))
     axes = ("data", "fsdp")
     batch = _batch(mesh, axes)
-    step = make_train_step(setup, config, mesh, axes)
+    step = make_train_step(setup, task, config, mesh, axes)
     state = setup.init()
     text = step.lower(state, batch).compile().as_text()
     # The select copies every donated parameter and optimizer moment first.
@@ -114,7 +109,7 @@ def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_othe
 
 
 def test_the_guard_branches_except_on_gpu_unless_told():
-  config, mesh, _ = _setup()
+  config, mesh, _, _ = _setup()
   assert branch_on_nonfinite(config, mesh)  # auto, CPU
   config.train.nonfinite_guard = "select"
   assert not branch_on_nonfinite(config, mesh)

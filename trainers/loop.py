@@ -65,18 +65,19 @@ class MetricsHook(Hook):
     every: int,
     write: Callable[[int, dict], None],
     progress: Callable[[int, dict], None],
-    units_per_step: int,
     max_bad_steps: int,
     flops_per_step: float = 0.0,
     peak_flops_total: float = 0.0,
     unit: str = "tokens",
+    flops_metric: str = "mfu",
   ):
+    """`flops_metric` names the FLOPs ratio: "mfu" (model FLOPs) or "hfu" (compiled)."""
     self.every = every
     self._write, self._progress = write, progress
-    self._units_per_step = units_per_step
     self._rate = f"{unit}_per_s"
     self._max_bad = max_bad_steps
     self._flops_per_step, self._peak = flops_per_step, peak_flops_total
+    self._flops_metric = flops_metric
 
   def run(self, loop: LoopState) -> None:
     if not loop.pending:
@@ -89,9 +90,9 @@ class MetricsHook(Hook):
     for (step, _), values in zip(loop.pending, fetched):
       row = {k: float(np.asarray(v)) for k, v in values.items()}
       row["step_time_s"] = step_time
-      row[self._rate] = self._units_per_step / step_time
+      row[self._rate] = row.get("units", 0.0) / step_time  # real units, padding excluded
       if self._flops_per_step and self._peak:
-        row["mfu"] = self._flops_per_step / step_time / self._peak
+        row[self._flops_metric] = self._flops_per_step / step_time / self._peak
       loop.history.append({"step": step + 1, **row})
       self._write(step + 1, row)
       if row["bad_steps"] >= self._max_bad:
@@ -143,7 +144,7 @@ class EvalHook(Hook):
     self.results: dict[int, dict] = {}
 
   def run(self, loop: LoopState) -> None:
-    result = self._evaluate(loop.state["params"])
+    result = self._evaluate(loop.state)
     self.results[loop.step] = result
     self._write(loop.step, result)
 

@@ -30,11 +30,14 @@ def _main(argv: list[str]) -> None:
     # orbax and tfds log every file they touch at INFO; keep the console for
     # the progress bar and what matters unless asked otherwise.
     logging.set_verbosity(logging.WARNING)
+  from trainers.config import resolve
   from trainers.train import Preempted, train_and_evaluate
   from trainers.watchdog import EXIT_PEER_FAILED, peer_failed_first, publish_failure
 
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    # Checked once, up front: keys, types and values, before any data or restore.
+    config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
+    train_and_evaluate(config, _WORKDIR.value)
   except Preempted as e:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)

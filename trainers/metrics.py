@@ -333,6 +333,7 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
   "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
   "examples_per_s": ("examples/s", lambda v: f"{v:,.0f}"),
   "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
+  "hfu": ("HFU (compiled matmul FLOPs)", lambda v: f"{100 * v:.1f}%"),
   "peak_flops_per_s": ("peak per device", _flops),
   "peak_source": ("peak source", str),
   "wall_time_s": ("wall time", _duration),
@@ -366,7 +367,16 @@ def format_summary(d: Mapping[str, Any]) -> str:
       MFU              : 41.2%
   """
   rows = []
-  for key, (label, fmt) in _SUMMARY.items():
+  table = dict(_SUMMARY)
+  # Any task's unit: "<unit>_per_s" prints as "<unit>/s", next to the built-in ones.
+  for key in d:
+    if key.endswith("_per_s") and key not in table and key != "peak_flops_per_s":
+      table[key] = (key[: -len("_per_s")] + "/s", lambda v: f"{v:,.0f}")
+  ordered = sorted(
+    table, key=lambda k: list(_SUMMARY).index(k if k in _SUMMARY else "tokens_per_s")
+  )
+  for key in ordered:
+    label, fmt = table[key]
     value = d.get(key)
     if value is None:
       continue

@@ -34,15 +34,15 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from spmd import hlo
 from spmd.layout import batch_sharding, data_layout
 from spmd.topology import topology_devices
 from trainers import peaks
-from trainers.models import logical_axes
 from trainers.state import make_state
-from trainers.step import make_train_step
-from trainers.tasks import Task, make_task
+from trainers.step import abstract_batch, make_train_step
+from trainers.tasks import make_task
 from trainers.train import build_mesh
 
 log = logging.getLogger(__name__)
@@ -182,15 +182,6 @@ def _per_device_bytes(tree: Any) -> int:
   return total
 
 
-def abstract_batch(task: Task, global_batch: int, sharding) -> dict[str, jax.ShapeDtypeStruct]:
-  """The global batch's shapes and dtypes, from the task's own example function."""
-  example = task.to_example(task.record_template, 0)
-  return {
-    k: jax.ShapeDtypeStruct((global_batch, *v.shape), v.dtype, sharding=sharding)
-    for k, v in example.items()
-  }
-
-
 def _suggestions(
   plan_memory: Memory, mesh: dict[str, int], rules: str, num_devices: int
 ) -> list[str]:
@@ -255,7 +246,7 @@ def make_plan(
     raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
   mesh, batch_axes = build_mesh(config, target.devices)
   task = make_task(config)
-  setup = make_state(task.model_fn, logical_axes, config, mesh)
+  setup = make_state(task.model, config, mesh, batch_axes)
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )
@@ -269,7 +260,7 @@ def make_plan(
   batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
   compiled = None
   if compile_step:
-    step = make_train_step(setup, config, mesh, batch_axes)
+    step = make_train_step(setup, task, config, mesh, batch_axes)
     compiled = step.lower(state, batch).compile()
     if keep_compiled is not None:
       keep_compiled.append(compiled)
@@ -302,8 +293,9 @@ def make_plan(
     device_bytes,
     margin,
   )
-  peak = peaks.table_peak(target.device_kind, config.model.dtype)
-  model_flops = task.flops_per_step / mesh.devices.size
+  peak = peaks.table_peak(target.device_kind, task.compute_dtype)
+  # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
+  model_flops = (task.flops_per_step or (flops or 0.0) * mesh.devices.size) / mesh.devices.size
   step_time = achieved = None
   if peak and (flops or model_flops):
     work = flops or model_flops
@@ -333,7 +325,7 @@ def make_plan(
     ici=config.mesh.ici,
     dcn=config.mesh.dcn,
     num_params=num_params,
-    units_per_step=task.units_per_step,
+    units_per_step=_units_per_step(task, config.global_batch),
     unit=task.unit,
     rows_per_host=_rows_per_host(layout, target),
     hosts_feeding=_hosts_feeding(layout, target),
@@ -344,6 +336,13 @@ def make_plan(
     fits=fits,
     suggestions=suggestions,
   )
+
+
+def _units_per_step(task, global_batch: int) -> int:
+  """Units in a full batch of the record template's examples (the most a step holds)."""
+  example = task.example()
+  batch = {k: np.stack([np.asarray(v)] * global_batch) for k, v in example.items()}
+  return int(task.units(batch))
 
 
 def _rows_per_host(layout, target: Target) -> int:

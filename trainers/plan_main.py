@@ -196,8 +196,16 @@ def main(argv: list[str] | None = None) -> int:
   jax.config.update("jax_platforms", "cpu")
   if fv.gpu:
     jax.config.update("jax_num_cpu_devices", max(fv.num_gpus, 1))
-  from trainers import plan as plan_lib
+  from ml_collections import config_flags
 
+  from trainers import plan as plan_lib
+  from trainers.config import resolve
+
+  try:
+    config = resolve(fv.config, config_flags.get_config_filename(fv["config"]))
+  except (ValueError, TypeError, FileNotFoundError) as e:
+    print(f"spmd-plan: {e}", file=sys.stderr)
+    return 2
   target = (
     plan_lib.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
     if fv.gpu
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   compiled: list = []
   plan = plan_lib.make_plan(
-    fv.config,
+    config,
     target,
     efficiency=efficiency,
     margin=fv.margin,
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
   saved = ""
   if fv.save_executable:
     saved = (
-      save_executable(compiled[0], fv.save_executable, plan, fv.config)
+      save_executable(compiled[0], fv.save_executable, plan, config)
       if compiled
       else "not saved: the step was not compiled"
     )

@@ -1,9 +1,11 @@
 """The train and eval steps: one `sharded_jit` each, shardings from the mesh and rules.
 
-The train step is donated (the old state's buffers are reused) and decides
-inside itself whether the update is finite, so every host takes the same
-decision: a non-finite loss or gradient norm keeps the old parameters and
-optimizer state and counts a bad step; the loop stops after
+The step calls the task's loss (`Task.loss`) on the model rebuilt from the
+state: in train mode with keys derived from (seed, step), in eval mode for
+eval. The train step is donated (the old state's buffers are reused) and
+decides inside itself whether the update is finite, so every host takes the
+same decision: a non-finite loss or gradient norm keeps the old parameters,
+model state and optimizer state and counts a bad step; the loop stops after
 `train.max_bad_steps` in a row.
 """
 
@@ -17,28 +19,86 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import spmd
 from spmd.partition import NamedSpec
-from trainers.state import StateSetup, model_from_params
+from trainers.state import StateSetup, build_model
+from trainers.tasks import Task
+
+# Metrics the step reports itself; a task's metric may not take these names.
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "bad_steps", "weight", "units")
 
 
 def _specs(shardings: Any) -> Any:
   return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def _sums(setup: StateSetup, params: Any, batch: dict) -> tuple[jax.Array, dict]:
-  """Summed next-token cross-entropy over the unmasked targets, and counts."""
-  logits = model_from_params(setup, params)(batch["inputs"])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["mask"]
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  return jnp.sum(ce * mask), {"count": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+  """The key of a train step's randomness: the same on every host and for any mesh."""
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
+  """`(params, model_state, batch, key) -> (loss_sum, (weight, metric_sums, model_state))`."""
+
+  def loss(params, model_state, batch, key):
+    model = build_model(setup, params, model_state, key)
+    if train:
+      model.train()
+    else:
+      model.eval()
+    loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
+    clash = sorted(set(metric_sums) & set(STEP_METRICS))
+    if clash:
+      raise ValueError(f"the task's loss returns metrics {clash}, names the step reports itself")
+    new_state = None
+    if setup.has_model_state:
+      new_state = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+    return loss_sum, (weight, metric_sums, new_state)
+
+  return loss
+
+
+def abstract_batch(task: Task, global_batch: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch's shapes and dtypes, from the task's own example function."""
+  return {
+    k: jax.ShapeDtypeStruct((global_batch, *shape), dtype, sharding=sharding)
+    for k, (shape, dtype) in task.example_shapes().items()
+  }
+
+
+def per_device_blocker(setup: StateSetup, task: Task, global_batch: int) -> str | None:
+  """Why the loss must not be computed per device, or None when it may be.
+
+  Summing per-device sums equals the global sums only for a loss that is a
+  sum over rows: batch statistics are computed over the whole batch, and
+  random numbers drawn per device differ from those drawn for the global
+  batch. So models with non-parameter variables or their own RNG streams,
+  and losses that draw from the step's key, take the global path.
+  """
+  if setup.has_model_state:
+    return "the model has non-parameter variables (e.g. batch statistics)"
+  if jax.tree.leaves(setup.abstract_rng_state):
+    return "the model keeps its own random streams"
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), setup.abstract["params"])
+  loss = _loss_fn(setup, task, train=True)
+  jaxpr = jax.make_jaxpr(lambda k, p, b: loss(p, None, b, k))(
+    key, params, abstract_batch(task, global_batch)
+  ).jaxpr
+  key_var = jaxpr.invars[0]
+  if key_var in jaxpr.outvars or any(key_var in eqn.invars for eqn in jaxpr.eqns):
+    return "the loss draws random numbers (e.g. dropout)"
+  return None
 
 
 def flat_gradient_reduction(
-  setup: StateSetup, config: ml_collections.ConfigDict, batch_axes: tuple[str, ...]
+  setup: StateSetup,
+  config: ml_collections.ConfigDict,
+  batch_axes: tuple[str, ...],
+  blocker: str | None = None,
 ) -> bool:
   """Whether the train step sums its gradients across hosts as one flat buffer.
 
@@ -51,6 +111,11 @@ def flat_gradient_reduction(
   and reduced by one `psum`, as PyTorch DDP's buckets do. Elsewhere GSPMD's
   reductions stay: on TPU and GPU XLA overlaps each layer's all-reduce with
   the backward pass. `train.flat_grad_reduce` ("auto", "on", "off") overrides.
+
+  Each device then computes the loss over its own rows, which equals the
+  global computation only for a loss that is a plain sum over rows;
+  `blocker` (from `per_device_blocker`) says why it is not, and then "auto"
+  stays off and "on" is an error.
   """
   mode = config.train.get("flat_grad_reduce", "auto")
   if mode not in ("auto", "on", "off"):
@@ -69,9 +134,11 @@ def flat_gradient_reduction(
       f"global_batch={config.global_batch} divisible by {shards} batch shards x "
       f"train.micro_batches={config.train.micro_batches}"
     )
+  if mode == "on" and blocker:
+    raise ValueError(f"train.flat_grad_reduce='on' computes the loss per device, but {blocker}")
   if mode == "auto":
     cpu = mesh.devices.flat[0].platform == "cpu"
-    return possible and cpu and jax.process_count() > 1
+    return possible and cpu and jax.process_count() > 1 and not blocker
   return mode == "on"
 
 
@@ -100,59 +167,94 @@ def branch_on_nonfinite(config: ml_collections.ConfigDict, mesh: jax.sharding.Me
 
 def make_train_step(
   setup: StateSetup,
+  task: Task,
   config: ml_collections.ConfigDict,
   mesh: jax.sharding.Mesh,
   batch_axes: tuple[str, ...],
+  flat_reduce: bool | None = None,
 ) -> Callable:
-  """`(state, batch) -> (state, metrics)`, jitted over the mesh, state donated."""
+  """`(state, batch) -> (state, metrics)`, jitted over the mesh, state donated.
+
+  `flat_reduce` says whether gradients are summed as one flat vector
+  (`flat_gradient_reduction`); None decides it here.
+  """
   micro = config.train.micro_batches
   poisoned = tuple(int(s) for s in config.train.get("inject_nonfinite_at", ()))
   poison = config.train.get("inject_nonfinite_value", "nan")
   if poison not in ("nan", "inf", "-inf"):
     raise ValueError(f"train.inject_nonfinite_value={poison!r} must be 'nan', 'inf' or '-inf'")
-  value_and_grad = jax.value_and_grad(lambda p, b: _sums(setup, p, b), has_aux=True)
+  value_and_grad = jax.value_and_grad(_loss_fn(setup, task, train=True), has_aux=True)
   branch = branch_on_nonfinite(config, mesh)
+  if flat_reduce is None:
+    blocker = per_device_blocker(setup, task, config.global_batch)
+    flat_reduce = flat_gradient_reduction(setup, config, batch_axes, blocker)
 
-  def sums_and_grads(params, batch):
+  def sums_and_grads(params, model_state, batch, key):
+    """(loss_sum, weight, metric_sums, model_state, grads) over the whole batch.
+
+    The units the batch holds are one more metric sum (`units`).
+    """
+    units = task.units(batch)
     if micro == 1:
-      (loss_sum, aux), grads = value_and_grad(params, batch)
-      return loss_sum, aux, grads
+      (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
+        params, model_state, batch, key
+      )
+      return loss_sum, weight, dict(sums, units=units), model_state, grads
     # Gradient accumulation: add up the summed-loss gradients of the micro-
     # batches, so the result equals one big batch (up to addition order).
+    # Model state (batch statistics) passes from one micro-batch to the next.
     split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
 
-    def body(carry, mb):
-      (loss_sum, aux), grads = value_and_grad(params, mb)
-      return jax.tree.map(jnp.add, carry, (loss_sum, aux, grads)), None
+    def body(carry, xs):
+      totals, model_state = carry
+      mb, index = xs
+      (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
+        params, model_state, mb, jax.random.fold_in(key, index)
+      )
+      return (jax.tree.map(jnp.add, totals, (loss_sum, weight, sums, grads)), model_state), None
 
-    zeros = (
-      jnp.zeros(()),
-      {"count": jnp.zeros(()), "correct": jnp.zeros(())},
-      jax.tree.map(jnp.zeros_like, params),
+    first = jax.tree.map(lambda x: x[0], split)
+    shapes = jax.eval_shape(value_and_grad, params, model_state, first, key)
+    (loss_shape, (weight_shape, sums_shape, _)), grads_shape = shapes
+    zeros = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, weight_shape, sums_shape, grads_shape)
     )
-    return jax.lax.scan(body, zeros, split)[0]
+    (totals, model_state), _ = jax.lax.scan(
+      body, (zeros, model_state), (split, jnp.arange(micro, dtype=jnp.uint32))
+    )
+    loss_sum, weight, sums, grads = totals
+    return loss_sum, weight, dict(sums, units=units), model_state, grads
 
-  if flat_gradient_reduction(setup, config, batch_axes):
+  if flat_reduce:
     device_sums_and_grads = sums_and_grads  # inside shard_map: over this device's rows
 
-    def local_sums(params, batch):
+    def local_sums(params, batch, key):
       # This device's sums over its rows; then one all-reduce of one vector.
-      flat, unravel = ravel_pytree(device_sums_and_grads(params, batch))
+      loss_sum, weight, sums, _, grads = device_sums_and_grads(params, None, batch, key)
+      flat, unravel = ravel_pytree((loss_sum, weight, sums, grads))
       return unravel(jax.lax.psum(flat, batch_axes))
 
-    sums_and_grads = jax.shard_map(
+    replicated, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(batch_axes)
+    flat_sums = jax.shard_map(
       local_sums,
       mesh=mesh,
-      in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(batch_axes)),
-      out_specs=jax.sharding.PartitionSpec(),
+      in_specs=(replicated, rows, replicated),
+      out_specs=replicated,
       axis_names=set(batch_axes),
       check_vma=False,
     )
 
+    def sums_and_grads(params, model_state, batch, key):
+      loss_sum, weight, sums, grads = flat_sums(params, batch, key)
+      return loss_sum, weight, sums, model_state, grads
+
   def train_step(state, batch):
     params, opt_state = state["params"], state["opt_state"]
-    loss_sum, aux, grads = sums_and_grads(params, batch)
-    count = jnp.maximum(aux["count"], 1.0)
+    key = step_key(config.seed, state["step"])
+    loss_sum, weight, sums, model_state, grads = sums_and_grads(
+      params, state.get("model_state"), batch, key
+    )
+    count = jnp.maximum(weight, 1e-9)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss = loss_sum / count
     if poisoned:  # fault injection for tests: non-finite gradients at these steps
@@ -162,20 +264,22 @@ def make_train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update(operands):
-      grads, opt_state, params = operands
+      grads, opt_state, params, new_model_state, _ = operands
       updates, new_opt = setup.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_opt
+      return optax.apply_updates(params, updates), new_opt, new_model_state
 
     def keep(operands):
-      return operands[2], operands[1]
+      _, opt_state, params, _, old_model_state = operands
+      return params, opt_state, old_model_state
 
-    operands = (grads, opt_state, params)
+    operands = (grads, opt_state, params, model_state, state.get("model_state"))
     if branch:  # see branch_on_nonfinite
-      new_params, new_opt = jax.lax.cond(finite, update, keep, operands)
+      new_params, new_opt, new_model_state = jax.lax.cond(finite, update, keep, operands)
     else:
       new = update(operands)
-      new_params, new_opt = jax.tree.map(
-        lambda n, o: jnp.where(finite, n, o), new, (params, opt_state)
+      old = (params, opt_state, state.get("model_state"))
+      new_params, new_opt, new_model_state = jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o), new, old
       )
     new_state = {
       "params": new_params,
@@ -183,14 +287,17 @@ def make_train_step(
       "step": state["step"] + 1,
       "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
     }
+    if setup.has_model_state:
+      new_state["model_state"] = new_model_state
     metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
       "learning_rate": setup.schedule(state["step"]),
       "finite": finite,
       "bad_steps": new_state["bad_steps"],
-      "tokens": aux["count"],
-      "accuracy": aux["correct"] / count,
+      "weight": weight,
+      "units": sums.pop("units"),
+      **{name: value / count for name, value in sums.items()},
     }
     return new_state, metrics
 
@@ -202,29 +309,35 @@ def make_train_step(
     # Metrics come out as global, replicated arrays (every process can read
     # them), not as local copies: with every input and output global, a call
     # across processes goes straight to the compiled jax.jit, with no
-    # per-step conversion of the 7 metrics (about 1.7 ms a step on 2 CPU
-    # processes) or walk over the state's leaves.
+    # per-step conversion of the metrics or walk over the state's leaves.
     out_parts=(state_specs, NamedSpec()),
     mesh=mesh,
     donate_argnums=0,
   )
 
 
-def make_eval_step(
-  setup: StateSetup, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...]
-) -> Callable:
-  """`(params, batch) -> sums` of loss, unmasked tokens and correct predictions."""
+def eval_inputs(state: dict) -> dict:
+  """The part of the train state the eval step reads: parameters and model state."""
+  return {k: state[k] for k in ("params", "model_state") if k in state}
 
-  def eval_step(params, batch):
-    loss_sum, aux = _sums(setup, params, batch)
-    return {"loss_sum": loss_sum, **aux}
+
+def make_eval_step(
+  setup: StateSetup, task: Task, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...]
+) -> Callable:
+  """`(eval_inputs(state), batch) -> sums`: `loss_sum`, `weight` and the task's metric sums."""
+  loss = _loss_fn(setup, task, train=False)
+  seed_key = jax.random.key(0)  # eval mode draws nothing; a model's own streams need a key
+
+  def eval_step(inputs, batch):
+    loss_sum, (weight, sums, _) = loss(inputs["params"], inputs.get("model_state"), batch, seed_key)
+    return {"loss_sum": loss_sum, "weight": weight, **sums}
 
   batch_spec = NamedSpec(batch_axes if batch_axes else None)
   # Global replicated sums, as the train step's metrics: every call takes
   # the fast path, and `jax.device_get` reads them on every process.
   return spmd.sharded_jit(
     eval_step,
-    in_parts=(_specs(setup.shardings["params"]), batch_spec),
+    in_parts=(_specs(eval_inputs(setup.shardings)), batch_spec),
     out_parts=NamedSpec(),
     mesh=mesh,
   )

@@ -14,13 +14,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -38,12 +38,17 @@ from trainers.loop import (
   ProfileHook,
   train_loop,
 )
-from trainers.models import logical_axes
-from trainers.models import transformer as lm
 from trainers.preemption import PreemptionWatch
-from trainers.state import make_state, model_from_params
-from trainers.step import make_eval_step, make_train_step
-from trainers.tasks import Task, make_task
+from trainers.state import StateSetup, build_model, make_state
+from trainers.step import (
+  abstract_batch,
+  eval_inputs,
+  flat_gradient_reduction,
+  make_eval_step,
+  make_train_step,
+  per_device_blocker,
+)
+from trainers.tasks import Task, make_task, task_files
 from trainers.watchdog import ProgressWatchdog
 
 __all__ = ["Preempted", "train_and_evaluate"]
@@ -55,11 +60,12 @@ def config_hash(config: ml_collections.ConfigDict) -> str:
 
 
 def state_hash(state: dict) -> str:
-  """SHA-256 of the parameters and optimizer state, gathered to every host."""
+  """SHA-256 of the parameters, model state and optimizer state, gathered to every host."""
   from jax.experimental import multihost_utils
 
   digest = hashlib.sha256()
-  for leaf in jax.tree.leaves({"params": state["params"], "opt_state": state["opt_state"]}):
+  kept = {k: state[k] for k in ("params", "model_state", "opt_state") if k in state}
+  for leaf in jax.tree.leaves(kept):
     digest.update(np.asarray(multihost_utils.process_allgather(leaf, tiled=True)).tobytes())
   return digest.hexdigest()
 
@@ -77,10 +83,10 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh,
   data_dir = config.data.dir or os.path.join(os.path.dirname(workdir), "data")
   # Process 0 builds; the others wait, then find it built (no race on files).
   if jax.process_index() == 0:
-    name = task.prepare(data_dir)
+    name = task.prepare_data(data_dir)
   multihost.barrier("data_prepared", timeout_s=3600)
   if jax.process_index() != 0:
-    name = task.prepare(data_dir)
+    name = task.prepare_data(data_dir)
   common = dict(
     global_batch=config.global_batch,
     mesh=mesh,
@@ -113,27 +119,81 @@ def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
   )
 
 
-def _evaluate(eval_step, batches: pipeline.GlobalBatches, params, max_batches: int) -> dict:
+def _evaluate(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
+  """Exact means over the eval batches: the task's sums, divided by their total weight."""
   steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
-  sums = [eval_step(params, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
+  inputs = eval_inputs(state)
+  sums = [eval_step(inputs, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
   totals = jax.device_get(sums)  # one transfer for the whole eval
-  loss = sum(float(t["loss_sum"]) for t in totals)
-  count = max(sum(float(t["count"]) for t in totals), 1.0)
-  correct = sum(float(t["correct"]) for t in totals)
-  return {
-    "eval_loss": loss / count,
-    "eval_accuracy": correct / count,
-    "eval_perplexity": float(np.exp(min(loss / count, 50.0))),
-    "eval_tokens": count,
-  }
+  added = {k: sum(float(t[k]) for t in totals) for k in totals[0]}
+  weight = max(added.pop("weight"), 1e-9)
+  loss = added.pop("loss_sum") / weight
+  out = {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 50.0)))}
+  out.update({f"eval_{k}": v / weight for k, v in added.items()})
+  out["eval_weight"] = weight
+  return out
 
 
-def _sample(setup, params, prompt: bytes, num_tokens: int, seq_len: int) -> str:
-  prompt_tokens = jnp.asarray(np.frombuffer(prompt, np.uint8).astype(np.int32)[None, :])
-  num_tokens = min(num_tokens, seq_len - prompt_tokens.shape[1])
-  out = lm.generate(model_from_params(setup, params), prompt_tokens, num_tokens)
-  tokens = np.asarray(jax.device_get(out))[0]
-  return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+def _report(task: Task, setup: StateSetup, state, step: int) -> str:
+  """The task's end-of-run report; a failure is logged, never fatal (the run is done)."""
+  if task.report is None:
+    return ""
+  try:
+    model = build_model(setup, state["params"], state.get("model_state"))
+    model.eval()
+    return task.report(model, step)
+  except Exception as e:  # the run's results are already saved
+    log.warning("spmd-train: the task's report failed: %s: %s", type(e).__name__, e)
+    return ""
+
+
+_PLACEMENT_ROWS = 8  # variables without names listed by path; the rest are counted
+
+
+def _log_placement(setup: StateSetup) -> None:
+  """Which variables took which rule: a count per rule, and the ones without names."""
+  by_rule: dict[str, int] = {}
+  for _, _, why in setup.placement:
+    rule = why.split(" (")[0] if not why.startswith("names") else "by their names"
+    by_rule[rule] = by_rule.get(rule, 0) + 1
+  log.warning(
+    "spmd-train: variable placement: %s",
+    ", ".join(f"{n} {rule}" for rule, n in sorted(by_rule.items())),
+  )
+  unnamed = [row for row in setup.placement if not row[2].startswith("names")]
+  for path, spec, why in unnamed[:_PLACEMENT_ROWS]:
+    log.warning("spmd-train:   %s -> %s: %s", path, spec, why)
+  if len(unnamed) > _PLACEMENT_ROWS:
+    log.warning("spmd-train:   ... and %d more without names", len(unnamed) - _PLACEMENT_ROWS)
+
+
+def _compiled_flops(train_step, setup: StateSetup, task: Task, config, mesh, batch_axes) -> float:
+  """The compiled train step's matmul FLOPs over all devices (hardware FLOPs)."""
+  from spmd import hlo
+  from spmd.layout import batch_sharding
+
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  text = train_step.lower(state, batch).compile().as_text()
+  return float(hlo.matmul_flops(text)) * mesh.devices.size
+
+
+def save_run_files(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """The resolved config (JSON) and the task's own files, so the run stands alone.
+
+  A resume or eval needs no original folder: `--config=<workdir>/code/config.py`
+  (a copy of the config file, when it sat beside the task) runs the same task.
+  """
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=1, sort_keys=True))
+  files = task_files(config.task)
+  if files:
+    code = os.path.join(workdir, "code")
+    os.makedirs(code, exist_ok=True)
+    for path in files:
+      shutil.copyfile(path, os.path.join(code, path.name))
 
 
 class _AtStep:
@@ -221,13 +281,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   jax.config.update("jax_compilation_cache_dir", cache_dir)
 
-  # 1-2. Mesh and data.
+  # 1-2. Mesh, task and data.
   mesh, batch_axes = build_mesh(config)
   task = make_task(config)
+  if chief:
+    save_run_files(config, workdir)
   train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
-  setup = make_state(task.model_fn, logical_axes, config, mesh)
+  setup = make_state(task.model, config, mesh, batch_axes)
   manager = checkpoint.make_manager(
     os.path.join(workdir, "checkpoints"),
     config.checkpoint.every,
@@ -254,14 +316,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # 4. Hosts agree before the first step.
   _check_hosts_agree(config, setup, train_batches, start)
 
-  train_step = make_train_step(setup, config, mesh, batch_axes)
-  eval_step = make_eval_step(setup, mesh, batch_axes)
+  blocker = per_device_blocker(setup, task, config.global_batch)
+  flat_reduce = flat_gradient_reduction(setup, config, batch_axes, blocker)
+  if chief:
+    _log_placement(setup)
+    if blocker and config.train.flat_grad_reduce == "auto":
+      log.warning("spmd-train: train.flat_grad_reduce is off for this model: %s", blocker)
+  train_step = make_train_step(setup, task, config, mesh, batch_axes, flat_reduce)
+  eval_step = make_eval_step(setup, task, mesh, batch_axes)
   # Only process 0 reports MFU; the others skip the (measured, on CPU) peak.
   peak = (
-    peaks.peak_flops(jax.local_devices()[0], config.model.dtype, cache_dir=cache_dir)
+    peaks.peak_flops(jax.local_devices()[0], task.compute_dtype, cache_dir=cache_dir)
     if chief
     else peaks.PeakInfo(0.0, "not measured on this process")
   )
+  flops_metric, flops_per_step = "mfu", task.flops_per_step
+  if flops_per_step is None:
+    # Every process lowers the same signature: a lowering checks that hosts agree.
+    flops_metric = "hfu"
+    flops_per_step = _compiled_flops(train_step, setup, task, config, mesh, batch_axes)
   writer = metrics.MetricsWriter(workdir, enabled=chief)
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
@@ -270,8 +343,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def save(step, state):
     return saver.save(step, state, train_batches.state(step).to_dict())
 
-  def evaluate(params):
-    return _evaluate(eval_step, eval_batches, params, config.eval_batches)
+  def evaluate(state):
+    return _evaluate(eval_step, eval_batches, state, config.eval_batches)
 
   rate = f"{task.unit}_per_s"
   hooks = [
@@ -279,11 +352,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       config.log_every,
       writer.write,
       lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
-      task.units_per_step,
       config.train.max_bad_steps,
-      task.flops_per_step,
+      flops_per_step,
       peak.flops_per_s * jax.device_count(),
       task.unit,
+      flops_metric,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
     CheckpointHook(config.checkpoint.every, save, saver.wait),
@@ -326,13 +399,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     progress.close()
 
   # 6. Final eval, sample, summary, loss curve.
-  final_eval = evaluate(loop.state["params"])
+  final_eval = evaluate(loop.state)
   writer.write(loop.step, final_eval)
-  sample = ""
-  if config.get("sample_tokens", 0) and task.language_model:
-    sample = _sample(
-      setup, loop.state["params"], b"def ", config.sample_tokens, config.model.seq_len
-    )
+  report = _report(task, setup, loop.state, loop.step)
   writer.close()
   saver.close()
   last = loop.history[-1] if loop.history else {}
@@ -343,7 +412,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     "eval_loss": final_eval["eval_loss"],
     "eval_accuracy": final_eval["eval_accuracy"],
     rate: float(np.median(rates)) if rates else None,
-    "mfu": float(np.median([h.get("mfu", 0.0) for h in loop.history])) if loop.history else None,
+    flops_metric: (
+      float(np.median([h.get(flops_metric, 0.0) for h in loop.history])) if loop.history else None
+    ),
     "peak_source": peak.source,
     "wall_time_s": time.perf_counter() - started,
     "first_step_s": first_step.get("s"),  # from the start of training (imports excluded)
@@ -351,7 +422,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     "workdir": workdir,
     "checkpoints": os.path.join(workdir, "checkpoints"),
     "metrics": os.path.join(workdir, "metrics.jsonl"),
-    "sample": sample,
+    "report": report,
     "resumed_from": restored.source,
     "loss_history": [(h["step"], h["loss"]) for h in loop.history],
   }
@@ -362,8 +433,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss.png")
     )
     with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump({k: v for k, v in summary.items() if k != "sample"}, f, indent=1, default=str)
+      json.dump({k: v for k, v in summary.items() if k != "report"}, f, indent=1, default=str)
     print(metrics.format_summary(summary), flush=True)
-    if sample:
-      print(f"sample (greedy, prompt 'def '):\n{sample}", flush=True)
+    if report:
+      print(report, flush=True)
   return summary

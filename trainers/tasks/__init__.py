@@ -1,0 +1,281 @@
+"""The Task API: what the trainer needs to know about *your* model and data.
+
+A `Task` is a dataclass built with keywords. `spmd-train` finds the function
+that makes it from the config, `config.task`, in one of three forms:
+
+  "lm", "classifier"          a built-in task (`BUILTIN_TASKS`)
+  "package.module:function"   any importable module
+  "task.py:function"          a file, relative to the config file's folder
+
+The function takes the whole (validated) config and returns a `Task`. A task
+owns its config section, `config.model`: nothing else in the trainer reads
+it, so the task decides its keys (`config_section` checks them for a
+dataclass, naming a misspelt key and the nearest valid one).
+
+Everything else (mesh, state, step, data order, checkpoints, hooks, the
+watchdog) is the trainer's, and it holds for every task: a user's task gets
+exact-once data, host agreement, preemption and bit-identical resume.
+
+Example, a whole task for a classifier on TFDS records with `image` and
+`label` features:
+
+  >>> import jax.numpy as jnp, numpy as np, optax
+  >>> from flax import nnx
+  >>> def loss(model, batch, rngs, train):
+  ...   logits = model(batch["image"])
+  ...   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+  ...   correct = (jnp.argmax(logits, -1) == batch["label"]) * batch["mask"]
+  ...   return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), {"accuracy": jnp.sum(correct)}
+  >>> task = Task(
+  ...   model=lambda rngs: nnx.Linear(4, 3, rngs=rngs),
+  ...   loss=loss,
+  ...   prepare_data=lambda data_dir: "my_dataset:1.0.0",
+  ...   record_template={"image": np.zeros(4, np.float32), "label": 0},
+  ...   to_example=lambda r: {"image": r["image"], "label": np.int32(r["label"]),
+  ...                         "mask": np.float32(1)},
+  ... )
+  >>> task.unit, task.example_shapes()
+  ('examples', {'image': ((4,), dtype('float32')), 'label': ((), dtype('int32')), 'mask': ((), dtype('float32'))})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+Batch = dict[str, jax.Array]
+Example = dict[str, np.ndarray]
+LossFn = Callable[[Any, Batch, Any, bool], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+BUILTIN_TASKS = {
+  "lm": "trainers.tasks.lm:make_task",
+  "classifier": "trainers.tasks.classifier:make_task",
+}
+"""Names `config.task` may use for the built-in tasks, and where they live."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Task:
+  """What the trainer needs to know about a model and its data; the reference.
+
+  Model:
+    model: `nnx.Rngs -> nnx.Module`, building the model from the config (which
+      the factory closed over) and the given key streams. Every NNX variable
+      is kept: `nnx.Param`s are trained, other variables (`nnx.BatchStat`,
+      your own `nnx.Variable` types) are carried in the train state, updated
+      by the step, checkpointed and restored. Parameters annotated with
+      logical axis names (`spmd.rules.LOGICAL_AXES`) or mesh axis names
+      (`nnx.with_partitioning`) are split by `config.mesh.rules`; others by
+      `config.mesh.unannotated` (replicated, or FSDP-style).
+    loss: `(model, batch, rngs, train) -> (loss_sum, weight, metric_sums)`.
+      `batch` is a dict of global arrays shaped `[global_batch, ...]` (the
+      stacked examples); `rngs` an `nnx.Rngs` whose keys derive from the seed
+      and the step (the same for any host count; draw dropout keys from it);
+      `train` is True in the train step (the model is in `.train()` mode) and
+      False in eval (`.eval()` mode). Return *sums* over the batch and their
+      weight: the trainer divides them after adding up micro-batches and eval
+      batches, so means stay exact. The reported loss is `loss_sum / weight`
+      and each metric `metric_sums[k] / weight`. Padding rows (eval) carry
+      `mask == 0` and must add nothing.
+    compute_dtype: the dtype of the model's matmuls ("float32", "bfloat16"),
+      for the peak FLOP/s behind MFU.
+    flops_per_step: optional model FLOPs of one train step (the whole global
+      batch, forward and backward). Without it the trainer counts the
+      compiled step's matmul FLOPs and reports them as HFU (hardware FLOPs,
+      which include recomputation) instead of MFU.
+
+  Data:
+    prepare_data: `data_dir -> name`: builds the TFDS dataset in `data_dir`
+      unless it is there (process 0 runs it first, the others after) and
+      returns the name to open with `tfds.data_source`.
+    record_template: one record's features as zeros (shapes and dtypes, no
+      data). Its keys are the features `to_example` reads and the only ones
+      decoded.
+    to_example: `record -> example` (`record, window -> example` when
+      `examples_per_record > 1`): a dict of fixed-shape numpy arrays. Add a
+      `mask` (1.0 for a real example) so that eval padding counts nothing.
+    to_batch: optional `(records, windows) -> rows`, equal to stacking
+      `to_example` but cheaper.
+    examples_per_record: how many examples (windows) each record holds.
+
+  Reporting:
+    unit: what throughput counts: "tokens", "examples", "images", ...
+    count_units: `batch -> scalar`, the real units in a batch (padding
+      excluded), computed on the devices in the step; a sum over rows, so
+      that per-device counts add up. Default: the sum of `batch["mask"]`,
+      else the number of rows.
+    report: optional `(model, step) -> str`, called once at the end of a
+      run on every process with the trained model in eval mode (e.g. a
+      sample); process 0 prints it. A failing report is logged, never fatal.
+  """
+
+  model: Callable[[Any], Any]
+  loss: LossFn
+  prepare_data: Callable[[str], str]
+  record_template: Mapping[str, Any]
+  to_example: Callable[..., Example]
+  to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None
+  examples_per_record: int = 1
+  unit: str = "examples"
+  count_units: Callable[[Batch], jax.Array] | None = None
+  compute_dtype: str = "float32"
+  flops_per_step: float | None = None
+  report: Callable[[Any, int], str] | None = None
+
+  def __post_init__(self):
+    for name in ("model", "loss", "prepare_data", "to_example"):
+      if not callable(getattr(self, name)):
+        raise TypeError(f"Task.{name} must be callable, got {getattr(self, name)!r}")
+    if not isinstance(self.record_template, Mapping) or not self.record_template:
+      raise TypeError(f"Task.record_template={self.record_template!r} must be a non-empty dict")
+    if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
+      raise ValueError(f"Task.examples_per_record={self.examples_per_record!r} must be >= 1")
+    if self.flops_per_step is not None and not self.flops_per_step > 0:
+      raise ValueError(f"Task.flops_per_step={self.flops_per_step!r} must be positive or None")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.compute_dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"Task.compute_dtype={self.compute_dtype!r} is not a floating dtype")
+
+  def example(self) -> Example:
+    """The example of the record template (window 0)."""
+    if self.examples_per_record > 1:
+      return self.to_example(self.record_template, 0)
+    return self.to_example(self.record_template)
+
+  def example_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each example feature's shape and dtype."""
+    return {k: (np.shape(v), np.asarray(v).dtype) for k, v in self.example().items()}
+
+  def units(self, batch: Batch) -> jax.Array:
+    """The real units in `batch` (`count_units`, or its default)."""
+    if self.count_units is not None:
+      return jnp.asarray(self.count_units(batch), jnp.float32)
+    if "mask" in batch:
+      return jnp.sum(batch["mask"]).astype(jnp.float32)
+    return jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
+
+
+def resolve_task_spec(spec: str, config_dir: str | Path | None = None) -> str:
+  """`config.task` as an absolute spec: a built-in name's module, or a file's full path.
+
+  Example:
+    >>> resolve_task_spec("lm")
+    'trainers.tasks.lm:make_task'
+    >>> resolve_task_spec("task.py:make_task", "/home/me/cnn")
+    '/home/me/cnn/task.py:make_task'
+    >>> resolve_task_spec("my_task")
+    Traceback (most recent call last):
+    ...
+    ValueError: config.task='my_task' is not a built-in task (['classifier', 'lm']), 'package.module:function' or 'file.py:function'
+  """
+  if spec in BUILTIN_TASKS:
+    return BUILTIN_TASKS[spec]
+  module, sep, function = spec.rpartition(":")
+  if not sep or not module or not function.isidentifier():
+    raise ValueError(
+      f"config.task={spec!r} is not a built-in task ({sorted(BUILTIN_TASKS)}), "
+      "'package.module:function' or 'file.py:function'"
+    )
+  if module.endswith(".py"):
+    path = Path(module)
+    if not path.is_absolute():
+      if config_dir is None:
+        raise ValueError(f"config.task={spec!r} names a relative file but no config file is known")
+      path = Path(config_dir) / path
+    return f"{path.resolve()}:{function}"
+  return spec
+
+
+def load_task_factory(spec: str) -> Callable[[ml_collections.ConfigDict], Task]:
+  """The factory a resolved spec names (see `resolve_task_spec`).
+
+  A file is imported as a module named after it, with its folder first on
+  `sys.path`, so it can import its sibling modules (`import cnn`) wherever
+  the folder lives, with no `PYTHONPATH`.
+  """
+  module_name, _, function = spec.rpartition(":")
+  if module_name.endswith(".py"):
+    path = Path(module_name)
+    if not path.is_file():
+      raise FileNotFoundError(f"config.task: the task file {str(path)!r} does not exist")
+    folder = str(path.parent)
+    if folder not in sys.path:
+      sys.path.insert(0, folder)
+    module = sys.modules.get(path.stem)
+    if module is None or Path(getattr(module, "__file__", "") or "").resolve() != path:
+      file_spec = importlib.util.spec_from_file_location(path.stem, path)
+      module = importlib.util.module_from_spec(file_spec)
+      sys.modules[path.stem] = module
+      file_spec.loader.exec_module(module)
+  else:
+    try:
+      module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+      raise ValueError(f"config.task={spec!r}: cannot import {module_name!r} ({e})") from None
+  factory = getattr(module, function, None)
+  if not callable(factory):
+    raise ValueError(f"config.task={spec!r}: {module_name!r} has no function {function!r}")
+  return factory
+
+
+def make_task(config: ml_collections.ConfigDict) -> Task:
+  """The task `config.task` names, built from `config` (resolved by `trainers.config`).
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> task = make_task(lm_tiny.get_config())
+    >>> task.unit, task.compute_dtype
+    ('tokens', 'float32')
+  """
+  task = load_task_factory(resolve_task_spec(config.task))(config)
+  if not isinstance(task, Task):
+    raise TypeError(f"config.task={config.task!r} returned {type(task).__name__}, not a Task")
+  return task
+
+
+def task_files(spec: str) -> list[Path]:
+  """The files to keep with a run for a file task: the `.py` files of its folder."""
+  module_name = spec.rpartition(":")[0]
+  if not module_name.endswith(".py"):
+    return []
+  return sorted(Path(module_name).parent.glob("*.py"))
+
+
+def config_section(cls: type, section: ml_collections.ConfigDict | Mapping, name: str = "model"):
+  """`cls(**section)` for a dataclass, naming a misspelt key and the nearest valid one.
+
+  Example:
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Sizes:
+    ...   width: int = 8
+    >>> config_section(Sizes, {"width": 16})
+    Sizes(width=16)
+    >>> config_section(Sizes, {"widht": 16})
+    Traceback (most recent call last):
+    ...
+    ValueError: config.model.widht is not a setting of Sizes (did you mean 'width'?); valid: ['width']
+  """
+  values = dict(section.items()) if hasattr(section, "items") else dict(section)
+  valid = [f.name for f in dataclasses.fields(cls)]
+  for key in values:
+    if key not in valid:
+      near = difflib.get_close_matches(key, valid, n=1)
+      hint = f" (did you mean {near[0]!r}?)" if near else ""
+      raise ValueError(
+        f"config.{name}.{key} is not a setting of {cls.__name__}{hint}; valid: {valid}"
+      )
+  return cls(**values)
