@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import subprocess
 import sys
@@ -370,6 +371,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
 
 
+def task_folder_note(command: Sequence[str], image: str) -> str:
+  """How to get a task folder that lives on this machine into the pods, if one is named.
+
+  Pods see only their image, so a `--config=` outside the checkout that the
+  image was built from has to be built into the image.
+
+  Example:
+    >>> task_folder_note(["spmd-train", "--config=configs/lm_tiny.py"], "img")
+    ''
+  """
+  for arg in command:
+    path = arg.split("=", 1)[1] if arg.startswith("--config=") else ""
+    if path and os.path.isabs(path) and os.path.exists(path):
+      folder = os.path.dirname(path)
+      name = os.path.basename(folder)
+      return (
+        f"{arg} is a file on this machine; the pods see only the image {image!r}. Build the "
+        f"folder into it (a Dockerfile of two lines: 'FROM {image}' and "
+        f"'COPY {name} /home/spmd/{name}', built in {os.path.dirname(folder)}) and pass "
+        f"--config=/home/spmd/{name}/{os.path.basename(path)}"
+      )
+  return ""
+
+
 def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Writes the manifest (to --output or stdout) and with --apply hands it to kubectl."""
   try:
@@ -393,6 +418,9 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   except ValueError as e:
     print(f"spmd-launch k8s: {e}", file=sys.stderr)
     return 2
+  note = task_folder_note(command, args.image)
+  if note:
+    print(f"spmd-launch k8s: note: {note}", file=sys.stderr)
   if args.output:
     with open(args.output, "w") as f:
       f.write(text)

@@ -9,7 +9,10 @@ which quotes everything user-supplied; this module runs them, in order:
      Worker 0 of slice 0 is the coordinator (and the megascale coordinator).
   3. Code: the local repository, packed here as a tarball, is copied to every
      worker and unpacked in `--remote-dir` (or the job runs in a docker image,
-     `--image`); `--install` installs it there (or pulls the image).
+     `--image`); `--install` installs it there (or pulls the image). A task
+     folder outside the repository travels with `--ship DIR`, to
+     `ship/<name>/` (then `--config=ship/<name>/config.py`); a `--config=` that
+     the copy would not hold is an error saying so.
   4. Run: one `tpu-vm ssh --worker=i` per worker, watched here like the local
      target: output prefixed `[wN]`, the first failure named, and then the job
      killed on every worker. Each worker's job runs in its own process group
@@ -56,6 +59,7 @@ from launch.tpu_commands import (
   DEFAULT_EXCLUDES,
   KILL_GRACE_S,
   TpuJob,
+  check_config_is_copied,
   dry_run_commands,
   kill_script,
   ssh_argv,
@@ -272,6 +276,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f"always left out: {', '.join(DEFAULT_EXCLUDES)}",
   )
   parser.add_argument(
+    "--ship",
+    action="append",
+    default=[],
+    metavar="DIR",
+    help="also copy this local folder, to ship/<its name>/ beside the code (repeatable): "
+    "a task folder outside the checkout, then --config=ship/<name>/config.py",
+  )
+  parser.add_argument(
     "--image", default="", help="run the command in this docker image instead of copying code"
   )
   parser.add_argument(
@@ -341,6 +353,7 @@ def job_from_args(args: argparse.Namespace) -> TpuJob:
     remote_dir=args.remote_dir,
     copy=not args.no_copy,
     excludes=tuple(args.exclude),
+    ship=tuple(args.ship),
     image=args.image,
     install=args.install,
     install_command=args.install_command,
@@ -359,6 +372,7 @@ def main(args: argparse.Namespace, command: Sequence[str]) -> int:
   """Runs `spmd-launch tpu` with parsed flags; returns the exit code."""
   try:
     job = job_from_args(args)
+    check_config_is_copied(job, command)
     if args.dry_run:
       if args.num_workers < 1:
         raise ValueError(

@@ -66,6 +66,8 @@ class TpuJob:
     remote_dir: where it is unpacked, relative to the remote home (or absolute).
     copy: False runs in `remote_dir` as it already is on the workers.
     excludes: name patterns left out of the copy, besides `DEFAULT_EXCLUDES`.
+    ship: more local directories copied with the code, each to `ship/<its name>/`
+      under `remote_dir` (a task folder that lives outside the checkout).
     image: run the command in this docker image instead (nothing is copied).
     install: `pip install -e '.[tpu]'` in `remote_dir`, or `docker pull` the image.
     install_command: a shell command to run instead (in `remote_dir` when copying).
@@ -91,6 +93,7 @@ class TpuJob:
   remote_dir: str = "spmd-harness"
   copy: bool = True
   excludes: tuple[str, ...] = ()
+  ship: tuple[str, ...] = ()
   image: str = ""
   install: bool = False
   install_command: str = ""
@@ -122,6 +125,14 @@ class TpuJob:
         raise ValueError(f"environment variable {name=} is not a valid name")
     if self.remote_dir.startswith("~/"):  # a quoted ~ is not expanded; the shell starts in ~
       object.__setattr__(self, "remote_dir", self.remote_dir[2:] or ".")
+    names = [os.path.basename(os.path.normpath(d)) for d in self.ship]
+    if len(set(names)) != len(names):
+      raise ValueError(f"ship={self.ship}: two folders share a name, and both would be ship/<name>")
+    if self.ship and (self.image or not self.copy):
+      raise ValueError(
+        f"ship={self.ship} copies folders with the code; with --image or --no-copy nothing is "
+        "copied: put the folder in the image or in --remote-dir instead"
+      )
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.tag):
       raise ValueError(f"{self.tag=} may hold only letters, digits, '_', '.' and '-'")
 
@@ -310,13 +321,17 @@ def _backstop_s(job: TpuJob) -> int:
   return round(job.timeout_s + job.grace_s + job.term_grace_s + 10)
 
 
-def pack(src: str, dest: str, excludes: Sequence[str] = ()) -> int:
+SHIP_DIR = "ship"  # where `--ship` folders land in the copy
+
+
+def pack(src: str, dest: str, excludes: Sequence[str] = (), ship: Sequence[str] = ()) -> int:
   """Writes `src` as a gzipped tarball to `dest`, without `DEFAULT_EXCLUDES` or `excludes`.
 
-  Returns how many files went in.
+  Each folder in `ship` goes in as `ship/<its name>/`. Returns how many files went in.
   """
-  if not os.path.isdir(src):
-    raise ValueError(f"{src=} is not a directory")
+  for folder in (src, *ship):
+    if not os.path.isdir(folder):
+      raise ValueError(f"{folder=} is not a directory")
   patterns = (*DEFAULT_EXCLUDES, *excludes)
   count = 0
 
@@ -330,7 +345,36 @@ def pack(src: str, dest: str, excludes: Sequence[str] = ()) -> int:
 
   with tarfile.open(dest, "w:gz") as tar:
     tar.add(src, arcname=".", filter=keep)
+    for folder in ship:
+      name = os.path.basename(os.path.normpath(folder))
+      tar.add(folder, arcname=f"{SHIP_DIR}/{name}", filter=keep)
   return count
+
+
+def check_config_is_copied(job: TpuJob, command: Sequence[str]) -> None:
+  """Raises `ValueError` when `--config=` names a local file the workers will not have.
+
+  The workers run in `remote_dir`, which holds `src` and the shipped folders
+  only; a config elsewhere on this machine (a task folder outside the
+  checkout) has to be shipped and named by its place in the copy.
+  """
+  if not job.copy or job.image:
+    return
+  for arg in command:
+    if not arg.startswith("--config="):
+      continue
+    path = os.path.abspath(arg.split("=", 1)[1])
+    copied = [os.path.abspath(job.src), *(os.path.abspath(d) for d in job.ship)]
+    if os.path.exists(path) and not any(
+      os.path.commonpath([path, root]) == root for root in copied
+    ):
+      folder = os.path.dirname(path)
+      name = os.path.basename(folder)
+      raise ValueError(
+        f"{arg}: the workers run in --remote-dir={job.remote_dir} with a copy of "
+        f"--src={job.src} only, so they cannot see {path}. Ship its folder: "
+        f"--ship {folder} and --config={SHIP_DIR}/{name}/{os.path.basename(path)}"
+      )
 
 
 # ---- the plan, for --dry-run ---------------------------------------------------------------

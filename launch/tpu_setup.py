@@ -147,7 +147,7 @@ def prepare_workers(
   if job.copy and not job.image:
     tarball = job.local_tarball()
     try:
-      count = pack(job.src, tarball, job.excludes)
+      count = pack(job.src, tarball, job.excludes, job.ship)
       _say(f"copying {count} files from {os.path.abspath(job.src)} to every worker", echo)
       for node in nodes:
         run_step(scp_argv(job, tarball, node), f"scp {node}", 1800, echo, stop)

@@ -55,7 +55,7 @@ def example(tmp_path_factory):
   }
 
 
-def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0):
+def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0, extra=()):
   """`spmd-launch local -- spmd-train --config=<copy>/config.py`, from the copy's folder."""
   command = [
     sys.executable,
@@ -75,6 +75,7 @@ def start(example, workdir: Path, processes: int, devices: int, max_restarts: in
     f"--workdir={workdir}",
     f"--config.data.dir={example['data']}",
     *OVERRIDES,
+    *extra,
   ]
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy needs none
   env.update(
@@ -158,3 +159,14 @@ def test_kill_9_mid_run_resumes_bit_identical(example, tmp_path, reference):
   resumed = harness.resumed_steps(out)
   assert len(resumed) == 1 and resumed[0] >= 6, (resumed, out)
   assert harness.param_hash(out) == reference["hash"], out
+
+
+def test_a_run_resumes_from_its_own_copy_of_the_task(example, tmp_path, reference):
+  """The original folder gone, `<workdir>/code/config.py` resumes the run (on one host)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference["workdir"], workdir)
+  alone = dict(example, folder=workdir / "code")
+  job = start(alone, workdir, 1, 2, extra=("--config.train.steps=14",))
+  assert job.wait(300) == 0, job.output
+  assert f"state from checkpoint step {STEPS}" in job.output, job.output
+  assert sorted(losses(workdir))[-1] == 14

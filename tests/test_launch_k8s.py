@@ -247,3 +247,15 @@ def test_bad_input_gets_clear_errors(flags, message, capsys):
   assert main.main(argv) == 2
   err = capsys.readouterr().err
   assert message in err, err
+
+
+def test_a_task_folder_on_this_machine_gets_a_note_on_building_it_into_the_image(tmp_path, capsys):
+  folder = tmp_path / "my_cnn"
+  folder.mkdir()
+  (folder / "config.py").write_text("# a user's config\n")
+  argv = ["k8s", "--name", "c", "--image", "harness:tpu", "--tpu-type", "v5p-8"]
+  argv += ["--", "spmd-train", f"--config={folder / 'config.py'}", "--workdir=gs://b/run"]
+  assert main.main(argv) == 0
+  err = capsys.readouterr().err
+  assert "the pods see only the image 'harness:tpu'" in err, err
+  assert "'COPY my_cnn /home/spmd/my_cnn'" in err and "--config=/home/spmd/my_cnn/config.py" in err

@@ -260,3 +260,31 @@ def test_sigterm_to_the_launcher_lets_the_job_save_on_every_worker(fake, tmp_pat
   assert launcher.returncode == 0, out
   assert "stopped by a signal; all 2 workers exited 0 (saved)" in out
   assert [f.read_text().splitlines()[-1] for f in files] == ["saved", "saved"]
+
+
+def test_a_task_folder_outside_the_checkout_is_shipped_with_the_code(fake, tmp_path):
+  folder = tmp_path / "elsewhere" / "my_task"
+  folder.mkdir(parents=True)
+  (folder / "config.py").write_text("# a user's config\n")
+  (folder / "task.py").write_text("# a user's task\n")
+  outside = fake.launch("--timeout", "30", "--", "true", f"--config={folder / 'config.py'}")
+  assert outside.returncode == 2, outside.stdout + outside.stderr
+  assert f"--ship {folder} and --config=ship/my_task/config.py" in outside.stderr, outside.stderr
+  assert not fake.calls()  # refused before any gcloud call
+  done = fake.launch(
+    "--ship",
+    str(folder),
+    "--timeout",
+    "30",
+    "--",
+    sys.executable,
+    "-c",
+    "import sys; print(open(sys.argv[1][9:].replace('config', 'task')).read())",
+    "--config=ship/my_task/config.py",
+  )
+  out = done.stdout + done.stderr
+  assert done.returncode == 0, out
+  assert out.count("# a user's task") == 2, out  # both workers read it from their copy
+  for w in range(2):
+    shipped = fake.home("pod", w) / "spmd-harness" / "ship" / "my_task"
+    assert (shipped / "config.py").read_text() == "# a user's config\n"

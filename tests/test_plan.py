@@ -6,6 +6,7 @@ up to 256 chips on this CPU machine (tens of seconds each).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -294,3 +295,25 @@ def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
   assert path.stat().st_size > 10_000
   meta = json.loads((tmp_path / "step.xla.json").read_text())
   assert meta["target"] == "v5e-16" and meta["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1}
+
+
+def test_spmd_plan_takes_a_users_task_folder_and_counts_its_compiled_flops(tmp_path):
+  """The CNN example's config, from a copy outside the checkout: no model FLOPs of its own."""
+  copy = tmp_path / "my_cnn"
+  shutil.copytree(ROOT / "examples" / "cnn_classifier", copy)
+  done = _spmd_plan(
+    f"--config={copy / 'config.py'}",
+    "--gpu=h100",
+    "--num_gpus=8",
+    "--config.mesh.unannotated=fsdp",
+    "--json",
+    timeout=180,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  plan = json.loads(done.stdout)
+  assert plan["unit"] == "images" and plan["units_per_step"] == 64, plan
+  # No model FLOPs from the task: the compiled step's stand in (hardware FLOPs).
+  assert plan["compute"]["compiled_flops"] > 0
+  assert plan["compute"]["model_flops"] == plan["compute"]["compiled_flops"]
+  # FSDP over 8 devices splits the larger convolution kernels.
+  assert plan["memory"]["params_bytes"] < 4 * plan["num_params"]

@@ -193,7 +193,9 @@ def save_run_files(config: ml_collections.ConfigDict, workdir: str) -> None:
     code = os.path.join(workdir, "code")
     os.makedirs(code, exist_ok=True)
     for path in files:
-      shutil.copyfile(path, os.path.join(code, path.name))
+      target = os.path.join(code, path.name)
+      if not (os.path.exists(target) and os.path.samefile(path, target)):  # a run from its copy
+        shutil.copyfile(path, target)
 
 
 class _AtStep:
