@@ -42,7 +42,16 @@ _sequence = itertools.count()
 
 
 class AgreementError(ValueError):
-  """Processes disagree about a cross-process computation."""
+  """Processes disagree about a cross-process computation.
+
+  `every_host` is True when every process compared the same records and so
+  raises this same error (a disagreement), False when some process did not
+  arrive (a timeout: the others raise, the missing one is elsewhere).
+  """
+
+  def __init__(self, message: str, every_host: bool = False):
+    super().__init__(message)
+    self.every_host = every_host
 
 
 def runtime_client():
@@ -125,7 +134,7 @@ def check_agreement(what: str, record: Any, timeout_s: float | None = None) -> N
   if seq >= 2:  # everyone passed barrier seq-1, so nobody still reads seq-2
     client.key_value_delete(f"{_KEY_ROOT}/{seq - 2}/{me}")
   if any(r != record for r in records.values()):
-    raise AgreementError(describe_disagreement(what, records))
+    raise AgreementError(describe_disagreement(what, records), every_host=True)
 
 
 def local_to_global(x: Any, sharding: jax.sharding.NamedSharding, name: str) -> jax.Array:

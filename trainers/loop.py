@@ -22,7 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
-  """Too many consecutive steps with a non-finite loss or gradient."""
+  """Too many consecutive steps with a non-finite loss or gradient.
+
+  Decided from the step's global metrics, so every host raises it at the
+  same step (`every_host`).
+  """
+
+  every_host = True
 
 
 class Preempted(Exception):

@@ -9,8 +9,8 @@ cluster's own.
 
 from __future__ import annotations
 
-import os
 import sys
+import time
 import traceback
 
 from absl import app, flags, logging
@@ -19,6 +19,7 @@ from ml_collections import config_flags
 FLAGS = flags.FLAGS
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
+PUBLISH_WAIT_S = 3.0  # publish_failure's default wait; the exit's wait shares it
 
 
 def _main(argv: list[str]) -> None:
@@ -32,7 +33,7 @@ def _main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   from trainers.config import resolve
   from trainers.train import Preempted, train_and_evaluate
-  from trainers.watchdog import EXIT_PEER_FAILED, peer_failed_first, publish_failure
+  from trainers.watchdog import EXIT_PEER_FAILED, leave, peer_failed_first, publish_failure
 
   try:
     # Checked once, up front: keys, types and values, before any data or restore.
@@ -42,18 +43,31 @@ def _main(argv: list[str]) -> None:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)
   except Exception as e:
+    if getattr(e, "every_host", False) and _multi_process():
+      # An agreed stop: every host raises this same error at the same point,
+      # so each says it itself and all exit alike; nobody is told by a peer.
+      traceback.print_exc()
+      leave(1)
     echo = peer_failed_first(e)
     if echo:  # this error is the echo of another process's failure: report that
       print(f"spmd-train: {echo}", file=sys.stderr, flush=True)
-      os._exit(EXIT_PEER_FAILED)
+      leave(EXIT_PEER_FAILED)
+    started = time.monotonic()
     if not publish_failure(e):  # the other processes stop too, naming this one and its error
       raise
     traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
     # Now, not after JAX's shutdown barrier, which would wait for the processes
     # this one has just stopped: the launcher names the process that ends first.
-    os._exit(1)
+    # The coordinator's wait for its peers shares the bound of publish_failure's.
+    leave(1, wait_s=max(0.5, PUBLISH_WAIT_S - (time.monotonic() - started)))
+
+
+def _multi_process() -> bool:
+  import jax
+
+  from spmd import multihost
+
+  return multihost.runtime_client() is not None and jax.process_count() > 1
 
 
 def main() -> None:

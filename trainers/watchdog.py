@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 
@@ -51,9 +51,40 @@ _FAILED = "spmd/failed/"  # process id -> its error
 _SEEN = "spmd/failure_seen/"  # process id -> it has read a peer's error
 
 
+_LEFT = "spmd/left/"  # process id -> it has said why it stops and is exiting now
+LEAVE_WAIT_S = 5.0  # how long the coordinator waits for its peers to leave first
+
+
 def _exit(message: str, code: int = EXIT_NO_PROGRESS) -> None:
   print(f"spmd-train: {message}", file=sys.stderr, flush=True)
-  os._exit(code)  # the main thread is blocked; only a hard exit ends it
+  leave(code, LEAVE_WAIT_S)  # the main thread is blocked; only a hard exit ends it
+
+
+def leave(code: int, wait_s: float = LEAVE_WAIT_S) -> NoReturn:
+  """Ends this process now with `code`; the coordinator leaves last.
+
+  Process 0 hosts the distributed runtime's service, and a peer still
+  connected when it goes is aborted by the runtime (SIGABRT) before it can
+  say why it stopped. So every process marks in the store that it is
+  leaving, after it has printed its reason, and process 0 exits only once
+  every peer has marked it, or after `wait_s` (a peer may be dead).
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  client = multihost.runtime_client()
+  if client is not None and jax.process_count() > 1:
+    me, count = jax.process_index(), jax.process_count()
+    try:
+      client.key_value_set(f"{_LEFT}{me}", str(code), allow_overwrite=True)
+      deadline = time.monotonic() + (wait_s if me == 0 else 0)
+      while time.monotonic() < deadline:
+        left = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_LEFT)}
+        if len(left - {str(me)}) >= count - 1:
+          break
+        time.sleep(0.02)
+    except Exception as e:  # the store may be gone already; exiting matters more
+      log.debug("could not mark this process as leaving: %s", e)
+  os._exit(code)
 
 
 def publish_failure(error: BaseException, wait_s: float = 3.0) -> bool:
