@@ -33,6 +33,7 @@ Resume order (decided in `restore_or_init`):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import math
@@ -45,9 +46,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import flags
+from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd import multihost
 from spmd.partition import axis_names, spec_axis_names
 
 log = logging.getLogger(__name__)
@@ -319,6 +322,9 @@ def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, wha
   try:
     saved_tree = manager.item_metadata(step)["state"]
   except Exception as e:  # a damaged metadata file: JSON or orbax errors
+    if is_trouble(e):
+      e.add_note(f"while reading {what}: the checkpoint itself may be fine; nothing was restored")
+      raise
     raise _damaged(what, e) from e
   if saved_tree is None:
     raise CheckpointError(f"{what} cannot be restored: it has no state metadata")
@@ -353,11 +359,76 @@ def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, wha
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, args: Any, what: str) -> Any:
-  """`manager.restore`, with a damaged checkpoint said as such (nothing is used)."""
+  """`manager.restore`, with a damaged checkpoint said as such (nothing is used).
+
+  An error that says the storage or the machine is in trouble (permission,
+  network, I/O, memory; see `is_trouble`) is not damage: it is raised as
+  what it is, with the step and path added, and no advice to move anything.
+  """
   try:
     return manager.restore(step, args=args)
   except Exception as e:  # tensorstore, JSON and orbax errors alike
+    if is_trouble(e):
+      e.add_note(f"while restoring {what}: the checkpoint itself may be fine; nothing was restored")
+      raise
     raise _damaged(what, e) from e
+
+
+# Status names (gRPC's, which tensorstore and XLA use in their messages) and
+# phrases that mean the storage or the machine failed, not the checkpoint.
+_TROUBLE_MARKERS = (
+  "PERMISSION_DENIED",
+  "UNAUTHENTICATED",
+  "UNAVAILABLE",
+  "DEADLINE_EXCEEDED",
+  "RESOURCE_EXHAUSTED",
+  "ABORTED",
+  "Permission denied",
+  "Connection refused",
+  "Connection reset",
+  "timed out",
+  "Out of memory",
+  "out of memory",
+  "No space left",
+)
+# OS errors that say nothing about the files' contents.
+_TROUBLE_ERRNOS = {
+  errno.EACCES,
+  errno.EPERM,
+  errno.EIO,
+  errno.ENOMEM,
+  errno.ENOSPC,
+  errno.ETIMEDOUT,
+  errno.ECONNREFUSED,
+  errno.ECONNRESET,
+  errno.EHOSTUNREACH,
+  errno.ENETUNREACH,
+}
+
+
+def is_trouble(error: BaseException) -> bool:
+  """Whether `error` (or an error it was raised from) is storage or machine trouble.
+
+  Example:
+    >>> is_trouble(PermissionError(13, "Permission denied"))
+    True
+    >>> is_trouble(ValueError("Error reading: UNAVAILABLE: connection to storage lost"))
+    True
+    >>> is_trouble(ValueError("Error decoding chunk: unexpected end of data"))
+    False
+  """
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, MemoryError | PermissionError | ConnectionError | TimeoutError):
+      return True
+    if isinstance(error, OSError) and error.errno in _TROUBLE_ERRNOS:
+      return True
+    text = str(error)
+    if any(marker in text for marker in _TROUBLE_MARKERS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def _damaged(what: str, e: Exception) -> CheckpointError:
@@ -370,13 +441,49 @@ def _damaged(what: str, e: Exception) -> CheckpointError:
   )
 
 
+def _committed(directory: Any, step: int) -> bool:
+  return (epath.Path(directory) / str(step) / COMMIT_MARKER).exists()
+
+
+def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
+  """The newest step orbax finished (its commit marker written), skipping unfinished ones.
+
+  A save cut short leaves a step directory without the marker where the
+  storage has no atomic rename (object stores such as GCS): that is the
+  normal outcome of a kill during a save there, not damage. Such steps are
+  never restored: each is named in a warning, and process 0 removes the
+  ones newer than the step resumed from, so the run can save them again.
+  """
+  steps = sorted(manager.all_steps(), reverse=True)
+  directory = manager.directory
+  unfinished = [s for s in steps if not _committed(directory, s)]
+  latest = next((s for s in steps if s not in unfinished), None)
+  if unfinished:
+    log.warning(
+      "checkpoint steps %s in %s were never finished (no %s): skipped, never restored; "
+      "resuming from %s",
+      unfinished,
+      directory,
+      COMMIT_MARKER,
+      f"step {latest}" if latest is not None else "scratch",
+    )
+    newer = [s for s in unfinished if latest is None or s > latest]
+    # Every process has listed the steps before any is removed, so all agree on them.
+    multihost.barrier("unfinished_checkpoints_seen")
+    if jax.process_index() == 0:
+      for s in newer:
+        (epath.Path(directory) / str(s)).rmtree()
+    multihost.barrier("unfinished_checkpoints_removed")
+    manager.reload()
+  return latest
+
+
 def _checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> str:
   what = f"checkpoint step {step} in {directory}"
-  if not os.path.exists(os.path.join(directory, str(step), COMMIT_MARKER)):
+  if not _committed(directory, step):  # init_from: another run's directory, read only
     raise CheckpointError(
-      f"{what} has no commit marker ({COMMIT_MARKER}): it was never finished, or was "
-      "copied or damaged after; it is not restored. Move it away to resume from an earlier step "
-      f"(all steps here: {list(manager.all_steps())})."
+      f"{what} has no commit marker ({COMMIT_MARKER}): that save never finished; "
+      f"it is not restored (steps there: {list(manager.all_steps())})."
     )
   return what
 
@@ -395,8 +502,8 @@ def restore_or_init(
       another model (see the module docstring).
   """
   target = _abstract(abstract_state, shardings)
-  # 1. Our own latest checkpoint: everything, data position included.
-  step = manager.latest_step()
+  # 1. Our own latest finished checkpoint: everything, data position included.
+  step = latest_committed_step(manager)
   if step is not None:
     what = _checked_step(manager, str(manager.directory), step)
     check_same_model(manager, step, target, what)
