@@ -22,9 +22,15 @@ def records(corpus):
   return open_source(name, "train", data_dir)
 
 
-def make(records, global_batch=16, seed=3, train=True, mesh="data=-1"):
+def make(records, global_batch=16, seed=3, train=True, mesh="data=-1", **options):
   return pipeline.GlobalBatches(
-    records, pipeline.lm_example(SEQ_LEN), global_batch, create_mesh(mesh), seed=seed, train=train
+    records,
+    pipeline.lm_example(SEQ_LEN),
+    global_batch,
+    create_mesh(mesh),
+    seed=seed,
+    train=train,
+    **options,
   )
 
 
@@ -186,20 +192,36 @@ def test_shuffled_positions_are_a_fixed_permutation_per_epoch():
   epoch1 = [pipeline.shuffled_position(1000 + i, 1000, 0) - 1000 for i in range(1000)]
   seed1 = [pipeline.shuffled_position(i, 1000, 1) for i in range(1000)]
   assert epoch0 != epoch1 and epoch0 != seed1 and epoch1 != seed1
-  # Pinned: a saved data position resumes into the same order only while these
-  # numbers hold. If this fails (grain's index_shuffle or our seeding changed),
-  # bump pipeline._ORDER_VERSION so old positions refuse to resume, then re-pin.
+  # Pinned: this project's own record of the order. A user's resume does not
+  # depend on it: the saved position carries the order's digest by value
+  # (`pipeline.order_digest`). If this fails, grain's index_shuffle or our
+  # seeding changed; positions saved before refuse to resume, as they must.
   assert [pipeline.shuffled_position(p, 10, 3) for p in range(12)] == PINNED_ORDER
 
 
 PINNED_ORDER = [3, 7, 8, 4, 0, 5, 9, 1, 6, 2, 12, 11]
 
 
-def test_a_position_saved_under_another_order_does_not_resume(records, monkeypatch):
-  state = make(records).state(5)
-  monkeypatch.setattr(pipeline, "_ORDER_VERSION", pipeline._ORDER_VERSION + 1)
-  with pytest.raises(ValueError, match="another stream .*'fingerprint'"):
-    make(records).check_resumable(state)
+@pytest.mark.parametrize("which", ["records", "windows"])
+def test_a_position_saved_under_another_bijection_does_not_resume(records, monkeypatch, which):
+  """A grain whose index_shuffle changed would reorder a resumed run: it refuses instead."""
+  saved = make(records, examples_per_record=4, shuffle_block=2).state(5)
+  original = pipeline.index_shuffle
+
+  def changed(index, max_index, seed, rounds):
+    # Another bijection: the same permutation, reversed, for one of the two uses.
+    window_seed = seed == pipeline._seed_of(pipeline._WINDOW_ORDER, 3, 0, 0)
+    if (which == "windows") == window_seed:
+      return max_index - original(index, max_index, seed, rounds)
+    return original(index, max_index, seed, rounds)
+
+  monkeypatch.setattr(pipeline, "index_shuffle", changed)
+  now = make(records, examples_per_record=4, shuffle_block=2)
+  assert now.state(5).fingerprint == saved.fingerprint  # only the order tells them apart
+  with pytest.raises(ValueError, match="the shuffle order is not the one the saved position"):
+    now.check_resumable(saved)
+  monkeypatch.setattr(pipeline, "index_shuffle", original)
+  make(records, examples_per_record=4, shuffle_block=2).check_resumable(saved)  # unchanged: fine
 
 
 def test_missing_data_is_a_clear_error(tmp_path):

@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import queue
 import threading
@@ -122,13 +123,14 @@ class PipelineState:
   global_batch: int
   num_records: int
   fingerprint: str
+  order: str = ""  # `order_digest`: the shuffle's first positions, by value
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> PipelineState:
-    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 class GlobalBatches:
@@ -228,8 +230,9 @@ class GlobalBatches:
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
     self._example_spec = self._example(records[0], 0)
+    self.order = order_digest(count, examples_per_record, shuffle_block, seed)
     self.fingerprint = hashlib.sha256(
-      f"{name}|order{_ORDER_VERSION}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
+      f"{name}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
     ).hexdigest()[:16]
 
   # -- positions and records ---------------------------------------------------
@@ -325,7 +328,7 @@ class GlobalBatches:
 
   def state(self, next_step: int) -> PipelineState:
     return PipelineState(
-      next_step, self.seed, self.global_batch, self.num_records, self.fingerprint
+      next_step, self.seed, self.global_batch, self.num_records, self.fingerprint, self.order
     )
 
   def iterator(
@@ -338,7 +341,7 @@ class GlobalBatches:
     return BatchIterator(self, start, prefetch, num_steps)
 
   def check_resumable(self, state: PipelineState) -> None:
-    """Raises `ValueError` when `state` belongs to a different stream."""
+    """Raises `ValueError` when `state` belongs to a different stream or order."""
     mine = self.state(state.next_step)
     diffs = {
       f: (getattr(state, f), getattr(mine, f))
@@ -349,6 +352,14 @@ class GlobalBatches:
       raise ValueError(
         f"cannot resume {self.name}: the saved data position belongs to another stream "
         f"(saved, now): {diffs}"
+      )
+    if self.train and state.order != mine.order:
+      raise ValueError(
+        f"cannot resume {self.name}: the shuffle order is not the one the saved position "
+        f"was taken in (saved order {state.order or 'not recorded'!r}, now {mine.order!r}: "
+        "grain's index_shuffle or this harness's seeding changed, or the position predates "
+        "order checks). Resumed, this epoch would feed some records twice and others "
+        "never; run with the versions that saved it, or start the run again."
       )
 
 
@@ -414,11 +425,35 @@ def open_global_batches(
 
 # Rounds of grain's `index_shuffle` bijection per permutation (as its `MapDataset.shuffle`).
 _ROUNDS = 4
-# Part of the stream's fingerprint: bump it when the order of a stream changes,
-# so that a saved data position from before refuses to resume (a clear error)
-# instead of resuming into another permutation.
-_ORDER_VERSION = 2
+ORDER_DIGEST_POSITIONS = 64  # first positions of each permutation in `order_digest`
 _RECORD_ORDER, _WINDOW_ORDER = 0, 1  # which permutation a seed is for
+
+
+def order_digest(num_records: int, examples_per_record: int, shuffle_block: int, seed: int) -> str:
+  """A hash of the first positions of both permutations, for the run's seed.
+
+  Saved with the data position and compared on resume: if grain's
+  `index_shuffle` or our seeding ever orders the stream differently, a
+  resumed run refuses to start instead of silently feeding another order.
+  Both bijections are covered: the records', and the windows' within a block.
+
+  Example:
+    >>> order_digest(10, 1, 256, seed=0) == order_digest(10, 1, 256, seed=0)
+    True
+    >>> order_digest(10, 1, 256, seed=0) == order_digest(10, 1, 256, seed=1)
+    False
+  """
+  first = min(num_records, ORDER_DIGEST_POSITIONS)
+  records = [shuffled_position(p, num_records, seed) for p in range(first)]
+  windows: list[int] = []
+  if examples_per_record > 1:
+    size = min(shuffle_block, num_records) * examples_per_record
+    block_seed = _seed_of(_WINDOW_ORDER, seed, 0, 0)
+    windows = [
+      index_shuffle(j, size - 1, block_seed, _ROUNDS)
+      for j in range(min(size, ORDER_DIGEST_POSITIONS))
+    ]
+  return hashlib.sha256(json.dumps([records, windows]).encode()).hexdigest()[:16]
 
 
 def shuffled_position(position: int, length: int, seed: int) -> int:
