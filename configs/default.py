@@ -84,11 +84,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every = 10
   config.eval_every = 200
   config.eval_batches = 8  # 0 = the whole eval split
+  config.eval_timeout_s = 1800.0  # an eval's own time limit in the watchdog (0 = none)
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 200
   config.checkpoint.keep = 3  # the last K ...
   config.checkpoint.keep_period = 0  # ... plus every M-th step (0 = none)
   config.checkpoint.init_from = ""  # initial weights from another run's checkpoint dir
+  # A save's own time limit in the watchdog (0 = none); the step limit does not apply.
+  config.checkpoint.save_timeout_s = 1800.0
   config.profile = ml_collections.ConfigDict()
   config.profile.start_step = -1  # -1 = no trace
   config.profile.num_steps = 5

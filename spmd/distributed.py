@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
+import importlib.util
 import logging
 import os
+import pkgutil
 import socket
 
 import jax
@@ -94,6 +97,44 @@ def cluster_detected() -> bool:
     return False
 
 
+def _gpu_plugin_installed() -> bool:
+  return any(
+    m.name.startswith(("jax_cuda", "jax_rocm")) and m.name.endswith("_plugin")
+    for m in pkgutil.iter_modules()
+  )
+
+
+def _tpu_chips_present() -> bool:
+  # TPU VMs expose their chips as /dev/accel* (v2-v4) or VFIO groups (v5 on).
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def skip_absent_tpu() -> bool:
+  """Keeps JAX on the CPU where libtpu is installed but there is no TPU; True if it did.
+
+  With the `tpu` extra installed, JAX initialises libtpu on any machine, and
+  on one without TPU chips libtpu prints a block of errors about worker
+  hostnames to every process's output. Nothing is changed when the platform
+  is already chosen (`JAX_PLATFORMS`, `jax_platforms`), when TPU chips are
+  present, when a GPU plugin is installed (that choice is JAX's), or once the
+  backends have started. Planning for TPU topologies does not need it:
+  `spmd-plan` compiles for topology descriptions with the CPU platform.
+  """
+  from jax._src import xla_bridge
+
+  if (
+    os.environ.get("JAX_PLATFORMS")
+    or jax.config.jax_platforms
+    or xla_bridge.backends_are_initialized()
+    or importlib.util.find_spec("libtpu") is None
+    or _tpu_chips_present()
+    or _gpu_plugin_installed()
+  ):
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  return True
+
+
 def set_cpu_device_count(count: int) -> None:
   """Makes the CPU backend expose `count` devices; must precede first use."""
   if count < 1:
@@ -138,6 +179,7 @@ def initialize(
   Returns:
     A `DistributedInfo` describing this process.
   """
+  skip_absent_tpu()
   cpu_devices = _int_setting(cpu_devices, ENV_CPU_DEVICES)
   if cpu_devices is not None:
     set_cpu_device_count(cpu_devices)

@@ -9,6 +9,7 @@ Preemption, kills and other faults are in tests/faults.
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -153,3 +154,33 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
   accuracy = re.search(r"eval accuracy\s+: ([\d.]+)%", result.processes[0].output)
   assert accuracy and float(accuracy.group(1)) > 60.0, result.report()
   assert "examples/s" in result.processes[0].output
+
+
+def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
+  """With the tpu extra installed and no TPU here, JAX must not initialise libtpu (it
+  prints a block of hostname errors): single-process and launched runs alike."""
+
+  def command(workdir):
+    overrides = ("--config.train.steps=2", "--config.eval_every=0")
+    return [sys.executable, "-m", "trainers.main", *flags(data, workdir, *overrides)]
+
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"])
+  alone = subprocess.run(
+    command(tmp_path / "one"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
+  )
+  assert alone.returncode == 0, alone.stdout + alone.stderr
+  launched = run_local(
+    command(tmp_path / "two"),
+    num_processes=2,
+    devices_per_process=1,
+    timeout_s=240,
+    grace_s=10,
+    echo=False,
+    cwd=str(ROOT),
+    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
+    platform=None,  # the machine's own choice, as a user's launch without --platform
+  )
+  assert launched.ok, launched.report()
+  for out in (alone.stdout + alone.stderr, *(p.output for p in launched.processes)):
+    assert "TPU_WORKER_HOSTNAMES" not in out and "libtpu" not in out, out

@@ -128,7 +128,14 @@ def check_values(config: ml_collections.ConfigDict) -> None:
   _one_of(config.mesh.unannotated, "mesh.unannotated", UNANNOTATED_RULES)
   _one_of(config.train.flat_grad_reduce, "train.flat_grad_reduce", ("auto", "on", "off"))
   _one_of(config.train.nonfinite_guard, "train.nonfinite_guard", ("auto", "branch", "select"))
-  for name in ("train.warmup_steps", "eval_every", "eval_batches", "data.prefetch"):
+  for name in (
+    "train.warmup_steps",
+    "eval_every",
+    "eval_batches",
+    "data.prefetch",
+    "eval_timeout_s",
+    "checkpoint.save_timeout_s",
+  ):
     value = config
     for part in name.split("."):
       value = value[part]

@@ -127,6 +127,7 @@ class CheckpointHook(Hook):
   def __init__(self, every: int, save: Callable[[int, Any], bool], wait: Callable[[], None]):
     self.every = every
     self._save, self._wait = save, wait
+    self.final_save_s = 0.0  # how long the end's save (and the wait for it) took
 
   def run(self, loop: LoopState) -> None:
     self._save(loop.step, loop.state)
@@ -136,9 +137,11 @@ class CheckpointHook(Hook):
     # waiting for a save could then hang, so only a clean end saves.
     if not ok:
       return
+    started = time.perf_counter()
     if loop.step > 0:
       self._save(loop.step, loop.state)
     self._wait()
+    self.final_save_s = time.perf_counter() - started
 
 
 class EvalHook(Hook):

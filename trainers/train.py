@@ -147,6 +147,10 @@ def _report(task: Task, setup: StateSetup, state, step: int) -> str:
     return ""
 
 
+# What common platforms allow between a preemption notice and the kill, for the log.
+PREEMPTION_GRACE = (
+  "spot and preemptible TPU/GCE VMs 30 s, Kubernetes terminationGracePeriodSeconds 30 s by default"
+)
 _PLACEMENT_ROWS = 8  # variables without names listed by path; the rest are counted
 
 
@@ -341,12 +345,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
   saver = checkpoint.Saver(manager)
+  watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
+  save_budget = ("a checkpoint save", config.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
 
+  # Saves and evals are timed by their own budgets, not by the step limit.
   def save(step, state):
-    return saver.save(step, state, train_batches.state(step).to_dict())
+    with watchdog.phase(*save_budget):
+      return saver.save(step, state, train_batches.state(step).to_dict())
+
+  def wait_for_saves():
+    with watchdog.phase(*save_budget):
+      saver.wait()
 
   def evaluate(state):
-    return _evaluate(eval_step, eval_batches, state, config.eval_batches)
+    with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
+      return _evaluate(eval_step, eval_batches, state, config.eval_batches)
 
   rate = f"{task.unit}_per_s"
   hooks = [
@@ -361,13 +374,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       flops_metric,
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
-    CheckpointHook(config.checkpoint.every, save, saver.wait),
+    checkpoint_hook := CheckpointHook(config.checkpoint.every, save, wait_for_saves),
     ProfileHook(
       config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
     ),
   ]
   watch = PreemptionWatch()
-  watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
   stop = config.train.stop_at_step or config.train.steps
   loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
   batches = _batches_with_faults(
@@ -390,7 +402,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       train_loop(loop, train_step, batches, hooks, watch.reached, on_progress)
   except Preempted:
     if chief:
-      log.warning("spmd-train: preempted; checkpoint saved at step %d", loop.step)
+      log.warning(
+        "spmd-train: preempted; checkpoint saved at step %d; the final save took %.1f s "
+        "(time allowed after the notice: %s)",
+        loop.step,
+        checkpoint_hook.final_save_s,
+        PREEMPTION_GRACE,
+      )
     raise Preempted(
       f"preempted at step {loop.step}; checkpoint saved in {os.path.join(workdir, 'checkpoints')}"
     ) from None

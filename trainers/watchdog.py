@@ -29,13 +29,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import jax
@@ -212,6 +213,7 @@ class ProgressWatchdog:
     self._on_peer_failed = on_peer_failed or (lambda m: _exit(m, EXIT_PEER_FAILED))
     self._step: int | None = None
     self._since = time.monotonic()
+    self._phase: tuple[str, float, str] | None = None  # (what, limit, config key)
     self._published: int | None = None
     self._stop = threading.Event()
     self._client = multihost.runtime_client() if jax.process_count() > 1 else None
@@ -223,6 +225,29 @@ class ProgressWatchdog:
   def progress(self, step: int) -> None:
     """Called by the loop after each step (and after long hooks): cheap, no I/O."""
     self._step, self._since = step, time.monotonic()
+
+  @contextlib.contextmanager
+  def phase(self, what: str, timeout_s: float, key: str) -> Iterator[None]:
+    """Within: `what` (a save, an eval) has its own limit, `timeout_s` (0: none).
+
+    A save or an eval is not a step: timed by the step limit, a save slower
+    than one step would end the job and lose the very save it waited for.
+    Peer failures are still relayed meanwhile. `key` names the setting in
+    the message.
+
+    Example:
+      >>> stuck = []
+      >>> dog = ProgressWatchdog(0.2, 0.2, on_stuck=stuck.append)
+      >>> with dog.phase("a save", 5.0, "checkpoint.save_timeout_s"):
+      ...   time.sleep(0.6)  # three step limits, well inside the save's
+      >>> dog.close(); stuck
+      []
+    """
+    self._phase, self._since = (what, timeout_s, key), time.monotonic()
+    try:
+      yield
+    finally:
+      self._phase, self._since = None, time.monotonic()
 
   def _publish(self) -> None:
     if self._client is None or self._step == self._published:
@@ -243,14 +268,27 @@ class ProgressWatchdog:
       return {}
     return {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in rows}
 
+  def _limit(self) -> tuple[float, str]:
+    if self._phase is not None:
+      return self._phase[1], self._phase[2]
+    if self._step is None:
+      return self._first_timeout, "train.first_step_timeout_s"
+    return self._timeout, "train.step_timeout_s"
+
   def describe(self, waited: float) -> str:
     """The message: how long, and which process has finished the fewest steps."""
-    limit = self._first_timeout if self._step is None else self._timeout
+    limit, key = self._limit()
     where = "before the first step" if self._step is None else f"after step {self._step}"
-    message = (
-      f"process {jax.process_index()}: no step finished for {waited:.0f}s "
-      f"({where}; limit {limit:g}s, train.step_timeout_s)"
-    )
+    if self._phase is not None:
+      message = (
+        f"process {jax.process_index()}: {self._phase[0]} did not finish in {waited:.0f}s "
+        f"({where}; limit {limit:g}s, {key})"
+      )
+    else:
+      message = (
+        f"process {jax.process_index()}: no step finished for {waited:.0f}s "
+        f"({where}; limit {limit:g}s, {key})"
+      )
     peers = self._peers()
     if peers and self._step is not None:
       # This process's own record may be stale: its watchdog thread can be
@@ -283,9 +321,9 @@ class ProgressWatchdog:
         time.sleep(0.2)  # let the failed process exit first: the launcher names the first
         self._on_peer_failed(failure)
         return
-      if self._timeout <= 0:
+      limit, _ = self._limit()
+      if self._timeout <= 0 or limit <= 0:
         continue
-      limit = self._first_timeout if self._step is None else self._timeout
       waited = time.monotonic() - self._since
       if waited > limit:
         self._on_stuck(self.describe(waited))

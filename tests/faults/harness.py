@@ -92,8 +92,13 @@ def start(
   devices: int = 2,
   max_restarts: int = 0,
   timeout_s: float = 600,
+  entry: str = "trainers.main",
+  env: dict | None = None,
 ) -> Job:
-  """Starts `spmd-launch local -- spmd-train` on the tiny config; returns at once."""
+  """Starts `spmd-launch local -- spmd-train` on the tiny config; returns at once.
+
+  `entry` is the module run as `spmd-train` (one of `ENTRIES`), `env` more environment.
+  """
   command = [
     sys.executable,
     "-m",
@@ -107,7 +112,7 @@ def start(
     "--",
     sys.executable,
     "-m",
-    "trainers.main",
+    entry,
     *train_flags(data, workdir, *overrides),
   ]
   env = dict(
@@ -116,6 +121,7 @@ def start(
     JAX_COMPILATION_CACHE_DIR=data["cache"],
     SPMD_AGREEMENT_TIMEOUT_S="60",
     **FAST_COMPILE,
+    **(env or {}),
   )
   launcher = subprocess.Popen(
     command,
@@ -135,6 +141,9 @@ def start(
   threading.Thread(target=read, daemon=True).start()
   return job
 
+
+# Modules a job may run as `spmd-train`: the real one, or a test's wrapper of it.
+ENTRIES = ("trainers.main", "tests.workers.slow_save_train")
 
 # After one process fails, the others' time to end on their own before the
 # launcher's SIGKILL. They rarely need it (JAX's heartbeat, or the watchdog
@@ -205,7 +214,7 @@ def pids(workdir: Path) -> dict[int, int]:
     try:
       with open(f"/proc/{name}/cmdline", "rb") as f:
         cmdline = f.read()
-      if needle not in cmdline or b"trainers.main" not in cmdline:
+      if needle not in cmdline or not any(e.encode() in cmdline for e in ENTRIES):
         continue
       if not cmdline.startswith(sys.executable.encode()):
         continue  # the `timeout` wrapper

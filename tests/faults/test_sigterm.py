@@ -122,3 +122,51 @@ def test_sigterm_saves_at_one_agreed_step_and_resume_loses_nothing(
   record("4. SIGTERM to one process", TERMS, promised, max(detections, default=None), lost)
   assert not problems, "\n".join(problems)
   assert lost == 0 and max(detections) <= DETECT_S, (lost, detections)
+
+
+SAVE_DELAY_S = 6.0  # each checkpoint write: twice the step limit below
+
+
+def test_a_preemption_save_slower_than_the_step_limit_completes(data, tmp_path, record):
+  """The watchdog times a save by checkpoint.save_timeout_s, not by the step limit.
+
+  Every write sleeps SAVE_DELAY_S first (a slow object store), the step limit is
+  half that, and the only save is the preemption's. The report's time is how long
+  that save took, to hold against the grace a platform gives after its notice.
+  """
+  workdir = tmp_path / "run"
+  job = harness.start(
+    data,
+    workdir,
+    *harness.long_run(every=1000),  # no periodic save: the preemption's is the only one
+    f"--config.train.step_timeout_s={SAVE_DELAY_S / 2}",
+    "--config.checkpoint.save_timeout_s=120",
+    entry="tests.workers.slow_save_train",
+    env={"SPMD_TEST_SAVE_DELAY_S": str(SAVE_DELAY_S)},
+  )
+  try:
+    harness.wait_for(lambda: harness.last_step(workdir) >= 4, 300, "step 4")
+    running = harness.wait_for(
+      lambda: len(found := harness.pids(workdir)) == 2 and found, 60, "both processes"
+    )
+    os.kill(running[1], signal.SIGTERM)
+    code = job.launcher.wait(timeout=120)
+  finally:
+    job.kill()
+  out = job.output
+  said = dict(re.findall(r"\[p(\d)\] spmd-train: preempted at step (\d+)", out))
+  took = re.search(r"the final save took ([\d.]+) s", out)
+  saved = int(next(iter(said.values()))) if said else None
+  ok = code == 0 and sorted(said) == ["0", "1"] and saved in harness.committed_steps(workdir)
+  record(
+    "4. preemption save slower than the step limit (time: the save; platforms allow 30 s)",
+    1,
+    int(ok and took is not None),
+    float(took.group(1)) if took else None,
+    0 if ok else None,
+  )
+  assert code == 0, out
+  assert sorted(said) == ["0", "1"] and len(set(said.values())) == 1, out
+  assert saved in harness.committed_steps(workdir), (saved, harness.committed_steps(workdir))
+  assert took and float(took.group(1)) >= SAVE_DELAY_S, out
+  assert "no step finished" not in out, out
