@@ -32,10 +32,10 @@ from collections.abc import Mapping, Sequence
 from launch import allocator
 from launch.processes import (
   JobResult,
+  OutputReader,
   ProcessResult,
   kill_group,
   popen,
-  read_lines,
   signal_group,
   watch,
 )
@@ -185,7 +185,7 @@ def run_local(
     wrapper = ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
   procs: list[subprocess.Popen] = []
-  readers = []
+  reader = OutputReader()
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
   if pin_cpus is None:
@@ -202,7 +202,7 @@ def run_local(
       pin = ["taskset", "-c", ",".join(map(str, shares[i]))]
     procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=env_i))
     log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
-    readers.append(read_lines(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log))
+    reader.add(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log)
 
   killed = [False] * num_processes
 
@@ -232,8 +232,7 @@ def run_local(
     kill_running()
     for p in procs:
       p.wait()
-    for t in readers:
-      t.join(timeout=5)
+    reader.join(timeout=5)
   results = [
     ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
   ]

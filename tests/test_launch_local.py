@@ -1,5 +1,6 @@
 """spmd-launch local: N processes, fail-fast, timeouts, and what it reports."""
 
+import io
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from launch import allocator, local, main
+from launch.processes import OutputReader, popen
 
 PY = sys.executable
 
@@ -80,6 +82,23 @@ def test_cli_exit_code_and_prefixed_output(capsys):
   assert "process 1 failed first: exit code 7" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     main.main(["nowhere"])
+
+
+def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):
+  # CRLF and lone CR, a bad byte, a character split across two reads, no final newline.
+  data = b"a\r\nb\rc\xff\n" + "\u00e9".encode() * 40000 + b"\n" + b"tail"
+  (tmp_path / "data").write_bytes(data)
+  write = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())"
+  procs = [popen([PY, "-c", write, str(tmp_path / "data")]) for _ in range(3)]
+  outputs = [[] for _ in procs]
+  reader = OutputReader()
+  for p, out in zip(procs, outputs):
+    reader.add(p.stdout, out, echo=False, log_path=str(tmp_path / f"{p.pid}.log"))
+  assert reader.join(timeout=30)
+  expected = io.TextIOWrapper(io.BytesIO(data), procs[0].stdout.encoding, "replace").readlines()
+  assert outputs == [expected] * 3
+  assert all(p.wait() == 0 and p.stdout.closed for p in procs)
+  assert (tmp_path / f"{procs[0].pid}.log").read_text(errors="replace") == "".join(expected)
 
 
 def _launcher(*args):
