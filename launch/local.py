@@ -6,8 +6,9 @@ process count, its CPU device count and short timeouts. Output lines are
 prefixed with the process id. When a process fails, the others get a grace
 period to finish (they usually fail on their own within the heartbeat
 timeout), then SIGKILL: JAX catches SIGTERM for preemption, so SIGTERM alone
-may not stop them. Every process runs under `timeout -k` as well, so nothing
-outlives the job even if this launcher is killed.
+may not stop them. A job has no time limit unless given one; with one, every
+process also runs under `timeout -k`, so nothing outlives the job for long
+even if this launcher is killed.
 
 Example:
   >>> import sys
@@ -123,7 +124,7 @@ def run_local(
   command: Sequence[str],
   num_processes: int,
   devices_per_process: int = 1,
-  timeout_s: float = 600,
+  timeout_s: float | None = None,
   grace_s: float = 5.0,
   heartbeat_timeout_s: float = 5.0,
   env: Mapping[str, str] | None = None,
@@ -142,7 +143,8 @@ def run_local(
     command: the program and its arguments, identical for every process.
     num_processes: how many simulated hosts.
     devices_per_process: CPU devices each process exposes.
-    timeout_s: the whole job's limit; past it every process is killed.
+    timeout_s: the whole job's limit in seconds; past it every process is
+      killed. None or 0 (the default): no limit, as a training run has none.
     grace_s: after the first failure, how long the others may take to end on
       their own (and print why) before SIGKILL.
     heartbeat_timeout_s: JAX's heartbeat timeout for the job.
@@ -172,15 +174,18 @@ def run_local(
   """
   if num_processes < 1:
     raise ValueError(f"{num_processes=} must be at least 1")
+  if timeout_s is not None and not timeout_s >= 0:
+    raise ValueError(f"{timeout_s=} must be a number of seconds >= 0 (0 or None: no limit)")
   port = free_port()
   base = dict(os.environ)
   base.update(env or {})
   if tcmalloc:
     base = allocator.with_tcmalloc(base)
   wrapper = []
-  if shutil.which("timeout"):
+  if timeout_s and shutil.which("timeout"):
     # A backstop for when this launcher itself dies: our own deadline fires first.
-    # Its -k also bounds how long a forwarded SIGTERM may take to save.
+    # Its -k also bounds how long a forwarded SIGTERM may take to save. Without a
+    # limit there is no deadline to back up: the launcher's own kill bounds the save.
     backstop = timeout_s + 2 * grace_s + term_grace_s + 10
     wrapper = ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
@@ -222,7 +227,7 @@ def run_local(
     outcome = watch(
       procs,
       grace_s,
-      timeout_s,
+      timeout_s or math.inf,
       stop,
       on_kill=kill_running,
       on_stop=forward_sigterm,

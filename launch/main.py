@@ -19,7 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
   loc = targets.add_parser("local", help="N simulated hosts on this machine")
   loc.add_argument("-n", "--num-processes", type=int, default=2)
   loc.add_argument("--devices-per-process", type=int, default=1)
-  loc.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
+  loc.add_argument(
+    "--timeout",
+    type=float,
+    default=0,
+    help="seconds for the whole job, then every process is killed (default 0: no limit)",
+  )
   loc.add_argument(
     "--grace", type=float, default=5.0, help="seconds the others get after a failure before SIGKILL"
   )

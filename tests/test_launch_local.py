@@ -73,6 +73,23 @@ def test_the_job_time_limit_kills_everything():
   assert "ran past its time limit" in result.summary()
 
 
+@pytest.mark.skipif(not shutil.which("timeout"), reason="needs timeout (coreutils)")
+def test_a_job_has_no_time_limit_unless_given_one(capsys):
+  # Each process names its parent: `timeout` when it runs under the job's time limit.
+  parent = ["sh", "-c", "cat /proc/$PPID/comm"]
+  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--", *parent]) == 0
+  out = capsys.readouterr().out
+  lines = [line for line in out.splitlines() if line.startswith("[p")]
+  assert len(lines) == 2 and not [line for line in lines if line.endswith(" timeout")], out
+  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--timeout", "30", "--", *parent]) == 0
+  out = capsys.readouterr().out
+  assert "[p0] timeout\n" in out and "[p1] timeout\n" in out, out
+  unlimited = local.run_local(parent, 1, echo=False)
+  assert unlimited.ok and unlimited.processes[0].output != "timeout\n", unlimited.report()
+  with pytest.raises(ValueError, match="timeout_s=-1"):
+    local.run_local(parent, 1, timeout_s=-1, echo=False)
+
+
 def test_cli_exit_code_and_prefixed_output(capsys):
   assert main.main(["local", "-n", "2", "--", PY, "-c", "print('hello')"]) == 0
   out = capsys.readouterr().out
