@@ -60,11 +60,13 @@ def process_env(
   heartbeat_timeout_s: float,
   base: Mapping[str, str] | None = None,
   platform: str | None = "cpu",
+  gpus: Sequence[str] | None = None,
 ) -> dict[str, str]:
   """The environment one simulated host starts with.
 
   `platform` sets JAX_PLATFORMS (simulated hosts are CPU hosts by default);
-  None leaves the environment's choice.
+  None leaves the environment's choice. `gpus` (CUDA device ids or UUIDs)
+  become its CUDA_VISIBLE_DEVICES; None leaves that variable as it is.
   """
   env = dict(os.environ if base is None else base)
   address = f"127.0.0.1:{port}"
@@ -83,7 +85,127 @@ def process_env(
   )
   if platform is not None:
     env["JAX_PLATFORMS"] = platform
+  if gpus is not None:
+    env[CUDA_VISIBLE] = ",".join(gpus)
   return env
+
+
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+GPU_PLATFORMS = ("cuda", "gpu")  # JAX_PLATFORMS names that mean CUDA GPUs
+
+
+def uses_gpus(platform: str | None, env: Mapping[str, str]) -> bool:
+  """Whether JAX_PLATFORMS (`platform`, or the environment's when None) names CUDA GPUs.
+
+  Example:
+    >>> uses_gpus("cuda", {}), uses_gpus("cpu", {}), uses_gpus(None, {"JAX_PLATFORMS": "gpu,cpu"})
+    (True, False, True)
+  """
+  chosen = env.get("JAX_PLATFORMS", "") if platform is None else platform
+  return any(name.strip() in GPU_PLATFORMS for name in chosen.split(","))
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
+  """The GPUs a job started with `env` may use, as CUDA_VISIBLE_DEVICES entries.
+
+  CUDA_VISIBLE_DEVICES's own entries when it is set (indices or UUIDs, as
+  given); else one index per `GPU N:` line of `nvidia-smi -L`, found on the
+  `PATH` of `env`; else None: the count is unknown.
+
+  Example:
+    >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5, 7"}), visible_gpus({"PATH": ""})
+    (['4', '5', '7'], None)
+  """
+  if CUDA_VISIBLE in env:
+    return [d.strip() for d in env[CUDA_VISIBLE].split(",") if d.strip()]
+  smi = shutil.which("nvidia-smi", path=env.get("PATH", ""))
+  if not smi:
+    return None
+  try:
+    done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if done.returncode:
+    return None
+  count = sum(line.startswith("GPU ") for line in done.stdout.splitlines())
+  return [str(i) for i in range(count)]
+
+
+def gpu_shares(
+  num_processes: int, devices_per_process: int, gpus: Sequence[str], share: bool = False
+) -> list[list[str]]:
+  """Each process's GPUs: process i gets `gpus[i*d : i*d+d]`, wrapping round `gpus`.
+
+  A job that needs more GPUs than `gpus` holds is an error unless `share`,
+  when processes share GPUs round-robin; a process never gets one GPU twice.
+
+  Example:
+    >>> gpu_shares(2, 2, ["0", "1", "2", "3"])
+    [['0', '1'], ['2', '3']]
+    >>> gpu_shares(3, 1, ["4", "6"], share=True)
+    [['4'], ['6'], ['4']]
+  """
+  n, d = len(gpus), devices_per_process
+  if num_processes < 1 or d < 1:
+    raise ValueError(f"{num_processes=} and {devices_per_process=} must be at least 1")
+  needed = num_processes * d
+  if d > n:
+    raise ValueError(
+      f"{devices_per_process=} GPUs per process, but only {n} GPUs are visible "
+      f"({CUDA_VISIBLE}={','.join(gpus)!r}): a process cannot use one GPU twice"
+    )
+  if needed > n and not share:
+    raise ValueError(
+      f"{num_processes} processes x {d} GPUs need {needed} GPUs, but {n} are visible "
+      f"({CUDA_VISIBLE}={','.join(gpus)!r}); pass share_gpus=True (--share-gpus) to let "
+      "processes share GPUs"
+    )
+  return [[gpus[(i * d + k) % n] for k in range(d)] for i in range(num_processes)]
+
+
+def job_envs(
+  num_processes: int,
+  port: int,
+  devices_per_process: int,
+  heartbeat_timeout_s: float,
+  base: Mapping[str, str],
+  platform: str | None = "cpu",
+  share_gpus: bool = False,
+) -> list[dict[str, str]]:
+  """Every process's environment (`process_env`); on CUDA GPUs, each with its own GPUs.
+
+  When `uses_gpus`, the GPUs of `visible_gpus(base)` (or, where that cannot
+  tell, `num_processes * devices_per_process` GPUs 0, 1, ...) are dealt out
+  by `gpu_shares`: process i's CUDA_VISIBLE_DEVICES holds the i-th
+  `devices_per_process` of them, so no two processes share a GPU unless
+  `share_gpus`. Shared GPUs also get XLA_PYTHON_CLIENT_MEM_FRACTION, each
+  process its share of XLA's usual 75%, unless `base` sets how XLA allocates:
+  two processes that each preallocate 75% of one GPU cannot both start.
+
+  Example:
+    >>> envs = job_envs(2, 1234, 2, 5.0, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, platform="cuda")
+    >>> [(e["SPMD_PROCESS_ID"], e["CUDA_VISIBLE_DEVICES"]) for e in envs]
+    [('0', '4,5'), ('1', '6,7')]
+  """
+  shares: list[list[str]] | list[None] = [None] * num_processes
+  per_gpu = 1
+  if uses_gpus(platform, base):
+    gpus = visible_gpus(base)
+    if gpus is None:
+      gpus = [str(i) for i in range(num_processes * devices_per_process)]
+    shares = gpu_shares(num_processes, devices_per_process, gpus, share_gpus)
+    per_gpu = math.ceil(num_processes * devices_per_process / len(gpus))
+  envs = [
+    process_env(
+      i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform, shares[i]
+    )
+    for i in range(num_processes)
+  ]
+  allocating = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
+  if per_gpu > 1 and not any(name in base for name in allocating):
+    for env in envs:
+      env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.75 / per_gpu:.3f}"
+  return envs
 
 
 def cpu_shares(num_processes: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
@@ -136,13 +258,15 @@ def run_local(
   term_grace_s: float = 60.0,
   pin_cpus: bool | None = None,
   tcmalloc: bool = True,
+  share_gpus: bool = False,
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
   Args:
     command: the program and its arguments, identical for every process.
     num_processes: how many simulated hosts.
-    devices_per_process: CPU devices each process exposes.
+    devices_per_process: CPU devices each process exposes; on CUDA GPUs, the
+      GPUs each process gets (`job_envs`).
     timeout_s: the whole job's limit in seconds; past it every process is
       killed. None or 0 (the default): no limit, as a training run has none.
     grace_s: after the first failure, how long the others may take to end on
@@ -152,6 +276,7 @@ def run_local(
     echo: print each line as it arrives, prefixed with `[pN]`.
     cwd: working directory of the processes.
     platform: JAX_PLATFORMS for the processes; None keeps the environment's.
+      "cuda" (or "gpu") gives each process its own GPUs: `job_envs`.
     log_dir: also write each process's output to `log_dir/process_N.log`.
     stop: when set (the launcher got SIGINT/SIGTERM), every process gets
       SIGTERM so the job can save (its preemption path), then SIGKILL after
@@ -168,6 +293,8 @@ def run_local(
       pinned (lm_tiny, 2 cores; README, P6).
     tcmalloc: preload TCMalloc into every process when this machine has it
       (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
+    share_gpus: on CUDA GPUs, let processes share GPUs when there are fewer
+      than `num_processes * devices_per_process` (otherwise a ValueError).
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
@@ -181,6 +308,9 @@ def run_local(
   base.update(env or {})
   if tcmalloc:
     base = allocator.with_tcmalloc(base)
+  envs = job_envs(
+    num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform, share_gpus
+  )
   wrapper = []
   if timeout_s and shutil.which("timeout"):
     # A backstop for when this launcher itself dies: our own deadline fires first.
@@ -199,13 +329,10 @@ def run_local(
     raise ValueError("pin_cpus needs `taskset` (util-linux) on PATH")
   shares = cpu_shares(num_processes) if pin_cpus else []
   for i in range(num_processes):
-    env_i = process_env(
-      i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
-    )
     pin = []
     if pin_cpus:
       pin = ["taskset", "-c", ",".join(map(str, shares[i]))]
-    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=env_i))
+    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=envs[i]))
     log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
     reader.add(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log)
 
