@@ -6,8 +6,9 @@ process count, its CPU device count and short timeouts. Output lines are
 prefixed with the process id. When a process fails, the others get a grace
 period to finish (they usually fail on their own within the heartbeat
 timeout), then SIGKILL: JAX catches SIGTERM for preemption, so SIGTERM alone
-may not stop them. Every process runs under `timeout -k` as well, so nothing
-outlives the job even if this launcher is killed.
+may not stop them. A job has no time limit unless given one; with one, every
+process also runs under `timeout -k`, so nothing outlives the job for long
+even if this launcher is killed.
 
 Example:
   >>> import sys
@@ -32,10 +33,10 @@ from collections.abc import Mapping, Sequence
 from launch import allocator
 from launch.processes import (
   JobResult,
+  OutputReader,
   ProcessResult,
   kill_group,
   popen,
-  read_lines,
   signal_group,
   watch,
 )
@@ -59,11 +60,13 @@ def process_env(
   heartbeat_timeout_s: float,
   base: Mapping[str, str] | None = None,
   platform: str | None = "cpu",
+  gpus: Sequence[str] | None = None,
 ) -> dict[str, str]:
   """The environment one simulated host starts with.
 
   `platform` sets JAX_PLATFORMS (simulated hosts are CPU hosts by default);
-  None leaves the environment's choice.
+  None leaves the environment's choice. `gpus` (CUDA device ids or UUIDs)
+  become its CUDA_VISIBLE_DEVICES; None leaves that variable as it is.
   """
   env = dict(os.environ if base is None else base)
   address = f"127.0.0.1:{port}"
@@ -82,7 +85,127 @@ def process_env(
   )
   if platform is not None:
     env["JAX_PLATFORMS"] = platform
+  if gpus is not None:
+    env[CUDA_VISIBLE] = ",".join(gpus)
   return env
+
+
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+GPU_PLATFORMS = ("cuda", "gpu")  # JAX_PLATFORMS names that mean CUDA GPUs
+
+
+def uses_gpus(platform: str | None, env: Mapping[str, str]) -> bool:
+  """Whether JAX_PLATFORMS (`platform`, or the environment's when None) names CUDA GPUs.
+
+  Example:
+    >>> uses_gpus("cuda", {}), uses_gpus("cpu", {}), uses_gpus(None, {"JAX_PLATFORMS": "gpu,cpu"})
+    (True, False, True)
+  """
+  chosen = env.get("JAX_PLATFORMS", "") if platform is None else platform
+  return any(name.strip() in GPU_PLATFORMS for name in chosen.split(","))
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
+  """The GPUs a job started with `env` may use, as CUDA_VISIBLE_DEVICES entries.
+
+  CUDA_VISIBLE_DEVICES's own entries when it is set (indices or UUIDs, as
+  given); else one index per `GPU N:` line of `nvidia-smi -L`, found on the
+  `PATH` of `env`; else None: the count is unknown.
+
+  Example:
+    >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5, 7"}), visible_gpus({"PATH": ""})
+    (['4', '5', '7'], None)
+  """
+  if CUDA_VISIBLE in env:
+    return [d.strip() for d in env[CUDA_VISIBLE].split(",") if d.strip()]
+  smi = shutil.which("nvidia-smi", path=env.get("PATH", ""))
+  if not smi:
+    return None
+  try:
+    done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if done.returncode:
+    return None
+  count = sum(line.startswith("GPU ") for line in done.stdout.splitlines())
+  return [str(i) for i in range(count)]
+
+
+def gpu_shares(
+  num_processes: int, devices_per_process: int, gpus: Sequence[str], share: bool = False
+) -> list[list[str]]:
+  """Each process's GPUs: process i gets `gpus[i*d : i*d+d]`, wrapping round `gpus`.
+
+  A job that needs more GPUs than `gpus` holds is an error unless `share`,
+  when processes share GPUs round-robin; a process never gets one GPU twice.
+
+  Example:
+    >>> gpu_shares(2, 2, ["0", "1", "2", "3"])
+    [['0', '1'], ['2', '3']]
+    >>> gpu_shares(3, 1, ["4", "6"], share=True)
+    [['4'], ['6'], ['4']]
+  """
+  n, d = len(gpus), devices_per_process
+  if num_processes < 1 or d < 1:
+    raise ValueError(f"{num_processes=} and {devices_per_process=} must be at least 1")
+  needed = num_processes * d
+  if d > n:
+    raise ValueError(
+      f"{devices_per_process=} GPUs per process, but only {n} GPUs are visible "
+      f"({CUDA_VISIBLE}={','.join(gpus)!r}): a process cannot use one GPU twice"
+    )
+  if needed > n and not share:
+    raise ValueError(
+      f"{num_processes} processes x {d} GPUs need {needed} GPUs, but {n} are visible "
+      f"({CUDA_VISIBLE}={','.join(gpus)!r}); pass share_gpus=True (--share-gpus) to let "
+      "processes share GPUs"
+    )
+  return [[gpus[(i * d + k) % n] for k in range(d)] for i in range(num_processes)]
+
+
+def job_envs(
+  num_processes: int,
+  port: int,
+  devices_per_process: int,
+  heartbeat_timeout_s: float,
+  base: Mapping[str, str],
+  platform: str | None = "cpu",
+  share_gpus: bool = False,
+) -> list[dict[str, str]]:
+  """Every process's environment (`process_env`); on CUDA GPUs, each with its own GPUs.
+
+  When `uses_gpus`, the GPUs of `visible_gpus(base)` (or, where that cannot
+  tell, `num_processes * devices_per_process` GPUs 0, 1, ...) are dealt out
+  by `gpu_shares`: process i's CUDA_VISIBLE_DEVICES holds the i-th
+  `devices_per_process` of them, so no two processes share a GPU unless
+  `share_gpus`. Shared GPUs also get XLA_PYTHON_CLIENT_MEM_FRACTION, each
+  process its share of XLA's usual 75%, unless `base` sets how XLA allocates:
+  two processes that each preallocate 75% of one GPU cannot both start.
+
+  Example:
+    >>> envs = job_envs(2, 1234, 2, 5.0, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, platform="cuda")
+    >>> [(e["SPMD_PROCESS_ID"], e["CUDA_VISIBLE_DEVICES"]) for e in envs]
+    [('0', '4,5'), ('1', '6,7')]
+  """
+  shares: list[list[str]] | list[None] = [None] * num_processes
+  per_gpu = 1
+  if uses_gpus(platform, base):
+    gpus = visible_gpus(base)
+    if gpus is None:
+      gpus = [str(i) for i in range(num_processes * devices_per_process)]
+    shares = gpu_shares(num_processes, devices_per_process, gpus, share_gpus)
+    per_gpu = math.ceil(num_processes * devices_per_process / len(gpus))
+  envs = [
+    process_env(
+      i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform, shares[i]
+    )
+    for i in range(num_processes)
+  ]
+  allocating = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
+  if per_gpu > 1 and not any(name in base for name in allocating):
+    for env in envs:
+      env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.75 / per_gpu:.3f}"
+  return envs
 
 
 def cpu_shares(num_processes: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
@@ -123,7 +246,7 @@ def run_local(
   command: Sequence[str],
   num_processes: int,
   devices_per_process: int = 1,
-  timeout_s: float = 600,
+  timeout_s: float | None = None,
   grace_s: float = 5.0,
   heartbeat_timeout_s: float = 5.0,
   env: Mapping[str, str] | None = None,
@@ -135,14 +258,17 @@ def run_local(
   term_grace_s: float = 60.0,
   pin_cpus: bool | None = None,
   tcmalloc: bool = True,
+  share_gpus: bool = False,
 ) -> LocalJobResult:
   """Runs `command` as `num_processes` processes of one JAX job and waits.
 
   Args:
     command: the program and its arguments, identical for every process.
     num_processes: how many simulated hosts.
-    devices_per_process: CPU devices each process exposes.
-    timeout_s: the whole job's limit; past it every process is killed.
+    devices_per_process: CPU devices each process exposes; on CUDA GPUs, the
+      GPUs each process gets (`job_envs`).
+    timeout_s: the whole job's limit in seconds; past it every process is
+      killed. None or 0 (the default): no limit, as a training run has none.
     grace_s: after the first failure, how long the others may take to end on
       their own (and print why) before SIGKILL.
     heartbeat_timeout_s: JAX's heartbeat timeout for the job.
@@ -150,6 +276,7 @@ def run_local(
     echo: print each line as it arrives, prefixed with `[pN]`.
     cwd: working directory of the processes.
     platform: JAX_PLATFORMS for the processes; None keeps the environment's.
+      "cuda" (or "gpu") gives each process its own GPUs: `job_envs`.
     log_dir: also write each process's output to `log_dir/process_N.log`.
     stop: when set (the launcher got SIGINT/SIGTERM), every process gets
       SIGTERM so the job can save (its preemption path), then SIGKILL after
@@ -166,26 +293,34 @@ def run_local(
       pinned (lm_tiny, 2 cores; README, P6).
     tcmalloc: preload TCMalloc into every process when this machine has it
       (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
+    share_gpus: on CUDA GPUs, let processes share GPUs when there are fewer
+      than `num_processes * devices_per_process` (otherwise a ValueError).
 
   Returns:
     A `LocalJobResult`; its `report()` has every process's output.
   """
   if num_processes < 1:
     raise ValueError(f"{num_processes=} must be at least 1")
+  if timeout_s is not None and not timeout_s >= 0:
+    raise ValueError(f"{timeout_s=} must be a number of seconds >= 0 (0 or None: no limit)")
   port = free_port()
   base = dict(os.environ)
   base.update(env or {})
   if tcmalloc:
     base = allocator.with_tcmalloc(base)
+  envs = job_envs(
+    num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform, share_gpus
+  )
   wrapper = []
-  if shutil.which("timeout"):
+  if timeout_s and shutil.which("timeout"):
     # A backstop for when this launcher itself dies: our own deadline fires first.
-    # Its -k also bounds how long a forwarded SIGTERM may take to save.
+    # Its -k also bounds how long a forwarded SIGTERM may take to save. Without a
+    # limit there is no deadline to back up: the launcher's own kill bounds the save.
     backstop = timeout_s + 2 * grace_s + term_grace_s + 10
     wrapper = ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
   outputs: list[list[str]] = [[] for _ in range(num_processes)]
   procs: list[subprocess.Popen] = []
-  readers = []
+  reader = OutputReader()
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
   if pin_cpus is None:
@@ -194,15 +329,12 @@ def run_local(
     raise ValueError("pin_cpus needs `taskset` (util-linux) on PATH")
   shares = cpu_shares(num_processes) if pin_cpus else []
   for i in range(num_processes):
-    env_i = process_env(
-      i, num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform
-    )
     pin = []
     if pin_cpus:
       pin = ["taskset", "-c", ",".join(map(str, shares[i]))]
-    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=env_i))
+    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=envs[i]))
     log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
-    readers.append(read_lines(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log))
+    reader.add(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log)
 
   killed = [False] * num_processes
 
@@ -222,7 +354,7 @@ def run_local(
     outcome = watch(
       procs,
       grace_s,
-      timeout_s,
+      timeout_s or math.inf,
       stop,
       on_kill=kill_running,
       on_stop=forward_sigterm,
@@ -232,8 +364,7 @@ def run_local(
     kill_running()
     for p in procs:
       p.wait()
-    for t in readers:
-      t.join(timeout=5)
+    reader.join(timeout=5)
   results = [
     ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
   ]

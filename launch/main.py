@@ -19,7 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
   loc = targets.add_parser("local", help="N simulated hosts on this machine")
   loc.add_argument("-n", "--num-processes", type=int, default=2)
   loc.add_argument("--devices-per-process", type=int, default=1)
-  loc.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
+  loc.add_argument(
+    "--timeout",
+    type=float,
+    default=0,
+    help="seconds for the whole job, then every process is killed (default 0: no limit)",
+  )
   loc.add_argument(
     "--grace", type=float, default=5.0, help="seconds the others get after a failure before SIGKILL"
   )
@@ -39,7 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     help="after Ctrl-C/SIGTERM: seconds the job may take to save, then SIGKILL",
   )
   loc.add_argument(
-    "--platform", default="cpu", help="JAX_PLATFORMS for the processes ('' keeps the environment's)"
+    "--platform",
+    default="cpu",
+    help="JAX_PLATFORMS for the processes ('' keeps the environment's); with cuda, process i "
+    "gets GPUs i*D ... i*D+D-1 (D: --devices-per-process) of those CUDA_VISIBLE_DEVICES or "
+    "nvidia-smi -L lists, as its CUDA_VISIBLE_DEVICES",
+  )
+  loc.add_argument(
+    "--share-gpus",
+    action="store_true",
+    help="with cuda: when there are fewer GPUs than processes x D, share them round-robin "
+    "(each process then preallocates its share of 75%% of a GPU) instead of failing",
   )
   loc.add_argument(
     "--pin-cpus",
@@ -109,21 +124,26 @@ def main(argv: list[str] | None = None) -> int:
   # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
   saving = f"asking the job to save and stop (SIGKILL in {args.term_grace:g}s)"
   with stop_on_signals(saving) as stop:
-    attempts = local.run_with_restarts(
-      command,
-      args.num_processes,
-      max_restarts=args.max_restarts,
-      stop=stop,
-      devices_per_process=args.devices_per_process,
-      timeout_s=args.timeout,
-      grace_s=args.grace,
-      heartbeat_timeout_s=args.heartbeat_timeout,
-      platform=args.platform or None,
-      log_dir=args.log_dir,
-      term_grace_s=args.term_grace,
-      pin_cpus=args.pin_cpus,
-      tcmalloc=args.tcmalloc,
-    )
+    try:
+      attempts = local.run_with_restarts(
+        command,
+        args.num_processes,
+        max_restarts=args.max_restarts,
+        stop=stop,
+        devices_per_process=args.devices_per_process,
+        timeout_s=args.timeout,
+        grace_s=args.grace,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        platform=args.platform or None,
+        log_dir=args.log_dir,
+        term_grace_s=args.term_grace,
+        pin_cpus=args.pin_cpus,
+        tcmalloc=args.tcmalloc,
+        share_gpus=args.share_gpus,
+      )
+    except ValueError as e:  # a job these flags cannot start, such as too few GPUs
+      print(f"spmd-launch: {e}", file=sys.stderr)
+      return 2
   result = attempts[-1]
   if len(attempts) > 1:
     print(f"spmd-launch: {len(attempts)} attempts ({len(attempts) - 1} restarts)", file=sys.stderr)

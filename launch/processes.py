@@ -2,19 +2,20 @@
 
 What the local and TPU targets share. The local target's children are the
 job's processes; the TPU target's are one `gcloud ... ssh` per worker. Either
-way a child runs in its own session, a thread collects its output lines
-(echoed with a prefix, optionally logged), and `watch` waits for all of them:
-it names the first failure, gives the others `grace_s` to end on their own,
-then calls the target's own kill.
+way a child runs in its own session, one thread (`OutputReader`) collects
+every child's output lines (echoed with a prefix, optionally logged), and
+`watch` waits for all of them: it names the first failure, gives the others
+`grace_s` to end on their own, then calls the target's own kill.
 
 Example:
   >>> import sys
   >>> p = popen([sys.executable, "-c", "print('hi')"])
   >>> lines = []
-  >>> reader = read_lines(p.stdout, lines, prefix="[p0]", echo=False)
+  >>> reader = OutputReader()
+  >>> reader.add(p.stdout, lines, prefix="[p0]", echo=False)
   >>> outcome = watch([p], grace_s=1, timeout_s=10, stop=None, on_kill=lambda: math.inf)
-  >>> reader.join(); outcome, lines
-  (Outcome(first_failure=None, timed_out=False, stopped=False), ['hi\\n'])
+  >>> reader.join(timeout=10), outcome, lines
+  (True, Outcome(first_failure=None, timed_out=False, stopped=False), ['hi\\n'])
   >>> ProcessResult(0, -9, "").describe(), ProcessResult(1, 3, "").describe()
   ('killed by SIGKILL', 'exit code 3')
 """
@@ -22,11 +23,15 @@ Example:
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import dataclasses
+import io
 import math
 import os
+import queue
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -134,35 +139,157 @@ def popen(
   )
 
 
-def read_lines(
-  stream: IO[str],
-  into: list[str],
-  prefix: str = "",
-  echo: bool = True,
-  log_path: str | None = None,
-) -> threading.Thread:
-  """Starts a thread that appends every line of `stream` to `into` until it closes.
+_POLL_S = 0.05  # how soon the reader sees a stream added or a request to stop
 
-  With `echo` each line is printed as it arrives, after `prefix`; with
-  `log_path` it is also appended to that file.
+
+class _Stream:
+  """One child's output: the bytes read so far made into lines, and where they go."""
+
+  def __init__(
+    self, stream: IO, into: list[str], prefix: str, echo: bool, log_path: str | None
+  ) -> None:
+    self.stream, self.fd, self.into = stream, stream.fileno(), into
+    self.prefix, self.echo, self.log_path = prefix, echo, log_path
+    # What `popen`'s text mode did: its encoding, errors replaced, any newline made "\n".
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    self.decoder = io.IncrementalNewlineDecoder(
+      codecs.getincrementaldecoder(encoding)(errors="replace"), translate=True
+    )
+    self.partial = ""
+
+  def read(self) -> bool:
+    """Reads what is there (the selector said something is); False at the end of the stream."""
+    try:
+      data = os.read(self.fd, 1 << 16)
+    except OSError:
+      data = b""
+    self.take(self.decoder.decode(data, final=not data), final=not data)
+    return bool(data)
+
+  def take(self, text: str, final: bool = False) -> None:
+    *lines, self.partial = (self.partial + text).split("\n")
+    lines = [line + "\n" for line in lines]
+    if final and self.partial:  # the last line had no newline: it is a line all the same
+      lines.append(self.partial)
+      self.partial = ""
+    if not lines:
+      return
+    self.into.extend(lines)
+    if self.log_path:
+      try:
+        # Opened for each write, not held: a launcher of hundreds of workers would hold
+        # a log descriptor for each. Written as it comes, for whoever watches the log.
+        with open(self.log_path, "a") as log:
+          log.writelines(lines)
+      except OSError as e:
+        print(f"spmd-launch: writing {self.log_path} failed ({e})", file=sys.stderr, flush=True)
+        self.log_path = None
+    if self.echo:
+      text = "".join(f"{self.prefix} {line}" if self.prefix else line for line in lines)
+      try:
+        with _ECHO_LOCK:
+          sys.stdout.write(text)
+          sys.stdout.flush()
+      except (OSError, ValueError):  # stdout closed: keep collecting, or the child blocks
+        self.echo = False
+
+  def close(self) -> None:
+    self.take(self.decoder.decode(b"", final=True), final=True)
+    self.stream.close()
+
+
+class OutputReader:
+  """One thread that collects the output lines of any number of children, as they print them.
+
+  Each stream `add`ed (a `popen` child's stdout) is read whenever it has data
+  (a selector), its lines appended to the list that came with it, echoed
+  after a prefix, and appended to a log file; it is closed at its end. One
+  thread for all: a TPU launcher has one ssh per worker, and a thread per
+  child grew with the slice. Log files are opened per write, so the launcher
+  holds one descriptor (the pipe) per running child and a fixed few besides.
+
+  Example:
+    >>> import sys
+    >>> procs = [popen([sys.executable, "-c", f"print({i}); print('x', end='')"]) for i in (0, 1)]
+    >>> outputs = [[], []]
+    >>> reader = OutputReader()
+    >>> for i, p in enumerate(procs):
+    ...   reader.add(p.stdout, outputs[i], prefix=f"[p{i}]", echo=False)
+    >>> reader.join(timeout=30), [p.wait() for p in procs], outputs
+    (True, [0, 0], [['0\\n', 'x'], ['1\\n', 'x']])
   """
 
-  def pump() -> None:
-    with open(log_path, "a") if log_path else contextlib.nullcontext() as log:
-      for line in iter(stream.readline, ""):
-        into.append(line)
-        if log:
-          log.write(line)
-          log.flush()  # the log is how a test or a person sees a job that is still running
-        if echo:
-          with _ECHO_LOCK:
-            sys.stdout.write(f"{prefix} {line}" if prefix else line)
-            sys.stdout.flush()
-    stream.close()
+  def __init__(self) -> None:
+    self._pending: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
+    self._open = 0  # streams added and not at their end yet
+    self._changed = threading.Condition()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
 
-  reader = threading.Thread(target=pump, daemon=True)
-  reader.start()
-  return reader
+  def add(
+    self,
+    stream: IO,
+    into: list[str],
+    prefix: str = "",
+    echo: bool = True,
+    log_path: str | None = None,
+  ) -> None:
+    """Reads `stream` until it ends, into `into`; `echo` prints each line after `prefix`.
+
+    With `log_path` each line is also appended to that file (created here, so a
+    child that prints nothing still has its log).
+    """
+    if self._stop.is_set():
+      raise RuntimeError(f"this OutputReader was joined; it cannot read {stream!r}")
+    if log_path:
+      open(log_path, "a").close()
+    with self._changed:
+      self._open += 1
+    # The reader thread registers it: a selector is not to be changed from two threads.
+    self._pending.put(_Stream(stream, into, prefix, echo, log_path))
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="spmd-launch output", daemon=True)
+      self._thread.start()
+
+  def join(self, timeout: float | None = None) -> bool:
+    """Waits until every stream has ended (`timeout` at most), then ends the thread.
+
+    Streams still open then are closed unread (a grandchild of a killed child
+    can hold a pipe open for as long as it lives). Returns whether all ended.
+    """
+    with self._changed:
+      ended = self._changed.wait_for(lambda: self._open == 0, timeout)
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    return ended
+
+  def _ended(self, stream: _Stream) -> None:
+    stream.close()
+    with self._changed:
+      self._open -= 1
+      self._changed.notify_all()
+
+  def _register_pending(self, selector: selectors.BaseSelector) -> None:
+    while True:
+      try:
+        stream = self._pending.get_nowait()
+      except queue.Empty:
+        return
+      selector.register(stream.fd, selectors.EVENT_READ, stream)
+
+  def _run(self) -> None:
+    with selectors.DefaultSelector() as selector:
+      while not self._stop.is_set():
+        self._register_pending(selector)
+        for key, _ in selector.select(timeout=_POLL_S):
+          if not key.data.read():
+            selector.unregister(key.fd)
+            self._ended(key.data)
+      self._register_pending(selector)
+      for key in list(selector.get_map().values()):
+        selector.unregister(key.fd)
+        self._ended(key.data)
 
 
 def signal_group(p: subprocess.Popen, sig: int) -> None:

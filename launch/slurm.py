@@ -3,6 +3,9 @@
 srun starts one process per task (per node, or per GPU); each process's
 `spmd.initialize()` finds SLURM's environment and lets JAX's own SLURM
 detection pick the coordinator (the first node), the process count and id.
+`--kill-on-bad-exit=1` makes one task's failure end the whole step: whatever
+the cluster's KillOnBadExit, the others do not wait out a heartbeat timeout
+or a collective that never completes, holding the allocation.
 Everything user-supplied reaches the script through `shlex.quote`.
 
 Example:
@@ -13,7 +16,7 @@ Example:
   #SBATCH --nodes=2
   #SBATCH --ntasks-per-node=1
   set -euo pipefail
-  srun --nodes=2 --ntasks-per-node=1 spmd-train '--workdir=run; rm -rf ~'
+  srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 spmd-train '--workdir=run; rm -rf ~'
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def sbatch_script(
   if heartbeat_timeout_s:
     exports["SPMD_HEARTBEAT_TIMEOUT_S"] = str(heartbeat_timeout_s)
   lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(exports.items())]
-  lines.append(f"srun --nodes={nodes} --ntasks-per-node={tasks_per_node} {shlex.join(command)}")
+  srun = f"srun --nodes={nodes} --ntasks-per-node={tasks_per_node} --kill-on-bad-exit=1"
+  lines.append(f"{srun} {shlex.join(command)}")
   return "\n".join(lines) + "\n"
 
 

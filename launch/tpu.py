@@ -47,11 +47,11 @@ from collections.abc import Sequence
 
 from launch.processes import (
   JobResult,
+  OutputReader,
   ProcessResult,
   env_assignment,
   kill_group,
   popen,
-  read_lines,
   stop_on_signals,
   watch,
 )
@@ -163,7 +163,7 @@ def _watch(command, job, nodes, slices, per_slice, echo, log_dir, stop) -> TpuJo
   coordinator = slices[0][0]
   workers: list[WorkerResult] = []
   procs: list[subprocess.Popen] = []
-  readers = []
+  reader = OutputReader()  # one thread for every worker's ssh, however many workers
   outputs: list[list[str]] = []
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
@@ -178,7 +178,7 @@ def _watch(command, job, nodes, slices, per_slice, echo, log_dir, stop) -> TpuJo
       procs.append(popen(ssh_argv(job, node, w, worker_script(job, command, env))))
       prefix = f"[s{s}w{w}]" if multislice else f"[w{w}]"
       log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
-      readers.append(read_lines(procs[-1].stdout, outputs[i], prefix, echo, log))
+      reader.add(procs[-1].stdout, outputs[i], prefix, echo, log)
 
   killers: list[tuple[str, subprocess.Popen]] = []
 
@@ -221,8 +221,7 @@ def _watch(command, job, nodes, slices, per_slice, echo, log_dir, stop) -> TpuJo
           file=sys.stderr,
           flush=True,
         )
-    for t in readers:
-      t.join(timeout=5)
+    reader.join(timeout=5)
   for i, p in enumerate(procs):
     workers[i].returncode = p.returncode
     workers[i].output = "".join(outputs[i])

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from launch.processes import kill_group, popen, read_lines
+from launch.processes import OutputReader, kill_group, popen
 from launch.tpu_commands import (
   TpuJob,
   describe_argv,
@@ -68,9 +68,10 @@ def run_step(
   p = popen(argv, stderr=subprocess.PIPE if capture else subprocess.STDOUT)
   lines: list[str] = []
   errors: list[str] = []
-  readers = [read_lines(p.stdout, lines, f"[{what}]", echo and not capture)]
+  reader = OutputReader()
+  reader.add(p.stdout, lines, f"[{what}]", echo and not capture)
   if capture:
-    readers.append(read_lines(p.stderr, errors, echo=False))
+    reader.add(p.stderr, errors, echo=False)
   deadline = time.monotonic() + timeout_s
   why = None
   while p.poll() is None:
@@ -83,8 +84,7 @@ def run_step(
       break
     time.sleep(0.05)
   p.wait()
-  for t in readers:
-    t.join(timeout=5)
+  reader.join(timeout=5)
   if why or p.returncode:
     tail = "".join((errors or lines)[-20:]).rstrip()
     reason = why or f"exit code {p.returncode}"

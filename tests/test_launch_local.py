@@ -1,5 +1,6 @@
 """spmd-launch local: N processes, fail-fast, timeouts, and what it reports."""
 
+import io
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from launch import allocator, local, main
+from launch.processes import OutputReader, popen
 
 PY = sys.executable
 
@@ -71,6 +73,79 @@ def test_the_job_time_limit_kills_everything():
   assert "ran past its time limit" in result.summary()
 
 
+@pytest.mark.skipif(not shutil.which("timeout"), reason="needs timeout (coreutils)")
+def test_a_job_has_no_time_limit_unless_given_one(capsys):
+  # Each process names its parent: `timeout` when it runs under the job's time limit.
+  parent = ["sh", "-c", "cat /proc/$PPID/comm"]
+  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--", *parent]) == 0
+  out = capsys.readouterr().out
+  lines = [line for line in out.splitlines() if line.startswith("[p")]
+  assert len(lines) == 2 and not [line for line in lines if line.endswith(" timeout")], out
+  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--timeout", "30", "--", *parent]) == 0
+  out = capsys.readouterr().out
+  assert "[p0] timeout\n" in out and "[p1] timeout\n" in out, out
+  unlimited = local.run_local(parent, 1, echo=False)
+  assert unlimited.ok and unlimited.processes[0].output != "timeout\n", unlimited.report()
+  with pytest.raises(ValueError, match="timeout_s=-1"):
+    local.run_local(parent, 1, timeout_s=-1, echo=False)
+
+
+def _fake_nvidia_smi(folder, gpus: int) -> str:
+  """A PATH whose `nvidia-smi -L` lists `gpus` GPUs (one with MIG devices), and nothing else."""
+  folder.mkdir()
+  lines = [f"GPU {i}: NVIDIA H100 (UUID: GPU-{i:04d})" for i in range(gpus)]
+  lines[-1:-1] = ["  MIG 1g.10gb     Device  0: (UUID: MIG-0000)"]
+  script = folder / "nvidia-smi"
+  script.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + "\nEOF\n")
+  script.chmod(0o755)
+  return str(folder)
+
+
+def test_cuda_processes_get_their_own_gpus(tmp_path):
+  def gpus(num_processes, per_process, base, **kwargs):
+    envs = local.job_envs(num_processes, 1234, per_process, 5.0, base, "cuda", **kwargs)
+    assert [e["SPMD_PROCESS_ID"] for e in envs] == [str(i) for i in range(num_processes)]
+    return [e["CUDA_VISIBLE_DEVICES"] for e in envs]
+
+  # From the CUDA_VISIBLE_DEVICES the launcher was given, as ids or UUIDs.
+  assert gpus(2, 2, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == ["4,5", "6,7"]
+  assert gpus(2, 1, {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
+  # Else from nvidia-smi -L (its MIG lines are not GPUs); else as many as the job needs.
+  four = {"PATH": _fake_nvidia_smi(tmp_path / "four", 4)}
+  assert gpus(4, 1, four) == ["0", "1", "2", "3"]
+  assert gpus(3, 2, {"PATH": str(tmp_path)}) == ["0,1", "2,3", "4,5"]
+  # Too few is an error naming the counts, unless sharing is asked for.
+  two = {"PATH": _fake_nvidia_smi(tmp_path / "two", 2)}
+  with pytest.raises(ValueError, match=r"2 processes x 2 GPUs need 4 GPUs, but 2 are visible"):
+    gpus(2, 2, two)
+  with pytest.raises(ValueError, match=r"devices_per_process=3 GPUs per process, but only 2"):
+    gpus(1, 3, two, share_gpus=True)
+  shared = local.job_envs(3, 1234, 1, 5.0, two, "cuda", share_gpus=True)
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in shared] == ["0", "1", "0"]
+  assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in shared} == {"0.375"}
+  told = {**two, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the user's own allocation rule
+  mine = local.job_envs(3, 1234, 1, 5.0, told, "cuda", share_gpus=True)
+  assert not [e for e in mine if "XLA_PYTHON_CLIENT_MEM_FRACTION" in e]
+  # CPU hosts keep the environment's CUDA_VISIBLE_DEVICES, set or not.
+  cpu = local.job_envs(2, 1234, 2, 5.0, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "cpu")
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu] == ["4,5,6,7"] * 2
+  assert not [e for e in local.job_envs(2, 1234, 2, 5.0, four, "cpu") if "CUDA_VISIBLE" in str(e)]
+
+
+def test_the_cli_gives_cuda_processes_their_gpus_or_says_there_are_too_few(capsys, monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+  show = ["--no-pin-cpus", "--", "sh", "-c", "echo gpus $CUDA_VISIBLE_DEVICES"]
+  assert main.main(["local", "-n", "3", "--platform", "cuda", *show]) == 0
+  out = capsys.readouterr().out
+  assert all(f"[p{i}] gpus {g}\n" in out for i, g in enumerate("235")), out
+  argv = ["local", "-n", "2", "--devices-per-process", "2", "--platform", "cuda", *show]
+  assert main.main(argv) == 2
+  assert "need 4 GPUs, but 3 are visible" in capsys.readouterr().err
+  assert main.main([*argv[:-5], "--share-gpus", *show]) == 0
+  out = capsys.readouterr().out
+  assert "[p0] gpus 2,3\n" in out and "[p1] gpus 5,2\n" in out, out
+
+
 def test_cli_exit_code_and_prefixed_output(capsys):
   assert main.main(["local", "-n", "2", "--", PY, "-c", "print('hello')"]) == 0
   out = capsys.readouterr().out
@@ -80,6 +155,23 @@ def test_cli_exit_code_and_prefixed_output(capsys):
   assert "process 1 failed first: exit code 7" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     main.main(["nowhere"])
+
+
+def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):
+  # CRLF and lone CR, a bad byte, a character split across two reads, no final newline.
+  data = b"a\r\nb\rc\xff\n" + "\u00e9".encode() * 40000 + b"\n" + b"tail"
+  (tmp_path / "data").write_bytes(data)
+  write = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())"
+  procs = [popen([PY, "-c", write, str(tmp_path / "data")]) for _ in range(3)]
+  outputs = [[] for _ in procs]
+  reader = OutputReader()
+  for p, out in zip(procs, outputs):
+    reader.add(p.stdout, out, echo=False, log_path=str(tmp_path / f"{p.pid}.log"))
+  assert reader.join(timeout=30)
+  expected = io.TextIOWrapper(io.BytesIO(data), procs[0].stdout.encoding, "replace").readlines()
+  assert outputs == [expected] * 3
+  assert all(p.wait() == 0 and p.stdout.closed for p in procs)
+  assert (tmp_path / f"{procs[0].pid}.log").read_text(errors="replace") == "".join(expected)
 
 
 def _launcher(*args):

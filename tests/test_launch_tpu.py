@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -288,3 +289,54 @@ def test_a_task_folder_outside_the_checkout_is_shipped_with_the_code(fake, tmp_p
   for w in range(2):
     shipped = fake.home("pod", w) / "spmd-harness" / "ship" / "my_task"
     assert (shipped / "config.py").read_text() == "# a user's config\n"
+
+
+def test_a_128_worker_job_holds_few_threads_and_one_descriptor_per_running_worker(
+  fake, tmp_path, monkeypatch, capsys
+):
+  # The launcher runs in this process, so a sampler thread sees its threads and descriptors.
+  workers = 128
+  for name in ("PATH", "FAKE_GCLOUD_LOG", "FAKE_TPU_ROOT"):
+    monkeypatch.setenv(name, fake.env[name])
+  monkeypatch.setenv("FAKE_TPU_WORKERS", str(workers))
+  logs = tmp_path / "logs"
+
+  def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+  threads_before, fds_before = threading.active_count(), open_fds()
+  peak = {"threads": 0, "fds": 0}
+  done = threading.Event()
+
+  def sample() -> None:
+    while not done.is_set():
+      peak["threads"] = max(peak["threads"], threading.active_count())
+      peak["fds"] = max(peak["fds"], open_fds())
+      time.sleep(0.005)
+
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  start = time.monotonic()
+  try:
+    code = main.main(
+      [
+        *("tpu", "--tpu", "pod", "--zone", "z", "--no-copy", "--remote-dir", "."),
+        *("--timeout", "90", "--log-dir", str(logs), "--", "echo", "hi"),
+      ]
+    )
+  finally:
+    done.set()
+    sampler.join()
+  took = time.monotonic() - start
+  threads = peak["threads"] - threads_before - 1  # the sampler is not the launcher's
+  fds = peak["fds"] - fds_before
+  with capsys.disabled():
+    print(f"\n{workers} workers: {took:.1f} s, peak +{threads} threads, +{fds} descriptors")
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert f"spmd-launch: all {workers} workers exited 0" in out
+  assert all(f"[w{w}] hi\n" in out for w in range(workers)), out
+  assert all((logs / f"process_{w}.log").read_text() == "hi\n" for w in range(workers))
+  # Threads do not grow with the workers; descriptors grow by one pipe per running ssh.
+  assert threads <= 4, (threads, fds)
+  assert fds <= workers + 16, (threads, fds)

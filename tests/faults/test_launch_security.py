@@ -148,8 +148,9 @@ def test_spmd_launch_slurm_quotes_everything_in_its_script(tmp_path, record):
   script = sbatch_script(
     ["printf", "%s\\n", *args], nodes=1, job_name=f"x; touch {tmp_path}/pwned9"
   )
+  srun = "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 "
   done = subprocess.run(
-    ["bash", "-c", script.replace("srun --nodes=1 --ntasks-per-node=1 ", "")],
+    ["bash", "-c", script.replace(srun, "")],
     capture_output=True,
     text=True,
     timeout=30,
