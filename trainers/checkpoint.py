@@ -37,7 +37,6 @@ import errno
 import functools
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd import multihost
 from spmd.partition import axis_names, spec_axis_names
+from trainers import paths
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def make_manager(
     create=True,
   )
   return ocp.CheckpointManager(
-    os.path.abspath(directory), options=options, item_handlers=_handlers()
+    paths.user_path(directory), options=options, item_handlers=_handlers()
   )
 
 
@@ -518,14 +518,14 @@ def restore_or_init(
   # 2. Initial weights from another run: parameters only.
   if init_from:
     with ocp.CheckpointManager(
-      os.path.abspath(init_from),
+      paths.user_path(init_from),
       item_handlers=_handlers(),
       options=ocp.CheckpointManagerOptions(read_only=True),
     ) as other:
       other_step = other.latest_step()
       if other_step is None:
         raise FileNotFoundError(f"checkpoint.init_from={init_from!r} holds no checkpoint")
-      what = "checkpoint.init_from " + _checked_step(other, os.path.abspath(init_from), other_step)
+      what = "checkpoint.init_from " + _checked_step(other, paths.user_path(init_from), other_step)
       check_same_model(other, other_step, target, what)
       restored = _restore(
         other, other_step, ocp.args.Composite(state=ocp.args.StandardRestore(target)), what

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -37,6 +38,8 @@ import tqdm
 if TYPE_CHECKING:
   import matplotlib.figure
 from tensorboardX import SummaryWriter
+
+from trainers import paths
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -81,16 +84,20 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str | os.PathLike, enabled: bool) -> None:
-    self.workdir = Path(workdir)
+    self.workdir = paths.user_path(workdir)
     self.enabled = enabled
     self.path = self.workdir / METRICS_FILE
     self.tensorboard_dir = self.workdir / TENSORBOARD_DIR
-    self._file: IO[str] | None = None
+    self._file: IO[str] | paths.RemoteTextFile | None = None
     self._tb: SummaryWriter | None = None
     if enabled:
       self.workdir.mkdir(parents=True, exist_ok=True)
-      _drop_cut_last_line(self.path)
-      self._file = open(self.path, "a", encoding="utf-8")
+      if paths.is_url(self.workdir):  # object stores cannot append: the file is rewritten
+        _register_tensorboard_writer(str(self.workdir).split("://", 1)[0])
+        self._file = paths.RemoteTextFile(self.path)
+      else:
+        _drop_cut_last_line(Path(self.path))
+        self._file = open(self.path, "a", encoding="utf-8")
       self._tb = SummaryWriter(logdir=str(self.tensorboard_dir))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -138,6 +145,39 @@ class MetricsWriter:
     self.close()
 
 
+class _WholeFileRecordWriter:
+  """TensorBoard's event file on storage without appends: rewritten whole on flush."""
+
+  def __init__(self, path: str):
+    self._path = paths.user_path(path)
+    self._buffer = io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self._buffer.write(data)
+
+  def flush(self) -> None:
+    self._path.write_bytes(self._buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _WholeFileRecordWriterFactory:
+  def open(self, path: str) -> _WholeFileRecordWriter:
+    return _WholeFileRecordWriter(path)
+
+  def directory_check(self, path: str) -> None:
+    paths.user_path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _register_tensorboard_writer(scheme: str) -> None:
+  # tensorboardX's own gs:// writer needs google-cloud-storage and its
+  # credentials; this one goes through etils.epath like every other path here.
+  from tensorboardX import record_writer
+
+  record_writer.register_writer_factory(scheme, _WholeFileRecordWriterFactory())
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   """The records of a metrics JSONL file, in file order.
 
@@ -151,7 +191,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     >>> read_metrics(path)
     [{'step': 1, 'loss': 3.0}]
   """
-  lines = Path(path).read_text(encoding="utf-8").splitlines()
+  lines = paths.user_path(path).read_text(encoding="utf-8").splitlines()
   records = []
   for number, line in enumerate(lines, start=1):
     if not line.strip():
@@ -228,10 +268,12 @@ def plot_loss_curve(
     >>> plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png").read_bytes()[:4]
     b'\\x89PNG'
   """
-  png_path = Path(png_path)
-  fig = loss_figure(read_metrics(jsonl_path), keys, title=f"Loss: {Path(jsonl_path).parent.name}")
+  png_path = paths.user_path(png_path)
+  title = f"Loss: {paths.user_path(jsonl_path).parent.name}"
+  fig = loss_figure(read_metrics(jsonl_path), keys, title=title)
   png_path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(png_path, format="png", dpi=100)
+  with png_path.open("wb") as f:
+    fig.savefig(f, format="png", dpi=100)
   return png_path
 
 

@@ -29,12 +29,14 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jaxlib
+from etils import epath
+
+from trainers import paths
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +332,7 @@ def _cache_key(device: jax.Device, dtype: str) -> str:
   return "|".join(parts)
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
+def _read_cache(path: epath.Path) -> dict[str, Any]:
   try:
     return json.loads(path.read_text())
   except FileNotFoundError:
@@ -340,13 +342,17 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return {}
 
 
-def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-  # Write-then-rename so a process reading the file never sees half of it.
+def _write_cache(path: epath.Path, cache: dict[str, Any]) -> None:
+  text = json.dumps(cache, indent=2, sort_keys=True)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+  if paths.is_url(path):  # an object is replaced whole: readers never see half of it
+    path.write_text(text)
+    return
+  # Write-then-rename so a process reading the file never sees half of it.
+  fd, tmp = tempfile.mkstemp(dir=os.fspath(path.parent), prefix=f".{path.name}.")
   with os.fdopen(fd, "w") as f:
-    json.dump(cache, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+    f.write(text)
+  os.replace(tmp, os.fspath(path))
 
 
 _MEMORY_CACHE: dict[str, dict[str, Any]] = {}
@@ -359,7 +365,7 @@ def _measured_entry(
   if cache_dir is None:
     cache, path = _MEMORY_CACHE, None
   else:
-    path = Path(cache_dir) / CACHE_FILE
+    path = paths.user_path(cache_dir) / CACHE_FILE
     cache = _read_cache(path)
   if key not in cache:
     t0 = time.perf_counter()

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +22,12 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 
 import spmd
 from spmd import multihost
 from spmd.mesh import create_mesh
-from trainers import checkpoint, metrics, peaks
+from trainers import checkpoint, metrics, paths, peaks
 from trainers.data import pipeline
 from trainers.loop import (
   CheckpointHook,
@@ -78,15 +78,32 @@ def build_mesh(
   return mesh, tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
 
 
-def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh, batch_axes):
-  """(train batches, eval batches); process 0 prepares the data first."""
-  data_dir = config.data.dir or os.path.join(os.path.dirname(workdir), "data")
+def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
+  """(train batches, eval batches); process 0 prepares the data first.
+
+  A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
+  local cache and uploads it; every host then copies `data.dir` to its own
+  local cache (`paths.local_cache`) and reads from there, since ArrayRecord
+  reads local files only. Files already there with the same size are kept.
+  """
+  data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
+  local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
   # Process 0 builds; the others wait, then find it built (no race on files).
   if jax.process_index() == 0:
-    name = task.prepare_data(data_dir)
+    if local != data_dir and data_dir.exists():
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+    if local != data_dir:
+      uploaded = paths.copy_tree(epath.Path(local), data_dir)
+      log.warning(
+        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
+      )
   multihost.barrier("data_prepared", timeout_s=3600)
   if jax.process_index() != 0:
-    name = task.prepare_data(data_dir)
+    if local != data_dir:
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+  data_dir = local
   common = dict(
     global_batch=config.global_batch,
     mesh=mesh,
@@ -97,10 +114,16 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir: str, mesh,
     to_batch=task.to_batch,
   )
   train = pipeline.open_global_batches(
-    name, config.data.train_split, data_dir, task.to_example, seed=config.seed, train=True, **common
+    name,
+    config.data.train_split,
+    str(data_dir),
+    task.to_example,
+    seed=config.seed,
+    train=True,
+    **common,
   )
   evaluation = pipeline.open_global_batches(
-    name, config.data.eval_split, data_dir, task.to_example, train=False, **common
+    name, config.data.eval_split, str(data_dir), task.to_example, train=False, **common
   )
   return train, evaluation
 
@@ -184,22 +207,21 @@ def _compiled_flops(train_step, setup: StateSetup, task: Task, config, mesh, bat
   return float(hlo.matmul_flops(text)) * mesh.devices.size
 
 
-def save_run_files(config: ml_collections.ConfigDict, workdir: str) -> None:
+def save_run_files(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
   """The resolved config (JSON) and the task's own files, so the run stands alone.
 
   A resume or eval needs no original folder: `--config=<workdir>/code/config.py`
   (a copy of the config file, when it sat beside the task) runs the same task.
   """
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=1, sort_keys=True))
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=1, sort_keys=True))
   files = task_files(config.task)
   if files:
-    code = os.path.join(workdir, "code")
-    os.makedirs(code, exist_ok=True)
+    code = workdir / "code"
+    code.mkdir(parents=True, exist_ok=True)
     for path in files:
-      target = os.path.join(code, path.name)
-      if not (os.path.exists(target) and os.path.samefile(path, target)):  # a run from its copy
-        shutil.copyfile(path, target)
+      target = code / path.name
+      if paths.is_url(target) or not (target.exists() and os.path.samefile(path, target)):
+        target.write_bytes(path.read_bytes())  # not when a run starts from its own copy
 
 
 class _AtStep:
@@ -275,15 +297,17 @@ def _batches_with_faults(
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains, evaluates and summarises; returns the summary (all processes)."""
   spmd.initialize()
-  workdir = os.path.abspath(workdir)
+  workdir = paths.user_path(workdir)  # local or a URL (gs://...): see trainers/paths.py
   chief = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
+  workdir.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   # The config, else JAX's own variable (as documented in configs/default.py), else beside the run.
-  cache_dir = (
-    config.get("compilation_cache_dir", "")
-    or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
-    or os.path.join(os.path.dirname(workdir), ".jax_cache")
+  cache_dir = str(
+    paths.user_path(
+      config.get("compilation_cache_dir", "")
+      or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+      or workdir.parent / ".jax_cache"
+    )
   )
   jax.config.update("jax_compilation_cache_dir", cache_dir)
 
@@ -297,7 +321,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
   setup = make_state(task.model, config, mesh, batch_axes)
   manager = checkpoint.make_manager(
-    os.path.join(workdir, "checkpoints"),
+    workdir / "checkpoints",
     config.checkpoint.every,
     config.checkpoint.keep,
     config.checkpoint.keep_period,
@@ -312,7 +336,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if chief:
     log.warning(
       "spmd-train: %s on %d processes x %d devices, mesh %s; state from %s",
-      os.path.basename(workdir),
+      workdir.name,
       jax.process_count(),
       jax.local_device_count(),
       dict(mesh.shape),
@@ -375,9 +399,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     ),
     EvalHook(config.eval_every, evaluate, writer.write),
     checkpoint_hook := CheckpointHook(config.checkpoint.every, save, wait_for_saves),
-    ProfileHook(
-      config.profile.start_step, config.profile.num_steps, os.path.join(workdir, "profile")
-    ),
+    ProfileHook(config.profile.start_step, config.profile.num_steps, str(workdir / "profile")),
   ]
   watch = PreemptionWatch()
   stop = config.train.stop_at_step or config.train.steps
@@ -410,7 +432,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         PREEMPTION_GRACE,
       )
     raise Preempted(
-      f"preempted at step {loop.step}; checkpoint saved in {os.path.join(workdir, 'checkpoints')}"
+      f"preempted at step {loop.step}; checkpoint saved in {workdir / 'checkpoints'}"
     ) from None
   finally:
     batches.close()
@@ -439,9 +461,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     "wall_time_s": time.perf_counter() - started,
     "first_step_s": first_step.get("s"),  # from the start of training (imports excluded)
     "first_step_at": first_step.get("at"),  # Unix time, for timing from outside
-    "workdir": workdir,
-    "checkpoints": os.path.join(workdir, "checkpoints"),
-    "metrics": os.path.join(workdir, "metrics.jsonl"),
+    "workdir": str(workdir),
+    "checkpoints": str(workdir / "checkpoints"),
+    "metrics": str(workdir / "metrics.jsonl"),
     "report": report,
     "resumed_from": restored.source,
     "loss_history": [(h["step"], h["loss"]) for h in loop.history],
@@ -449,11 +471,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if config.report_param_hash:
     summary["param_hash"] = state_hash(loop.state)
   if chief:
-    summary["loss_curve"] = metrics.plot_loss_curve(
-      os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss.png")
+    summary["loss_curve"] = str(
+      metrics.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
     )
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump({k: v for k, v in summary.items() if k != "report"}, f, indent=1, default=str)
+    kept = {k: v for k, v in summary.items() if k != "report"}
+    (workdir / "summary.json").write_text(json.dumps(kept, indent=1, default=str))
     print(metrics.format_summary(summary), flush=True)
     if report:
       print(report, flush=True)

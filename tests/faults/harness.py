@@ -94,6 +94,7 @@ def start(
   timeout_s: float = 600,
   entry: str = "trainers.main",
   env: dict | None = None,
+  cwd: Path | None = None,
 ) -> Job:
   """Starts `spmd-launch local -- spmd-train` on the tiny config; returns at once.
 
@@ -129,7 +130,7 @@ def start(
     stderr=subprocess.STDOUT,
     text=True,
     env=env,
-    cwd=str(ROOT),
+    cwd=str(cwd or ROOT),
     start_new_session=True,
   )
   job = Job(launcher, workdir)
