@@ -131,10 +131,11 @@ def check_agreement(what: str, record: Any, timeout_s: float | None = None) -> N
 def local_to_global(x: Any, sharding: jax.sharding.NamedSharding, name: str) -> jax.Array:
   """This process's piece `x` of an array sharded as `sharding`.
 
-  A global `jax.Array` (not fully addressable) passes through untouched;
-  numpy or process-local arrays become one global array.
+  A global `jax.Array` (not fully addressable), or a tracer of one
+  (`is_global_value`), passes through untouched; numpy or process-local arrays
+  become one global array.
   """
-  if is_global_array(x):
+  if is_global_value(x):
     return x
   shape = np.shape(x)
   pieces = local_pieces(sharding, len(shape), name)
@@ -153,6 +154,32 @@ def is_global_array(x: Any) -> bool:
   return (
     isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable
   )
+
+
+def concrete_value(x: Any) -> Any:
+  """`x`, or for a tracer the concrete value it stands for, or None if it has none.
+
+  Under `jax.grad` and `jax.vjp` of concrete arguments a tracer carries its
+  primal value; under `jax.jit` (and `jax.vmap`) it has none.
+  """
+  return x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
+
+
+def is_global_value(x: Any) -> bool:
+  """True for a global `jax.Array` or a tracer of one.
+
+  A tracer with a concrete value is judged by that value. One without (under
+  `jax.jit`) is global when its type carries a mesh with more devices than this
+  process has, which only values placed across processes do; any other stays
+  what it was taken for before tracing: this process's piece.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    return is_global_array(x)
+  concrete = x.to_concrete_value()
+  if concrete is not None:
+    return is_global_array(concrete)
+  mesh = getattr(getattr(getattr(x, "aval", None), "sharding", None), "mesh", None)
+  return getattr(mesh, "size", 0) > jax.local_device_count()
 
 
 def global_to_local(x: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:

@@ -455,17 +455,24 @@ class ShardedJitFunction:
     paths = None
     converted = []
     for i, (x, leaf) in enumerate(zip(leaves, per_leaf)):
-      if multihost.is_global_array(x):
-        if not x.sharding.is_equivalent_to(leaf.sharding, x.ndim):
-          x = jax.device_put(x, leaf.sharding)  # device to device, no host trip
+      concrete = multihost.concrete_value(x)
+      if multihost.is_global_value(x) or (leaf.mode == _GLOBAL and concrete is None):
+        # A global array, or a tracer of one (jax.grad, jax.vjp, jax.jit), goes
+        # to the inner jax.jit as it is: its in_shardings constrain a traced
+        # value, and a concrete one on other devices moves device to device.
+        # An argument without local_in_parts can only be global, so a tracer
+        # with no concrete value to say otherwise (jax.jit) is taken as global.
+        if concrete is not None and not concrete.sharding.is_equivalent_to(leaf.sharding, x.ndim):
+          x = jax.device_put(x, leaf.sharding)
       elif isinstance(x, jax.ShapeDtypeStruct):  # lower() for planning: global shapes
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding)
       elif leaf.mode == _GLOBAL:
         paths = paths or _paths(dyn)
+        traced = "" if concrete is x else f" tracing a {type(concrete).__name__}"
         raise ValueError(
           f"argument {paths[i]} of {self._name} is split across processes "
           f"({leaf.sharding.spec}) but has no local_in_parts spec, so it must "
-          f"be a global jax.Array; got {type(x).__name__} of shape "
+          f"be a global jax.Array; got {type(x).__name__}{traced} of shape "
           f"{np.shape(x)}. Pass local_in_parts to hand in this process's piece"
         )
       else:

@@ -42,3 +42,26 @@ def test_device_assignment_errors_across_processes():
     assert "Specify 'local_num_partitions'" in p.output, result.report()
     assert "must use all available devices. Got 3 out of 4" in p.output, result.report()
     assert "local_num_partitions=1 but this process has 2 devices" in p.output
+
+
+TRACER_SCENARIOS = [
+  "grad of a global array",
+  "grad of a global array under jax.jit",
+  "vjp of a global array: value",
+  "vjp of a global array: global cotangent",
+  "vjp of a global array: replicated cotangent",
+  "jax.jit of a global array",
+  "grad of a global array through local_in_parts",
+  "grad of a global array through local_in_parts, jitted",
+  "grad of local pieces through local_in_parts",
+  "a traced local piece into a global-only call is a clear error",
+]
+
+
+def test_tracers_of_global_arrays_match_one_process_on_the_full_data():
+  """jax.grad, jax.vjp and jax.jit of a cross-process call on global arrays."""
+  result = run_worker("sharded_jit_worker", "tracers", num_processes=2, devices_per_process=2)
+  assert_ok(result)
+  for p in result.processes:
+    for scenario in TRACER_SCENARIOS:
+      assert f"PASS {scenario}\n" in p.output, result.report()

@@ -1,8 +1,8 @@
 """One process of a multi-process sharded_jit test; checks its own results.
 
 Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
-Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, mismatch-shape, mismatch-dtype,
-  mismatch-divisible, device-errors
+Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, mismatch-shape,
+  mismatch-dtype, mismatch-divisible, device-errors
 """
 
 import sys
@@ -200,6 +200,59 @@ def compiles_once():
   print("PASS traced once per signature", flush=True)
 
 
+def close_global(a, expected, what):
+  """Each of this process's shards of global `a` against the same block of `expected`."""
+  assert not a.is_fully_addressable and a.shape == np.shape(expected), (a.shape, a.sharding)
+  for s in a.addressable_shards:
+    got, want = np.asarray(s.data), np.asarray(expected)[s.index]
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+      raise AssertionError(f"process {pid} {what}: shard {s.index}\n{got}\nexpected\n{want}")
+  print(f"PASS {what}", flush=True)
+
+
+def rows_global(data):
+  """`data`, whose rows `mine` this process holds, as one global array split by rows."""
+  mesh = jax.make_mesh(
+    (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+  )
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+  return jax.make_array_from_process_local_data(sharding, data[mine], data.shape)
+
+
+def tracers_of_global_arrays():
+  # jax.grad, jax.vjp and jax.jit hand sharded_jit tracers of global arrays;
+  # each result must equal plain JAX's on the full data in this one process.
+  def loss(x, w):
+    # sum(x, axis=0) couples every process's rows.
+    return jnp.sum(jnp.tanh(x @ w) * jnp.sum(x, axis=0)[:3]) ** 2
+
+  f = sharded_jit(loss, in_parts=(P(N, 1), None), out_parts=None)
+  gx = rows_global(X)
+  want_x, want_w = jax.grad(loss, argnums=(0, 1))(X, W)
+  close_global(jax.grad(f)(gx, W), want_x, "grad of a global array")
+  close_global(jax.jit(jax.grad(f))(gx, W), want_x, "grad of a global array under jax.jit")
+  value, vjp = jax.vjp(f, gx, W)
+  ct_x, ct_w = vjp(jnp.ones_like(value))
+  close(value, loss(X, W), "vjp of a global array: value")
+  close_global(ct_x, want_x, "vjp of a global array: global cotangent")
+  close(ct_w, want_w, "vjp of a global array: replicated cotangent")
+  close(jax.jit(f)(gx, W), loss(X, W), "jax.jit of a global array")
+  # An argument with local_in_parts takes a global array as it is, and its tracer too.
+  h = sharded_jit(loss, in_parts=(P(N, 1), None), out_parts=None, local_in_parts=(P(L, 1), None))
+  close_global(jax.grad(h)(gx, W), want_x, "grad of a global array through local_in_parts")
+  close_global(
+    jax.jit(jax.grad(h))(gx, W), want_x, "grad of a global array through local_in_parts, jitted"
+  )
+  close(jax.grad(h)(X[mine], W), want_x[mine], "grad of local pieces through local_in_parts")
+  try:
+    jax.grad(f)(X[mine], W)
+  except ValueError as e:
+    assert "must be a global jax.Array; got LinearizeTracer tracing a" in str(e), e
+    print("PASS a traced local piece into a global-only call is a clear error", flush=True)
+  else:
+    raise AssertionError("a traced local piece into a global-only call was accepted")
+
+
 def expect_error(fn, what):
   try:
     fn()
@@ -224,6 +277,8 @@ def main(mode):
       compiles_once,
     ):
       scenario()
+  elif mode == "tracers":
+    tracers_of_global_arrays()
   elif mode == "mismatch-shape":
     rows = X[mine] if pid != nproc - 1 else X[mine][:-L]  # the last host is short
     f = sharded_jit(
