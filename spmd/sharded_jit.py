@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -65,6 +66,16 @@ from spmd.partition import (
 )
 
 log = logging.getLogger(__name__)
+
+# Set on an exception raised while JAX traced a sharded_jit function. Calling
+# again would only trace again: the user's trace-time side effects would run
+# twice and, across processes, every host would wait a second agreement round.
+_RAISED_IN_TRACE = "_sharded_jit_raised_in_trace"
+
+
+def _raised_in_trace(e: BaseException) -> bool:
+  return getattr(e, _RAISED_IN_TRACE, False)
+
 
 # How each flattened input/output crosses the process boundary.
 _LOCAL = "local"  # the process passes / receives its own piece
@@ -333,7 +344,9 @@ class ShardedJitFunction:
     if not plan.cross_process:
       try:
         return jitted(*args, *kwargs.values())
-      except ValueError:
+      except ValueError as e:
+        if _raised_in_trace(e):
+          raise
         resharded = self._reshard_committed(plan, args)
         if resharded is None:
           raise
@@ -647,13 +660,18 @@ class ShardedJitFunction:
     fun, name, n_kw = self._fun, self._name, len(kwnames)
 
     def body(*all_args):
-      args = all_args[: len(all_args) - n_kw]
-      kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
-      self._on_trace(plan, args, kwargs)
-      with _pushed(_Context(name, plan.mesh, plan.num_partitions)):
-        out = fun(*args, **kwargs)
-      broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
-      return out
+      try:
+        args = all_args[: len(all_args) - n_kw]
+        kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
+        self._on_trace(plan, args, kwargs)
+        with _pushed(_Context(name, plan.mesh, plan.num_partitions)):
+          out = fun(*args, **kwargs)
+        broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
+        return out
+      except Exception as e:
+        with contextlib.suppress(AttributeError, TypeError):  # some types take no attributes
+          setattr(e, _RAISED_IN_TRACE, True)
+        raise
 
     body.__name__ = getattr(fun, "__name__", "sharded_jit_fun")
     body.__qualname__ = name
@@ -808,8 +826,13 @@ def sharded_jit(
       return impl.call(args, kwargs)
     try:
       return fast(*args)
-    except (TypeError, ValueError):
-      pass  # redo it on the full path, which raises our own errors
+    except multihost.AgreementError:
+      raise  # every process raised it in the same round; another would wait again
+    except (TypeError, ValueError) as e:
+      if _raised_in_trace(e):
+        raise  # from the user's function or our checks: the full path would trace again
+      # Otherwise JAX refused the arguments before tracing: redo it on the
+      # full path, which raises our own errors.
     return impl.call(args, kwargs)
 
   wrapped.lower = impl.lower

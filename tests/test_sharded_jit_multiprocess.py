@@ -65,3 +65,15 @@ def test_tracers_of_global_arrays_match_one_process_on_the_full_data():
   for p in result.processes:
     for scenario in TRACER_SCENARIOS:
       assert f"PASS {scenario}\n" in p.output, result.report()
+
+
+def test_a_failure_at_a_new_signature_on_the_fast_path_is_one_round_one_trace():
+  """No retry: an AgreementError, or an error from the traced function, raises at once."""
+  result = run_worker("sharded_jit_worker", "agree-once", num_processes=2, devices_per_process=2)
+  assert_ok(result)
+  for p in result.processes:
+    assert "static_args: process 0: [10]; process 1: [11]" in p.output, result.report()
+    assert "PASS a disagreement on the fast path is one agreement round\n" in p.output, (
+      result.report()
+    )
+    assert "PASS an error while tracing on the fast path traces once\n" in p.output, result.report()

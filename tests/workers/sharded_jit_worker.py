@@ -1,8 +1,8 @@
 """One process of a multi-process sharded_jit test; checks its own results.
 
 Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
-Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, mismatch-shape,
-  mismatch-dtype, mismatch-divisible, device-errors
+Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, agree-once,
+  changed-signature, mismatch-shape, mismatch-dtype, mismatch-divisible, device-errors
 """
 
 import sys
@@ -17,7 +17,7 @@ import jax  # noqa: E402  (after initialize, which sets the device count)
 import jax.numpy as jnp  # noqa: E402
 
 from spmd import PartitionSpec as P  # noqa: E402
-from spmd import sharded_jit, with_sharding_constraint  # noqa: E402
+from spmd import multihost, sharded_jit, with_sharding_constraint  # noqa: E402
 
 pid, nproc = jax.process_index(), jax.process_count()
 L = jax.local_device_count()
@@ -253,6 +253,76 @@ def tracers_of_global_arrays():
     raise AssertionError("a traced local piece into a global-only call was accepted")
 
 
+def agreement_once():
+  # A failure at a new signature on the fast path is raised at once: one
+  # agreement round, one trace, however the fast path failed.
+  rounds = []
+  check = multihost.check_agreement
+
+  def counting(what, record, timeout_s=None):
+    rounds.append(what)
+    return check(what, record, timeout_s)
+
+  multihost.check_agreement = counting
+  traces = []
+
+  def body(x, k):
+    traces.append(k)
+    if k < 0:
+      raise ValueError(f"k={k} must not be negative")
+    return x * k
+
+  mesh = jax.make_mesh(
+    (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+  )
+  rows = jax.sharding.PartitionSpec("rows")
+  f = sharded_jit(body, in_parts=rows, out_parts=rows, mesh=mesh, static_argnums=1)
+  gx = rows_global(X)
+  f(gx, 1)
+  assert f.sharded_jit.fast is not None, "an all-global plan should use the fast path"
+  try:
+    rounds.clear()
+    traces.clear()
+    try:
+      f(gx, 10 + pid)  # every process a new static value, each a different one
+    except multihost.AgreementError as e:
+      print(f"ERROR {type(e).__name__}: {e}", flush=True)
+      assert len(rounds) == 1 and traces == [], (rounds, traces)
+      print("PASS a disagreement on the fast path is one agreement round", flush=True)
+    else:
+      raise AssertionError("processes with different static arguments agreed")
+    rounds.clear()
+    traces.clear()
+    try:
+      f(gx, -1)
+    except ValueError as e:
+      assert "k=-1 must not be negative" in str(e), e
+      assert len(rounds) == 1 and traces == [-1], (rounds, traces)
+      print("PASS an error while tracing on the fast path traces once", flush=True)
+    else:
+      raise AssertionError("k=-1 raised nothing")
+  finally:
+    multihost.check_agreement = check
+
+
+def changed_signature():
+  # The last process passes fewer rows on the second call; the others reuse
+  # the program compiled for the first, whose sum waits for every process.
+  f = sharded_jit(
+    lambda x: x * jnp.sum(x),
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+  )
+  close(f(X[mine]), X[mine] * X.sum(), "first call agreed")
+  rows = X[mine] if pid != nproc - 1 else X[mine][:-L]
+  print("CALLING with a changed signature", flush=True)
+  np.asarray(f(rows))
+  np.asarray(f(X[mine]))
+  print(f"process {pid}: UNEXPECTED: the calls returned", flush=True)
+
+
 def expect_error(fn, what):
   try:
     fn()
@@ -279,6 +349,10 @@ def main(mode):
       scenario()
   elif mode == "tracers":
     tracers_of_global_arrays()
+  elif mode == "agree-once":
+    agreement_once()
+  elif mode == "changed-signature":
+    changed_signature()
   elif mode == "mismatch-shape":
     rows = X[mine] if pid != nproc - 1 else X[mine][:-L]  # the last host is short
     f = sharded_jit(
