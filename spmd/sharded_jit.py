@@ -12,19 +12,25 @@ Design:
     call itself plus one Python frame: JAX's C++ cache decides when to trace.
   * Across processes, each process passes its own piece (`local_in_parts`):
     pieces become global arrays with JAX's `multihost_utils` primitives and
-    outputs come back as pieces (`local_out_parts`). Global `jax.Array`s pass
-    through without touching the host.
+    outputs come back as pieces (`local_out_parts`). Global `jax.Array`s, and
+    tracers of them under `jax.grad`, `jax.vjp` and `jax.jit`, pass through
+    without touching the host.
   * Hosts must agree. The function handed to `jax.jit` runs only when JAX
     traces, i.e. on the first call of each new signature; when the
     computation spans processes it first compares (local shapes, global
     shapes, dtypes, specs, partition count, static arguments) across all
     processes through the distributed runtime's key-value store and a
     barrier, and every process raises the same `AgreementError` on a mismatch.
-    Calls that hit the compiled-program cache pay nothing. Limit: a host that
-    changes its signature while the others reuse a cached program cannot be
-    caught here without a per-call collective; it times out in the check
-    (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever, and callers that
-    know the expected local shape (the trainer) check it locally every step.
+    Calls that hit the compiled-program cache pay nothing. An error at a new
+    signature is raised at once, never retried (a retry would trace again:
+    another agreement round, and the function's trace-time side effects twice).
+    Limit: a host that changes its signature while the others reuse a cached
+    program cannot be caught here without a per-call collective; it times out
+    in the check (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever,
+    naming what it changed since the last signature all agreed on, and the
+    others, waiting for it in the program's collectives, are ended by JAX's
+    distributed runtime when it exits. Callers that know the expected local
+    shape (the trainer) check it locally every step.
   * Partition counts come from the specs, from `num_partitions`, or, when
     everything is replicated, from `with_sharding_constraint` calls found by
     tracing the function once per signature (only in that case).

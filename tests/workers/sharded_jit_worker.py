@@ -2,7 +2,7 @@
 
 Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
 Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, agree-once,
-  changed-signature, mismatch-shape, mismatch-dtype, mismatch-divisible, device-errors
+  changed-signature=P, mismatch-shape, mismatch-dtype, mismatch-divisible, device-errors
 """
 
 import sys
@@ -305,8 +305,8 @@ def agreement_once():
     multihost.check_agreement = check
 
 
-def changed_signature():
-  # The last process passes fewer rows on the second call; the others reuse
+def changed_signature(changing):
+  # Process `changing` passes fewer rows on the second call; the others reuse
   # the program compiled for the first, whose sum waits for every process.
   f = sharded_jit(
     lambda x: x * jnp.sum(x),
@@ -316,7 +316,7 @@ def changed_signature():
     local_out_parts=P(L, 1),
   )
   close(f(X[mine]), X[mine] * X.sum(), "first call agreed")
-  rows = X[mine] if pid != nproc - 1 else X[mine][:-L]
+  rows = X[mine][:-L] if pid == changing else X[mine]
   print("CALLING with a changed signature", flush=True)
   np.asarray(f(rows))
   np.asarray(f(X[mine]))
@@ -351,8 +351,8 @@ def main(mode):
     tracers_of_global_arrays()
   elif mode == "agree-once":
     agreement_once()
-  elif mode == "changed-signature":
-    changed_signature()
+  elif mode.startswith("changed-signature="):  # =P: process P changes; -1 is the last
+    changed_signature(int(mode.split("=")[1]) % nproc)
   elif mode == "mismatch-shape":
     rows = X[mine] if pid != nproc - 1 else X[mine][:-L]  # the last host is short
     f = sharded_jit(
