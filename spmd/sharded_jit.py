@@ -373,6 +373,26 @@ class ShardedJitFunction:
     """Validated (jitted, args, kwargs, plan); jitted is None when nested."""
     if kwargs:
       args, kwargs = self._bind(args, kwargs)
+    self._check_arguments(args)
+    if _current() is not None:
+      return None, args, kwargs, None
+    plan = self._plan or self._plan_for_call(args, kwargs)
+    key = (tuple(kwargs), len(args)) if kwargs else ()
+    jitted = plan.jitted.get(key) or self._jit(plan, key)
+    if not key and plan is self._plan and (not plan.cross_process or plan.all_global):
+      # Later plain calls go straight to jax.jit: on this process's devices
+      # always; across processes when nothing needs converting (global arrays
+      # in and out). Anything else fails inside jax.jit and is redone on the
+      # full path, which explains it.
+      self.fast = jitted
+    return jitted, args, kwargs, plan
+
+  def _check_arguments(self, args: tuple) -> None:
+    """Clear errors for positional arguments that do not fit static_argnums or in_parts.
+
+    Also run when JAX traces, so that a malformed call on the fast path
+    fails with these messages rather than with one from calling the function.
+    """
     if self._static_argnums and self._static_argnums[-1] >= len(args):
       raise ValueError(
         f"jitted function has static_argnums={self._static_argnums}"
@@ -387,18 +407,6 @@ class ShardedJitFunction:
         f"{len(args) - len(self._static_argnums)} non-static positional "
         "arguments; give one spec per argument, or a single spec for all"
       )
-    if _current() is not None:
-      return None, args, kwargs, None
-    plan = self._plan or self._plan_for_call(args, kwargs)
-    key = (tuple(kwargs), len(args)) if kwargs else ()
-    jitted = plan.jitted.get(key) or self._jit(plan, key)
-    if not key and plan is self._plan and (not plan.cross_process or plan.all_global):
-      # Later plain calls go straight to jax.jit: on this process's devices
-      # always; across processes when nothing needs converting (global arrays
-      # in and out). Anything else fails inside jax.jit and is redone on the
-      # full path, which explains it.
-      self.fast = jitted
-    return jitted, args, kwargs, plan
 
   def _bind(self, args, kwargs):
     """Keyword arguments for positional parameters move to their position."""
@@ -669,6 +677,7 @@ class ShardedJitFunction:
       try:
         args = all_args[: len(all_args) - n_kw]
         kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
+        self._check_arguments(args)
         self._on_trace(plan, args, kwargs)
         with _pushed(_Context(name, plan.mesh, plan.num_partitions)):
           out = fun(*args, **kwargs)
