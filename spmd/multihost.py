@@ -39,6 +39,9 @@ DEFAULT_AGREEMENT_TIMEOUT_S = 120.0
 _KEY_ROOT = "spmd_harness/agree"
 ERROR_KEY = "error"  # a record with this key reports a failure on that process
 _sequence = itertools.count()
+# The last record every process agreed on, per `what`: a process that times
+# out alone says what it changed since then.
+_agreed: dict[str, Any] = {}
 
 
 class AgreementError(ValueError):
@@ -128,22 +131,51 @@ def check_agreement(what: str, record: Any, timeout_s: float | None = None) -> N
     raise AgreementError(
       f"{what}: processes {missing} did not reach the agreement check for a new "
       f"signature within {timeout_s:g}s; they are running something else "
-      f"(another signature, a cached program, or they died). ({e})"
+      f"(another signature, a cached program, or they died).\n"
+      f"{describe_own_change(what, record)}\n({e})"
     ) from None
   records = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(prefix)}
   if seq >= 2:  # everyone passed barrier seq-1, so nobody still reads seq-2
     client.key_value_delete(f"{_KEY_ROOT}/{seq - 2}/{me}")
   if any(r != record for r in records.values()):
     raise AgreementError(describe_disagreement(what, records), every_host=True)
+  _agreed[what] = record
+
+
+def describe_own_change(what: str, record: Any) -> str:
+  """What this process's `record` changed since the last one all processes agreed on.
+
+  The others' records are not there when they did not come, so this is the
+  best a process waiting alone can say: the fields it changed, with values.
+  """
+  if isinstance(record, dict) and ERROR_KEY in record:
+    return f"This process failed before running: {record[ERROR_KEY]}"
+  now = _flatten_record(record)
+  if what not in _agreed:
+    return "This process calls with (no earlier call was agreed on):\n" + "\n".join(
+      f"  {field}: {value}" for field, value in now.items()
+    )
+  before = _flatten_record(_agreed[what])
+  changed = [
+    f"  {field}: {before.get(field, '<missing>')} -> {now.get(field, '<missing>')}"
+    for field in sorted(set(before) | set(now))
+    if before.get(field) != now.get(field)
+  ]
+  if not changed:
+    return "This process calls with the signature all processes last agreed on."
+  return "Changed on this process since the last call all processes agreed on:\n" + "\n".join(
+    changed
+  )
 
 
 def local_to_global(x: Any, sharding: jax.sharding.NamedSharding, name: str) -> jax.Array:
   """This process's piece `x` of an array sharded as `sharding`.
 
-  A global `jax.Array` (not fully addressable) passes through untouched;
-  numpy or process-local arrays become one global array.
+  A global `jax.Array` (not fully addressable), or a tracer of one
+  (`is_global_value`), passes through untouched; numpy or process-local arrays
+  become one global array.
   """
-  if is_global_array(x):
+  if is_global_value(x):
     return x
   shape = np.shape(x)
   pieces = local_pieces(sharding, len(shape), name)
@@ -162,6 +194,32 @@ def is_global_array(x: Any) -> bool:
   return (
     isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable
   )
+
+
+def concrete_value(x: Any) -> Any:
+  """`x`, or for a tracer the concrete value it stands for, or None if it has none.
+
+  Under `jax.grad` and `jax.vjp` of concrete arguments a tracer carries its
+  primal value; under `jax.jit` (and `jax.vmap`) it has none.
+  """
+  return x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
+
+
+def is_global_value(x: Any) -> bool:
+  """True for a global `jax.Array` or a tracer of one.
+
+  A tracer with a concrete value is judged by that value. One without (under
+  `jax.jit`) is global when its type carries a mesh with more devices than this
+  process has, which only values placed across processes do; any other stays
+  what it was taken for before tracing: this process's piece.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    return is_global_array(x)
+  concrete = x.to_concrete_value()
+  if concrete is not None:
+    return is_global_array(concrete)
+  mesh = getattr(getattr(getattr(x, "aval", None), "sharding", None), "mesh", None)
+  return getattr(mesh, "size", 0) > jax.local_device_count()
 
 
 def global_to_local(x: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:

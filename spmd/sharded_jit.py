@@ -12,19 +12,25 @@ Design:
     call itself plus one Python frame: JAX's C++ cache decides when to trace.
   * Across processes, each process passes its own piece (`local_in_parts`):
     pieces become global arrays with JAX's `multihost_utils` primitives and
-    outputs come back as pieces (`local_out_parts`). Global `jax.Array`s pass
-    through without touching the host.
+    outputs come back as pieces (`local_out_parts`). Global `jax.Array`s, and
+    tracers of them under `jax.grad`, `jax.vjp` and `jax.jit`, pass through
+    without touching the host.
   * Hosts must agree. The function handed to `jax.jit` runs only when JAX
     traces, i.e. on the first call of each new signature; when the
     computation spans processes it first compares (local shapes, global
     shapes, dtypes, specs, partition count, static arguments) across all
     processes through the distributed runtime's key-value store and a
     barrier, and every process raises the same `AgreementError` on a mismatch.
-    Calls that hit the compiled-program cache pay nothing. Limit: a host that
-    changes its signature while the others reuse a cached program cannot be
-    caught here without a per-call collective; it times out in the check
-    (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever, and callers that
-    know the expected local shape (the trainer) check it locally every step.
+    Calls that hit the compiled-program cache pay nothing. An error at a new
+    signature is raised at once, never retried (a retry would trace again:
+    another agreement round, and the function's trace-time side effects twice).
+    Limit: a host that changes its signature while the others reuse a cached
+    program cannot be caught here without a per-call collective; it times out
+    in the check (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever,
+    naming what it changed since the last signature all agreed on, and the
+    others, waiting for it in the program's collectives, are ended by JAX's
+    distributed runtime when it exits. Callers that know the expected local
+    shape (the trainer) check it locally every step.
   * Partition counts come from the specs, from `num_partitions`, or, when
     everything is replicated, from `with_sharding_constraint` calls found by
     tracing the function once per signature (only in that case).
@@ -39,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -65,6 +72,16 @@ from spmd.partition import (
 )
 
 log = logging.getLogger(__name__)
+
+# Set on an exception raised while JAX traced a sharded_jit function. Calling
+# again would only trace again: the user's trace-time side effects would run
+# twice and, across processes, every host would wait a second agreement round.
+_RAISED_IN_TRACE = "_sharded_jit_raised_in_trace"
+
+
+def _raised_in_trace(e: BaseException) -> bool:
+  return getattr(e, _RAISED_IN_TRACE, False)
+
 
 # How each flattened input/output crosses the process boundary.
 _LOCAL = "local"  # the process passes / receives its own piece
@@ -333,7 +350,9 @@ class ShardedJitFunction:
     if not plan.cross_process:
       try:
         return jitted(*args, *kwargs.values())
-      except ValueError:
+      except ValueError as e:
+        if _raised_in_trace(e):
+          raise
         resharded = self._reshard_committed(plan, args)
         if resharded is None:
           raise
@@ -354,6 +373,26 @@ class ShardedJitFunction:
     """Validated (jitted, args, kwargs, plan); jitted is None when nested."""
     if kwargs:
       args, kwargs = self._bind(args, kwargs)
+    self._check_arguments(args)
+    if _current() is not None:
+      return None, args, kwargs, None
+    plan = self._plan or self._plan_for_call(args, kwargs)
+    key = (tuple(kwargs), len(args)) if kwargs else ()
+    jitted = plan.jitted.get(key) or self._jit(plan, key)
+    if not key and plan is self._plan and (not plan.cross_process or plan.all_global):
+      # Later plain calls go straight to jax.jit: on this process's devices
+      # always; across processes when nothing needs converting (global arrays
+      # in and out). Anything else fails inside jax.jit and is redone on the
+      # full path, which explains it.
+      self.fast = jitted
+    return jitted, args, kwargs, plan
+
+  def _check_arguments(self, args: tuple) -> None:
+    """Clear errors for positional arguments that do not fit static_argnums or in_parts.
+
+    Also run when JAX traces, so that a malformed call on the fast path
+    fails with these messages rather than with one from calling the function.
+    """
     if self._static_argnums and self._static_argnums[-1] >= len(args):
       raise ValueError(
         f"jitted function has static_argnums={self._static_argnums}"
@@ -368,18 +407,6 @@ class ShardedJitFunction:
         f"{len(args) - len(self._static_argnums)} non-static positional "
         "arguments; give one spec per argument, or a single spec for all"
       )
-    if _current() is not None:
-      return None, args, kwargs, None
-    plan = self._plan or self._plan_for_call(args, kwargs)
-    key = (tuple(kwargs), len(args)) if kwargs else ()
-    jitted = plan.jitted.get(key) or self._jit(plan, key)
-    if not key and plan is self._plan and (not plan.cross_process or plan.all_global):
-      # Later plain calls go straight to jax.jit: on this process's devices
-      # always; across processes when nothing needs converting (global arrays
-      # in and out). Anything else fails inside jax.jit and is redone on the
-      # full path, which explains it.
-      self.fast = jitted
-    return jitted, args, kwargs, plan
 
   def _bind(self, args, kwargs):
     """Keyword arguments for positional parameters move to their position."""
@@ -455,17 +482,24 @@ class ShardedJitFunction:
     paths = None
     converted = []
     for i, (x, leaf) in enumerate(zip(leaves, per_leaf)):
-      if multihost.is_global_array(x):
-        if not x.sharding.is_equivalent_to(leaf.sharding, x.ndim):
-          x = jax.device_put(x, leaf.sharding)  # device to device, no host trip
+      concrete = multihost.concrete_value(x)
+      if multihost.is_global_value(x) or (leaf.mode == _GLOBAL and concrete is None):
+        # A global array, or a tracer of one (jax.grad, jax.vjp, jax.jit), goes
+        # to the inner jax.jit as it is: its in_shardings constrain a traced
+        # value, and a concrete one on other devices moves device to device.
+        # An argument without local_in_parts can only be global, so a tracer
+        # with no concrete value to say otherwise (jax.jit) is taken as global.
+        if concrete is not None and not concrete.sharding.is_equivalent_to(leaf.sharding, x.ndim):
+          x = jax.device_put(x, leaf.sharding)
       elif isinstance(x, jax.ShapeDtypeStruct):  # lower() for planning: global shapes
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding)
       elif leaf.mode == _GLOBAL:
         paths = paths or _paths(dyn)
+        traced = "" if concrete is x else f" tracing a {type(concrete).__name__}"
         raise ValueError(
           f"argument {paths[i]} of {self._name} is split across processes "
           f"({leaf.sharding.spec}) but has no local_in_parts spec, so it must "
-          f"be a global jax.Array; got {type(x).__name__} of shape "
+          f"be a global jax.Array; got {type(x).__name__}{traced} of shape "
           f"{np.shape(x)}. Pass local_in_parts to hand in this process's piece"
         )
       else:
@@ -640,13 +674,19 @@ class ShardedJitFunction:
     fun, name, n_kw = self._fun, self._name, len(kwnames)
 
     def body(*all_args):
-      args = all_args[: len(all_args) - n_kw]
-      kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
-      self._on_trace(plan, args, kwargs)
-      with _pushed(_Context(name, plan.mesh, plan.num_partitions)):
-        out = fun(*args, **kwargs)
-      broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
-      return out
+      try:
+        args = all_args[: len(all_args) - n_kw]
+        kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
+        self._check_arguments(args)
+        self._on_trace(plan, args, kwargs)
+        with _pushed(_Context(name, plan.mesh, plan.num_partitions)):
+          out = fun(*args, **kwargs)
+        broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
+        return out
+      except Exception as e:
+        with contextlib.suppress(AttributeError, TypeError):  # some types take no attributes
+          setattr(e, _RAISED_IN_TRACE, True)
+        raise
 
     body.__name__ = getattr(fun, "__name__", "sharded_jit_fun")
     body.__qualname__ = name
@@ -801,8 +841,13 @@ def sharded_jit(
       return impl.call(args, kwargs)
     try:
       return fast(*args)
-    except (TypeError, ValueError):
-      pass  # redo it on the full path, which raises our own errors
+    except multihost.AgreementError:
+      raise  # every process raised it in the same round; another would wait again
+    except (TypeError, ValueError) as e:
+      if _raised_in_trace(e):
+        raise  # from the user's function or our checks: the full path would trace again
+      # Otherwise JAX refused the arguments before tracing: redo it on the
+      # full path, which raises our own errors.
     return impl.call(args, kwargs)
 
   wrapped.lower = impl.lower

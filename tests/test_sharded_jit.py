@@ -247,6 +247,31 @@ def test_compiles_once_per_signature_and_logs(caplog):
   )
 
 
+def test_an_error_while_tracing_is_raised_at_once_not_traced_again():
+  # The fast path retries JAX's refusals on the full path; an error from the
+  # traced function must not be retried, or its trace-time side effects run twice.
+  traces = []
+
+  def body(a):
+    traces.append(a.shape)
+    if a.shape[0] != 8:
+      raise ValueError(f"rows={a.shape[0]} must be 8")
+    return a + 1
+
+  f = sharded_jit(body, in_parts=P(2, 1), out_parts=P(2, 1))
+  f(X)
+  assert f.sharded_jit.fast is not None
+  with pytest.raises(ValueError, match="rows=4 must be 8"):
+    f(X[:4])
+  assert traces == [(8, 8), (4, 8)]
+  # The full path does not retry it either, with committed arrays to move.
+  traces.clear()
+  committed = jax.device_put(X[:4], jax.devices()[5])
+  with pytest.raises(ValueError, match="rows=4 must be 8"):
+    f.sharded_jit.call((committed,), {})
+  assert traces == [(4, 8)]
+
+
 def test_committed_arrays_with_another_sharding_are_moved_on_device():
   f = sharded_jit(lambda a: a - 1, in_parts=P(4, 1), out_parts=P(4, 1))
   other = jax.device_put(

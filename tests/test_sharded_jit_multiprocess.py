@@ -1,5 +1,7 @@
 """sharded_jit across real processes on 127.0.0.1 (gloo), each checking itself."""
 
+import time
+
 import pytest
 
 from tests.multiprocess import assert_ok, run_worker
@@ -42,3 +44,72 @@ def test_device_assignment_errors_across_processes():
     assert "Specify 'local_num_partitions'" in p.output, result.report()
     assert "must use all available devices. Got 3 out of 4" in p.output, result.report()
     assert "local_num_partitions=1 but this process has 2 devices" in p.output
+
+
+TRACER_SCENARIOS = [
+  "grad of a global array",
+  "grad of a global array under jax.jit",
+  "vjp of a global array: value",
+  "vjp of a global array: global cotangent",
+  "vjp of a global array: replicated cotangent",
+  "jax.jit of a global array",
+  "grad of a global array through local_in_parts",
+  "grad of a global array through local_in_parts, jitted",
+  "grad of local pieces through local_in_parts",
+  "a traced local piece into a global-only call is a clear error",
+]
+
+
+def test_tracers_of_global_arrays_match_one_process_on_the_full_data():
+  """jax.grad, jax.vjp and jax.jit of a cross-process call on global arrays."""
+  result = run_worker("sharded_jit_worker", "tracers", num_processes=2, devices_per_process=2)
+  assert_ok(result)
+  for p in result.processes:
+    for scenario in TRACER_SCENARIOS:
+      assert f"PASS {scenario}\n" in p.output, result.report()
+
+
+def test_a_failure_at_a_new_signature_on_the_fast_path_is_one_round_one_trace():
+  """No retry: an AgreementError, or an error from the traced function, raises at once."""
+  result = run_worker("sharded_jit_worker", "agree-once", num_processes=2, devices_per_process=2)
+  assert_ok(result)
+  for p in result.processes:
+    assert "static_args: process 0: [10]; process 1: [11]" in p.output, result.report()
+    assert "PASS a disagreement on the fast path is one agreement round\n" in p.output, (
+      result.report()
+    )
+    assert "PASS an error while tracing on the fast path traces once\n" in p.output, result.report()
+
+
+@pytest.mark.parametrize("changing", [1, 0], ids=["another process", "the coordinator"])
+def test_a_host_that_changes_its_signature_alone_ends_every_host_with_an_error(changing):
+  """The others reuse the cached program: nothing checks them, but nobody hangs.
+
+  The changing host waits in the agreement check and raises, naming what it
+  changed; the others, waiting in the program's collective for it, are ended
+  by JAX's distributed runtime once it leaves (shutdown barrier, heartbeat).
+  """
+  agreement_timeout_s = 10
+  started = time.monotonic()
+  result = run_worker(
+    "sharded_jit_worker",
+    f"changed-signature={changing}",
+    num_processes=2,
+    devices_per_process=2,
+    timeout_s=120,  # the hard limit, far past the bound checked below
+    grace_s=30,
+    env={"SPMD_AGREEMENT_TIMEOUT_S": str(agreement_timeout_s)},
+  )
+  took = time.monotonic() - started
+  assert not result.timed_out, result.report()
+  for p in result.processes:
+    assert p.returncode not in (0, None), result.report()
+    assert not p.killed_by_launcher, result.report()  # each ended on its own
+    assert "UNEXPECTED" not in p.output, result.report()
+  message = result.processes[changing].output
+  assert (
+    f"sharded_jit(changed_signature.<locals>.<lambda>): processes [{1 - changing}] did not "
+    f"reach the agreement check for a new signature within {agreement_timeout_s}s" in message
+  ), result.report()
+  assert "args[0].local_shape: [8, 8] -> [6, 8]" in message, result.report()
+  assert took < 6 * agreement_timeout_s, took

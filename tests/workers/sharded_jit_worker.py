@@ -1,8 +1,8 @@
 """One process of a multi-process sharded_jit test; checks its own results.
 
 Run by tests/test_sharded_jit_multiprocess.py through tests/multiprocess.py.
-Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, mismatch-shape, mismatch-dtype,
-  mismatch-divisible, device-errors
+Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, agree-once,
+  changed-signature=P, mismatch-shape, mismatch-dtype, mismatch-divisible, device-errors
 """
 
 import sys
@@ -17,7 +17,7 @@ import jax  # noqa: E402  (after initialize, which sets the device count)
 import jax.numpy as jnp  # noqa: E402
 
 from spmd import PartitionSpec as P  # noqa: E402
-from spmd import sharded_jit, with_sharding_constraint  # noqa: E402
+from spmd import multihost, sharded_jit, with_sharding_constraint  # noqa: E402
 
 pid, nproc = jax.process_index(), jax.process_count()
 L = jax.local_device_count()
@@ -200,6 +200,129 @@ def compiles_once():
   print("PASS traced once per signature", flush=True)
 
 
+def close_global(a, expected, what):
+  """Each of this process's shards of global `a` against the same block of `expected`."""
+  assert not a.is_fully_addressable and a.shape == np.shape(expected), (a.shape, a.sharding)
+  for s in a.addressable_shards:
+    got, want = np.asarray(s.data), np.asarray(expected)[s.index]
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+      raise AssertionError(f"process {pid} {what}: shard {s.index}\n{got}\nexpected\n{want}")
+  print(f"PASS {what}", flush=True)
+
+
+def rows_global(data):
+  """`data`, whose rows `mine` this process holds, as one global array split by rows."""
+  mesh = jax.make_mesh(
+    (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+  )
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+  return jax.make_array_from_process_local_data(sharding, data[mine], data.shape)
+
+
+def tracers_of_global_arrays():
+  # jax.grad, jax.vjp and jax.jit hand sharded_jit tracers of global arrays;
+  # each result must equal plain JAX's on the full data in this one process.
+  def loss(x, w):
+    # sum(x, axis=0) couples every process's rows.
+    return jnp.sum(jnp.tanh(x @ w) * jnp.sum(x, axis=0)[:3]) ** 2
+
+  f = sharded_jit(loss, in_parts=(P(N, 1), None), out_parts=None)
+  gx = rows_global(X)
+  want_x, want_w = jax.grad(loss, argnums=(0, 1))(X, W)
+  close_global(jax.grad(f)(gx, W), want_x, "grad of a global array")
+  close_global(jax.jit(jax.grad(f))(gx, W), want_x, "grad of a global array under jax.jit")
+  value, vjp = jax.vjp(f, gx, W)
+  ct_x, ct_w = vjp(jnp.ones_like(value))
+  close(value, loss(X, W), "vjp of a global array: value")
+  close_global(ct_x, want_x, "vjp of a global array: global cotangent")
+  close(ct_w, want_w, "vjp of a global array: replicated cotangent")
+  close(jax.jit(f)(gx, W), loss(X, W), "jax.jit of a global array")
+  # An argument with local_in_parts takes a global array as it is, and its tracer too.
+  h = sharded_jit(loss, in_parts=(P(N, 1), None), out_parts=None, local_in_parts=(P(L, 1), None))
+  close_global(jax.grad(h)(gx, W), want_x, "grad of a global array through local_in_parts")
+  close_global(
+    jax.jit(jax.grad(h))(gx, W), want_x, "grad of a global array through local_in_parts, jitted"
+  )
+  close(jax.grad(h)(X[mine], W), want_x[mine], "grad of local pieces through local_in_parts")
+  try:
+    jax.grad(f)(X[mine], W)
+  except ValueError as e:
+    assert "must be a global jax.Array; got LinearizeTracer tracing a" in str(e), e
+    print("PASS a traced local piece into a global-only call is a clear error", flush=True)
+  else:
+    raise AssertionError("a traced local piece into a global-only call was accepted")
+
+
+def agreement_once():
+  # A failure at a new signature on the fast path is raised at once: one
+  # agreement round, one trace, however the fast path failed.
+  rounds = []
+  check = multihost.check_agreement
+
+  def counting(what, record, timeout_s=None):
+    rounds.append(what)
+    return check(what, record, timeout_s)
+
+  multihost.check_agreement = counting
+  traces = []
+
+  def body(x, k):
+    traces.append(k)
+    if k < 0:
+      raise ValueError(f"k={k} must not be negative")
+    return x * k
+
+  mesh = jax.make_mesh(
+    (N,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,), devices=spmd.device_order()
+  )
+  rows = jax.sharding.PartitionSpec("rows")
+  f = sharded_jit(body, in_parts=rows, out_parts=rows, mesh=mesh, static_argnums=1)
+  gx = rows_global(X)
+  f(gx, 1)
+  assert f.sharded_jit.fast is not None, "an all-global plan should use the fast path"
+  try:
+    rounds.clear()
+    traces.clear()
+    try:
+      f(gx, 10 + pid)  # every process a new static value, each a different one
+    except multihost.AgreementError as e:
+      print(f"ERROR {type(e).__name__}: {e}", flush=True)
+      assert len(rounds) == 1 and traces == [], (rounds, traces)
+      print("PASS a disagreement on the fast path is one agreement round", flush=True)
+    else:
+      raise AssertionError("processes with different static arguments agreed")
+    rounds.clear()
+    traces.clear()
+    try:
+      f(gx, -1)
+    except ValueError as e:
+      assert "k=-1 must not be negative" in str(e), e
+      assert len(rounds) == 1 and traces == [-1], (rounds, traces)
+      print("PASS an error while tracing on the fast path traces once", flush=True)
+    else:
+      raise AssertionError("k=-1 raised nothing")
+  finally:
+    multihost.check_agreement = check
+
+
+def changed_signature(changing):
+  # Process `changing` passes fewer rows on the second call; the others reuse
+  # the program compiled for the first, whose sum waits for every process.
+  f = sharded_jit(
+    lambda x: x * jnp.sum(x),
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+  )
+  close(f(X[mine]), X[mine] * X.sum(), "first call agreed")
+  rows = X[mine][:-L] if pid == changing else X[mine]
+  print("CALLING with a changed signature", flush=True)
+  np.asarray(f(rows))
+  np.asarray(f(X[mine]))
+  print(f"process {pid}: UNEXPECTED: the calls returned", flush=True)
+
+
 def expect_error(fn, what):
   try:
     fn()
@@ -224,6 +347,12 @@ def main(mode):
       compiles_once,
     ):
       scenario()
+  elif mode == "tracers":
+    tracers_of_global_arrays()
+  elif mode == "agree-once":
+    agreement_once()
+  elif mode.startswith("changed-signature="):  # =P: process P changes; -1 is the last
+    changed_signature(int(mode.split("=")[1]) % nproc)
   elif mode == "mismatch-shape":
     rows = X[mine] if pid != nproc - 1 else X[mine][:-L]  # the last host is short
     f = sharded_jit(
