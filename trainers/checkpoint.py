@@ -121,7 +121,7 @@ def _barriers_through_the_coordination_service() -> None:
 
 
 def make_manager(
-  directory: str, every: int, keep: int, keep_period: int = 0, async_save: bool = True
+  directory: str | epath.Path, every: int, keep: int, keep_period: int = 0, async_save: bool = True
 ) -> ocp.CheckpointManager:
   """An orbax `CheckpointManager` that keeps the last `keep` (+ every `keep_period`-th)."""
   _register_array_handler()
@@ -134,9 +134,9 @@ def make_manager(
     cleanup_tmp_directories=True,
     create=True,
   )
-  return ocp.CheckpointManager(
-    paths.user_path(directory), options=options, item_handlers=_handlers()
-  )
+  directory = paths.user_path(directory)
+  warn_unfinished(directory)
+  return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
@@ -445,34 +445,48 @@ def _committed(directory: Any, step: int) -> bool:
   return (epath.Path(directory) / str(step) / COMMIT_MARKER).exists()
 
 
-def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
-  """The newest step orbax finished (its commit marker written), skipping unfinished ones.
+def _step_dirs(directory: epath.Path) -> list[int]:
+  if not directory.exists():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
-  A save cut short leaves a step directory without the marker where the
-  storage has no atomic rename (object stores such as GCS): that is the
-  normal outcome of a kill during a save there, not damage. Such steps are
-  never restored: each is named in a warning, and process 0 removes the
-  ones newer than the step resumed from, so the run can save them again.
+
+def warn_unfinished(directory: epath.Path) -> list[int]:
+  """Names the steps a cut-short save left without orbax's commit marker; returns them.
+
+  Where storage has no atomic rename (object stores such as GCS) that is the
+  normal outcome of a kill during a save, not damage: such a step is never
+  restored. Called before orbax opens the directory, since on some stores
+  orbax removes them silently.
   """
-  steps = sorted(manager.all_steps(), reverse=True)
-  directory = manager.directory
-  unfinished = [s for s in steps if not _committed(directory, s)]
-  latest = next((s for s in steps if s not in unfinished), None)
-  if unfinished:
+  unfinished = [s for s in _step_dirs(directory) if not _committed(directory, s)]
+  if unfinished and jax.process_index() == 0:
     log.warning(
-      "checkpoint steps %s in %s were never finished (no %s): skipped, never restored; "
-      "resuming from %s",
+      "checkpoint steps %s in %s were never finished (no %s): skipped, never restored",
       unfinished,
       directory,
       COMMIT_MARKER,
-      f"step {latest}" if latest is not None else "scratch",
     )
-    newer = [s for s in unfinished if latest is None or s > latest]
+  return unfinished
+
+
+def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
+  """The newest step orbax finished (its commit marker written), skipping unfinished ones.
+
+  Unfinished steps (see `warn_unfinished`) newer than it are removed by
+  process 0, so the run can save those steps again.
+  """
+  directory = epath.Path(manager.directory)
+  steps = sorted(set(manager.all_steps()) | set(_step_dirs(directory)), reverse=True)
+  unfinished = [s for s in steps if not _committed(directory, s)]
+  latest = next((s for s in steps if s not in unfinished), None)
+  newer = [s for s in unfinished if latest is None or s > latest]
+  if newer:
     # Every process has listed the steps before any is removed, so all agree on them.
     multihost.barrier("unfinished_checkpoints_seen")
     if jax.process_index() == 0:
       for s in newer:
-        (epath.Path(directory) / str(s)).rmtree()
+        (directory / str(s)).rmtree()
     multihost.barrier("unfinished_checkpoints_removed")
     manager.reload()
   return latest

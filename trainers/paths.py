@@ -29,6 +29,19 @@ from etils import epath
 DATA_CACHE_ENV = "SPMD_DATA_CACHE"  # where hosts stage remote datasets (default below)
 
 
+def _no_listing_caches() -> None:
+  # Hosts read what other hosts wrote (checkpoints, prepared data), and fsspec
+  # keeps a process's directory listings: a cached listing would hide another
+  # host's new files. Set before any filesystem is made (they are cached too).
+  import fsspec.config
+
+  for protocol in ("gs", "gcs", "s3"):
+    fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+
+
+_no_listing_caches()
+
+
 def is_url(path: str | os.PathLike) -> bool:
   """Whether `path` names remote storage (`scheme://...`)."""
   return "://" in os.fspath(path)
@@ -63,9 +76,7 @@ def copy_tree(source: epath.Path, target: epath.Path) -> int:
   written once and never change, so a second staging copies nothing.
   """
   count = 0
-  for path in sorted(source.rglob("*")):
-    if path.is_dir():
-      continue
+  for path in _files(source):
     dest = target / path.relative_to(source)
     if dest.exists() and dest.stat().length == path.stat().length:
       continue
@@ -73,6 +84,15 @@ def copy_tree(source: epath.Path, target: epath.Path) -> int:
     dest.write_bytes(path.read_bytes())
     count += 1
   return count
+
+
+def _files(root: epath.Path) -> list[epath.Path]:
+  # Listing folder by folder: epath refuses a recursive glob on object stores.
+  out, folders = [], [root]
+  while folders:
+    for path in sorted(folders.pop().iterdir()):
+      (folders if path.is_dir() else out).append(path)
+  return out
 
 
 class RemoteTextFile:

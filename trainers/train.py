@@ -297,10 +297,21 @@ def _batches_with_faults(
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains, evaluates and summarises; returns the summary (all processes)."""
   spmd.initialize()
-  workdir = paths.user_path(workdir)  # local or a URL (gs://...): see trainers/paths.py
-  chief = jax.process_index() == 0
-  workdir.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
+  # From the start: a process waiting for its peers (data preparation, restore)
+  # hears of a peer's failure at once, and the first step's limit covers setup.
+  watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
+  try:
+    return _train_and_evaluate(config, paths.user_path(workdir), watchdog, started)
+  finally:
+    watchdog.close()
+
+
+def _train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: epath.Path, watchdog: ProgressWatchdog, started
+) -> dict[str, Any]:
+  chief = jax.process_index() == 0
+  workdir.mkdir(parents=True, exist_ok=True)  # local or a URL (gs://...): trainers/paths.py
   # The config, else JAX's own variable (as documented in configs/default.py), else beside the run.
   cache_dir = str(
     paths.user_path(
@@ -316,7 +327,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   task = make_task(config)
   if chief:
     save_run_files(config, workdir)
-  train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
+  with watchdog.phase("data preparation", 0, "none"):  # as long as it takes, the first time
+    train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
   setup = make_state(task.model, config, mesh, batch_axes)
@@ -369,7 +381,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
   saver = checkpoint.Saver(manager)
-  watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
   save_budget = ("a checkpoint save", config.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
 
   # Saves and evals are timed by their own budgets, not by the step limit.

@@ -52,7 +52,10 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
 
   first = harness.start(data, workdir, *flags, env=env, cwd=cwd)
   try:
-    harness.wait_for(lambda: len(committed(workdir)) >= 3, 300, "three committed checkpoints")
+    try:
+      harness.wait_for(lambda: len(committed(workdir)) >= 3, 300, "three committed checkpoints")
+    except TimeoutError as e:
+      raise AssertionError(first.output[-5000:]) from e
     running = harness.wait_for(
       lambda: len(found := harness.pids(workdir)) == 2 and found, 60, "both processes"
     )
