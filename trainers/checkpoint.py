@@ -222,7 +222,19 @@ class Saver:
   def wait(self) -> None:
     """Blocks until every started save is written and committed."""
     self._take_pending()
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._noted(e, f"the save of step {self._last}") from None
+
+  def _noted(self, error: BaseException, which: str) -> BaseException:
+    # The store's own error says what failed, not where: name the directory,
+    # and that what was committed before is intact (a restart resumes there).
+    error.add_note(
+      f"a checkpoint save to {self.manager.directory} failed ({which}); the steps "
+      "committed before it are intact and a restart resumes from the last of them"
+    )
+    return error
 
   def close(self) -> None:
     """Waits for the saves started, then closes the manager."""
@@ -254,7 +266,7 @@ class Saver:
       # otherwise decide a second time, in another thread).
       self.manager.save(step, args=args, force=True)
     except BaseException as e:  # kept for the training thread to raise
-      self._error = e
+      self._error = self._noted(e, f"step {step}, or the save before it")
 
 
 def _snapshot_sharding(x: jax.Array) -> jax.sharding.Sharding:

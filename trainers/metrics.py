@@ -118,7 +118,8 @@ class MetricsWriter:
     now = time.time()
     record = {"step": int(step), "time": now, **values}
     self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if not isinstance(self._file, paths.RemoteTextFile):  # that one uploads on its own clock
+      self._file.flush()
     for key, value in values.items():
       self._tb.add_scalar(key, value, global_step=int(step), walltime=now)
 

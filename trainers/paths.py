@@ -130,7 +130,11 @@ class RemoteTextFile:
   def flush(self) -> None:
     with self._lock:
       content = self._text.getvalue()
-    self.path.write_text(content)
+    try:
+      self.path.write_text(content)
+    except Exception as e:
+      e.add_note(f"writing {self.path} failed: is the store reachable?")
+      raise
     self._written = self._time()
 
   def close(self) -> None:

@@ -381,7 +381,11 @@ def _train_and_evaluate(
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
 
   saver = checkpoint.Saver(manager)
-  save_budget = ("a checkpoint save", config.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
+  save_budget = (
+    f"a checkpoint save to {workdir / 'checkpoints'}",
+    config.checkpoint.save_timeout_s,
+    "checkpoint.save_timeout_s",
+  )
 
   # Saves and evals are timed by their own budgets, not by the step limit.
   def save(step, state):

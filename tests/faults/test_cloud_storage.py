@@ -11,6 +11,7 @@ naming it, never restored and never called damage.
 
 import os
 import signal
+import time
 
 import pytest
 from etils import epath
@@ -94,3 +95,51 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
   assert (workdir / "loss.png").exists() and (workdir / "summary.json").exists()
   assert list((workdir / "tensorboard").iterdir()), "no TensorBoard events on the bucket"
   assert not left_here, left_here
+
+
+def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
+  data, tmp_path, tmp_path_factory, record, gcs
+):
+  reference = harness.reference_hash(data, tmp_path_factory)
+  workdir = epath.Path("gs://bucket/run")
+  env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
+  os.environ.update(gcs.env())
+  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
+  budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
+
+  first = harness.start(data, workdir, *flags, *budget, env=env)
+  try:
+    harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
+    last_committed = committed(workdir)[-1]
+    gcs.stop()  # the store goes away while the run saves every other step
+    started = time.monotonic()
+    code = first.launcher.wait(timeout=300)
+    took = time.monotonic() - started
+  finally:
+    first.kill()
+  out = first.output
+  named = any(
+    what in out
+    for what in (
+      "checkpoint save to gs://bucket/run/checkpoints failed",  # the store's error
+      "checkpoint save to gs://bucket/run/checkpoints did not finish",  # or its silence
+      "writing gs://bucket/run/metrics.jsonl failed",  # or the metrics' upload came first
+    )
+  )
+  gcs.start()
+  second = harness.start(data, workdir, *flags, env=env)
+  resumed_code = second.wait(600)
+  resumed = harness.resumed_steps(out + second.output)
+  ok = (
+    code != 0
+    and named
+    and resumed_code == 0
+    and resumed
+    and resumed[0] >= last_committed
+    and harness.param_hash(second.output) == reference
+  )
+  record("12. checkpoint store unreachable during an async save", 1, int(ok), took, None)
+  assert code != 0 and named, out
+  assert resumed_code == 0, second.output
+  assert resumed and resumed[0] >= last_committed, (resumed, last_committed)
+  assert harness.param_hash(second.output) == reference, second.output
