@@ -16,10 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -57,19 +53,7 @@ def example(tmp_path_factory):
 
 def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0, extra=()):
   """`spmd-launch local -- spmd-train --config=<copy>/config.py`, from the copy's folder."""
-  command = [
-    sys.executable,
-    "-m",
-    "launch.main",
-    "local",
-    f"--num-processes={processes}",
-    f"--devices-per-process={devices}",
-    f"--max-restarts={max_restarts}",
-    f"--grace={harness.GRACE_S}",
-    "--timeout=400",
-    "--",
-    sys.executable,
-    "-m",
+  train = [
     "trainers.main",
     f"--config={example['folder'] / 'config.py'}",
     f"--workdir={workdir}",
@@ -78,28 +62,10 @@ def start(example, workdir: Path, processes: int, devices: int, max_restarts: in
     *extra,
   ]
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy needs none
-  env.update(
-    JAX_COMPILATION_CACHE_DIR=str(example["cache"]),
-    SPMD_AGREEMENT_TIMEOUT_S="60",
-    **harness.FAST_COMPILE,
+  env["JAX_COMPILATION_CACHE_DIR"] = str(example["cache"])
+  return harness.launch(
+    train, workdir, processes, devices, max_restarts, 400, env, example["folder"]
   )
-  launcher = subprocess.Popen(
-    command,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=env,
-    cwd=str(example["folder"]),
-    start_new_session=True,
-  )
-  job = harness.Job(launcher, workdir)
-
-  def read():
-    for line in launcher.stdout:
-      job.lines.append((time.monotonic(), line))
-
-  threading.Thread(target=read, daemon=True).start()
-  return job
 
 
 def losses(workdir: Path) -> dict[int, float]:

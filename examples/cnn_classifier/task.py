@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
-from trainers.tasks import Task, config_section
+from trainers.tasks import Task, config_section, cross_entropy_sums
 
 import cnn
 import shapes_dataset
@@ -40,10 +38,7 @@ def loss(model, batch, rngs, train):
   """Summed cross-entropy of the real images, their count, and the correct ones."""
   del train  # the trainer has already put the model in train or eval mode
   logits = model(batch["image"], rngs=rngs)  # rngs: this step's dropout keys
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-  mask = batch["mask"]
-  correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+  return cross_entropy_sums(logits, batch["label"], batch["mask"])
 
 
 def make_task(config: ml_collections.ConfigDict) -> Task:

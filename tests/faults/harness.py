@@ -100,6 +100,29 @@ def start(
 
   `entry` is the module run as `spmd-train` (one of `ENTRIES`), `env` more environment.
   """
+  environment = dict(
+    os.environ,
+    PYTHONPATH=str(ROOT),
+    JAX_COMPILATION_CACHE_DIR=data["cache"],
+    **(env or {}),
+  )
+  train = [entry, *train_flags(data, workdir, *overrides)]
+  return launch(
+    train, workdir, num_processes, devices, max_restarts, timeout_s, environment, cwd or ROOT
+  )
+
+
+def launch(
+  train: list[str],
+  workdir: Path,
+  num_processes: int,
+  devices: int,
+  max_restarts: int,
+  timeout_s: float,
+  env: dict,
+  cwd: Path,
+) -> Job:
+  """`spmd-launch local -- python -m TRAIN...` in its own process group, its output read."""
   command = [
     sys.executable,
     "-m",
@@ -113,24 +136,16 @@ def start(
     "--",
     sys.executable,
     "-m",
-    entry,
-    *train_flags(data, workdir, *overrides),
+    *train,
   ]
-  env = dict(
-    os.environ,
-    PYTHONPATH=str(ROOT),
-    JAX_COMPILATION_CACHE_DIR=data["cache"],
-    SPMD_AGREEMENT_TIMEOUT_S="60",
-    **FAST_COMPILE,
-    **(env or {}),
-  )
+  env = dict(env, SPMD_AGREEMENT_TIMEOUT_S="60", **FAST_COMPILE)
   launcher = subprocess.Popen(
     command,
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
     env=env,
-    cwd=str(cwd or ROOT),
+    cwd=str(cwd),
     start_new_session=True,
   )
   job = Job(launcher, workdir)

@@ -169,6 +169,28 @@ class Task:
     return jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
 
 
+def cross_entropy_sums(
+  logits: jax.Array, labels: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """A classifier's `Task.loss` result: summed cross-entropy, its weight, correct predictions.
+
+  `logits` are `[..., classes]`, `labels` integers `[...]`, `mask` 1.0 for
+  what counts (0.0 for padding). Next-token prediction is the same with a
+  sequence axis.
+
+  Example:
+    >>> loss_sum, weight, sums = cross_entropy_sums(
+    ...   jnp.array([[2.0, 0.0], [0.0, 2.0]]), jnp.array([0, 0]), jnp.array([1.0, 0.0]))
+    >>> float(weight), float(sums["accuracy"]), round(float(loss_sum), 4)
+    (1.0, 1.0, 0.1269)
+  """
+  import optax
+
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+
+
 def resolve_task_spec(spec: str, config_dir: str | Path | None = None) -> str:
   """`config.task` as an absolute spec: a built-in name's module, or a file's full path.
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import itertools
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from trainers.models import mlp
-from trainers.tasks import Task, config_section
+from trainers.tasks import Task, config_section, cross_entropy_sums
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -50,11 +48,7 @@ def param_count(model_config: mlp.MLPConfig) -> int:
 def classification_loss(model, batch, rngs, train):
   """Summed cross-entropy over the real examples, their count, and the correct ones."""
   del rngs, train
-  logits = model(batch["inputs"])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["mask"]
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+  return cross_entropy_sums(model(batch["inputs"]), batch["targets"], batch["mask"])
 
 
 def _prepare(config: ml_collections.ConfigDict):

@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from trainers.data import pipeline
 from trainers.models import transformer as lm
-from trainers.tasks import Task, config_section
+from trainers.tasks import Task, config_section, cross_entropy_sums
 
 CORPUS_RECORD_BYTES = 4096  # text_corpus records; LM examples are windows of them
 SAMPLE_PROMPT = "def "
@@ -64,11 +63,7 @@ def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfi
 def next_token_loss(model, batch, rngs, train):
   """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy."""
   del rngs, train  # the transformer has no dropout and no batch statistics
-  logits = model(batch["inputs"])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["mask"]
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+  return cross_entropy_sums(model(batch["inputs"]), batch["targets"], batch["mask"])
 
 
 def _prepare(config: ml_collections.ConfigDict):
