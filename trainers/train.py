@@ -372,6 +372,9 @@ def _train_and_evaluate(
     if chief
     else peaks.PeakInfo(0.0, "not measured on this process")
   )
+  # The others wait: a CPU peak measured while a peer compiles beside it on
+  # the same cores would come out low (once; it is cached after).
+  multihost.barrier("peak_measured", timeout_s=600)
   flops_metric, flops_per_step = "mfu", task.flops_per_step
   if flops_per_step is None:
     # Every process lowers the same signature: a lowering checks that hosts agree.

@@ -84,7 +84,11 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
     and not left_here
   )
   record(
-    "12. gs:// workdir and data: kill -9 mid-save, restart", 1, int(ok), None, 0 if ok else None
+    "12. gs:// workdir and data: kill -9, last save left unfinished, restart",
+    1,
+    int(ok),
+    None,
+    0 if ok else None,
   )
   assert code == 0, out
   assert skipped in out, out
