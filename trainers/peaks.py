@@ -44,11 +44,10 @@ CACHE_FILE = "peak_flops.json"
 
 # XLA:CPU options (per program, `compile(compiler_options=...)`) that hand every
 # dot to oneDNN, one library call each, instead of YNNPACK (row-major 2-D dots)
-# and Eigen (the rest: batched dots, one call per item). On the 2-core x86_64
-# machine this project is developed on, a square float32 matmul ran 1.06-1.16x
-# faster this way (2026-12-02), so a CPU's measured peak is the better of the
-# two (`measure_matmul_peak`). Train steps keep XLA's default
-# (`benchmarks/NOTES.md`, P3). Wider oneDNN fusions (`LIBRARY_FUSION_TYPE_DOT`,
+# and Eigen (the rest: batched dots, one call per item). Which of the two is
+# faster for a square matmul depends on the CPU, so a CPU's measured peak is the
+# better of the two (`measure_matmul_peak`): MFU is never taken against a low
+# peak. Train steps keep XLA's default. Wider oneDNN fusions (`LIBRARY_FUSION_TYPE_DOT`,
 # a dot with its elementwise producers) fail to compile in jaxlib 0.10.2
 # ("partition compile failed", then SIGILL).
 ONEDNN_DOTS = {
