@@ -125,6 +125,9 @@ def test_sigterm_saves_at_one_agreed_step_and_resume_loses_nothing(
 
 
 SAVE_DELAY_S = 6.0  # each checkpoint write: twice the step limit below
+# Steps here take a tenth of a second: without a pause the run can end before
+# the test's SIGTERM lands, and then the save timed is the end's, not a preemption's.
+STEP_DELAY_S = 0.3
 
 
 def test_a_preemption_save_slower_than_the_step_limit_completes(data, tmp_path, record):
@@ -142,7 +145,7 @@ def test_a_preemption_save_slower_than_the_step_limit_completes(data, tmp_path, 
     f"--config.train.step_timeout_s={SAVE_DELAY_S / 2}",
     "--config.checkpoint.save_timeout_s=120",
     entry="tests.workers.slow_save_train",
-    env={"SPMD_TEST_SAVE_DELAY_S": str(SAVE_DELAY_S)},
+    env={"SPMD_TEST_SAVE_DELAY_S": str(SAVE_DELAY_S), "SPMD_TEST_STEP_DELAY_S": str(STEP_DELAY_S)},
   )
   try:
     harness.wait_for(lambda: harness.last_step(workdir) >= 4, 300, "step 4")
