@@ -8,6 +8,7 @@ Unknown keys and wrong types are rejected, in config files as in overrides
 
 import ml_collections
 
+from trainers import optim
 from trainers.tasks import lm
 
 
@@ -50,16 +51,24 @@ def get_config() -> ml_collections.ConfigDict:
   # trainers.models.transformer.TransformerConfig; see trainers/tasks/lm.py).
   config.model = lm.default_model_config()
 
-  # Optimisation: adamw, linear warmup then cosine decay, global-norm clipping.
+  # Optimisation (trainers/optim.py): an optax optimizer by name after global-norm
+  # clipping, a linear warmup then a decay, and weight decay on a masked subset.
   config.train = ml_collections.ConfigDict()
   config.train.steps = 1000
+  config.train.optimizer = "adamw"  # adamw, adafactor, lion, sgd
   config.train.learning_rate = 3e-3
+  config.train.schedule = "cosine"  # after the warmup: cosine, linear, constant, rsqrt
   config.train.warmup_steps = 100
-  config.train.end_learning_rate_fraction = 0.1
+  config.train.end_learning_rate_fraction = 0.1  # cosine and linear end here
   config.train.weight_decay = 0.1
-  config.train.b1 = 0.9
-  config.train.b2 = 0.95
-  config.train.grad_clip_norm = 1.0
+  # Parameters whose path ("blocks/0/attn_norm/scale") one of these regexes
+  # matches get no decay: by default norms, biases and embedding tables.
+  config.train.weight_decay_exclude = optim.DEFAULT_DECAY_EXCLUDE
+  config.train.b1 = 0.9  # adamw, lion
+  config.train.b2 = 0.95  # adamw, lion
+  config.train.momentum = 0.9  # sgd (0 = none)
+  config.train.nesterov = False  # sgd
+  config.train.grad_clip_norm = 1.0  # 0 = no clipping
   config.train.micro_batches = 1  # gradient accumulation
   # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
   # with replicated parameters (gloo pays per array; see trainers/step.py).
@@ -81,6 +90,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.first_step_timeout_s = 3600.0
 
   # Periodic work: each hook has its own schedule (0 = never).
+  # Your own hooks (trainers/hooks.py): "package.module:function" or
+  # "file.py:function" beside the config file; function(config) -> Hook(s).
+  config.hooks = ()
   config.log_every = 10
   config.eval_every = 200
   config.eval_batches = 8  # 0 = the whole eval split

@@ -26,12 +26,15 @@ Example:
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 
+from trainers import optim
+from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.tasks import make_task, resolve_task_spec
 
 TASK_SECTION = "model"  # the task's own section: keys and values are the task's to check
@@ -128,8 +131,18 @@ def check_values(config: ml_collections.ConfigDict) -> None:
   _one_of(config.mesh.unannotated, "mesh.unannotated", UNANNOTATED_RULES)
   _one_of(config.train.flat_grad_reduce, "train.flat_grad_reduce", ("auto", "on", "off"))
   _one_of(config.train.nonfinite_guard, "train.nonfinite_guard", ("auto", "branch", "select"))
+  _one_of(config.train.optimizer, "train.optimizer", optim.OPTIMIZERS)
+  _one_of(config.train.schedule, "train.schedule", optim.SCHEDULES)
+  for pattern in config.train.weight_decay_exclude:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(f"train.weight_decay_exclude: {pattern!r} is not a regex: {e}") from None
   for name in (
     "train.warmup_steps",
+    "train.weight_decay",
+    "train.momentum",
+    "train.grad_clip_norm",
     "eval_every",
     "eval_batches",
     "data.prefetch",
@@ -157,6 +170,7 @@ def resolve(
   resolved = _merged(config, reference)
   folder = Path(config_file).resolve().parent if config_file else None
   resolved.task = resolve_task_spec(resolved.task, folder)
+  resolved.hooks = resolve_hook_specs(resolved.hooks, folder)
   check_values(resolved)
-  make_task(resolved)  # the task checks its own section
+  load_hooks(resolved, make_task(resolved).hooks)  # the task checks its own section
   return resolved

@@ -1,10 +1,11 @@
-"""The training loop and its hooks.
+"""The training loop and the built-in hooks.
 
-The loop only runs steps and asks each hook whether it is due. Periodic work
-(metrics, eval, checkpoints, profiling, preemption) lives in hooks with their
-own schedules. Nothing in the loop reads a device value: metrics stay on the
-devices until the metrics hook fetches the pending ones together, every
-`log_every` steps (one host sync per `log_every` steps, not per step).
+The loop only runs steps and runs the hooks that are due (`trainers.hooks`):
+metrics, eval, checkpoints and profiling are hooks of the same kind as a
+user's, each with its own schedule. Nothing in the loop reads a device
+value: metrics stay on the devices until a due hook asks for them, and then
+all pending steps' metrics come in one transfer (with the default hooks, one
+host sync per `log_every` steps, not per step).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+
+from trainers.hooks import Hook, StepInfo, _Rows
 
 log = logging.getLogger(__name__)
 
@@ -37,152 +41,64 @@ class Preempted(Exception):
 
 @dataclasses.dataclass
 class LoopState:
-  """What hooks may read and change."""
+  """The loop's own bookkeeping; hooks see a `StepInfo`, not this."""
 
   state: Any  # the train state (device arrays)
   step: int  # steps completed
   total_steps: int
+  mesh: Any = None
+  workdir: Any = None
+  model: Callable[[Any], Any] = lambda state: None  # state -> the NNX model (eval mode)
+  # Adds derived values (throughput, MFU) to each fetched row.
+  annotate: Callable[[dict], None] = lambda row: None
   pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
   history: list[dict] = dataclasses.field(default_factory=list)  # fetched metrics
   last_fetch: float = dataclasses.field(default_factory=time.perf_counter)
   last_fetch_step: int = 0
 
-
-class Hook:
-  """Periodic work: `run` is called after steps where `due(step)` holds."""
-
-  every = 0
-
-  def due(self, step: int, total: int) -> bool:
-    return self.every > 0 and (step % self.every == 0 or step == total)
-
-  def run(self, loop: LoopState) -> None:
-    raise NotImplementedError
-
-  def close(self, loop: LoopState, ok: bool) -> None:
-    """Called once at the end; `ok` is False after an error (not a preemption)."""
-
-
-class MetricsHook(Hook):
-  """Fetches pending metrics, writes them, updates progress, checks finiteness."""
-
-  def __init__(
-    self,
-    every: int,
-    write: Callable[[int, dict], None],
-    progress: Callable[[int, dict], None],
-    max_bad_steps: int,
-    flops_per_step: float = 0.0,
-    peak_flops_total: float = 0.0,
-    unit: str = "tokens",
-    flops_metric: str = "mfu",
-  ):
-    """`flops_metric` names the FLOPs ratio: "mfu" (model FLOPs) or "hfu" (compiled)."""
-    self.every = every
-    self._write, self._progress = write, progress
-    self._rate = f"{unit}_per_s"
-    self._max_bad = max_bad_steps
-    self._flops_per_step, self._peak = flops_per_step, peak_flops_total
-    self._flops_metric = flops_metric
-
-  def run(self, loop: LoopState) -> None:
-    if not loop.pending:
+  def fetch(self) -> None:
+    """Moves the pending steps' metrics to `history`: one transfer for all of them."""
+    if not self.pending:
       return
-    fetched = jax.device_get([m for _, m in loop.pending])  # the one sync point
+    fetched = jax.device_get([m for _, m in self.pending])
     now = time.perf_counter()
-    steps = loop.step - loop.last_fetch_step
-    seconds = max(now - loop.last_fetch, 1e-9)
-    step_time = seconds / max(steps, 1)
-    for (step, _), values in zip(loop.pending, fetched):
+    steps = self.step - self.last_fetch_step
+    step_time = max(now - self.last_fetch, 1e-9) / max(steps, 1)
+    for (step, _), values in zip(self.pending, fetched):
       row = {k: float(np.asarray(v)) for k, v in values.items()}
       row["step_time_s"] = step_time
-      row[self._rate] = row.get("units", 0.0) / step_time  # real units, padding excluded
-      if self._flops_per_step and self._peak:
-        row[self._flops_metric] = self._flops_per_step / step_time / self._peak
-      loop.history.append({"step": step + 1, **row})
-      self._write(step + 1, row)
-      if row["bad_steps"] >= self._max_bad:
-        raise NonFiniteError(
-          f"{int(row['bad_steps'])} consecutive steps with a non-finite loss or gradient "
-          f"(last at step {step + 1}, loss={row['loss']}, grad_norm={row['grad_norm']}); "
-          f"train.max_bad_steps={self._max_bad}. Lower the learning rate or check the data."
-        )
-    self._progress(loop.step, loop.history[-1])
-    loop.pending.clear()
-    loop.last_fetch, loop.last_fetch_step = now, loop.step
+      self.annotate(row)
+      self.history.append({"step": step + 1, **row})
+    self.pending.clear()
+    self.last_fetch, self.last_fetch_step = now, self.step
 
-  def close(self, loop: LoopState, ok: bool) -> None:
-    if ok:
-      self.run(loop)
-
-
-class CheckpointHook(Hook):
-  """Starts an asynchronous save every `every` steps and at the end; waits at the end.
-
-  `save(step, state)` starts a save and returns whether it began. It refuses
-  a step not after the last saved (`checkpoint.Saver`), so the end of a run
-  resumed at its last step, or just saved, saves nothing twice.
-  """
-
-  def __init__(self, every: int, save: Callable[[int, Any], bool], wait: Callable[[], None]):
-    self.every = every
-    self._save, self._wait = save, wait
-    self.final_save_s = 0.0  # how long the end's save (and the wait for it) took
-
-  def run(self, loop: LoopState) -> None:
-    self._save(loop.step, loop.state)
-
-  def close(self, loop: LoopState, ok: bool) -> None:
-    # After an error another host may be gone: saving (a collective) or
-    # waiting for a save could then hang, so only a clean end saves.
-    if not ok:
-      return
-    started = time.perf_counter()
-    if loop.step > 0:
-      self._save(loop.step, loop.state)
-    self._wait()
-    self.final_save_s = time.perf_counter() - started
+  def info(self, fetched: bool) -> StepInfo:
+    """The read-only view hooks get; `metrics` only when this step's were fetched."""
+    current = self.history[-1] if fetched and self.history else None
+    state = self.state
+    return StepInfo(
+      step=self.step,
+      total_steps=self.total_steps,
+      state=types.MappingProxyType(state),
+      mesh=self.mesh,
+      workdir=self.workdir,
+      metrics=types.MappingProxyType(current) if current is not None else None,
+      history=_Rows(self.history),
+      model=lambda: self.model(state),
+    )
 
 
-class EvalHook(Hook):
-  def __init__(
-    self, every: int, evaluate: Callable[[Any], dict], write: Callable[[int, dict], None]
-  ):
-    self.every = every
-    self._evaluate, self._write = evaluate, write
-    self.results: dict[int, dict] = {}
-
-  def run(self, loop: LoopState) -> None:
-    result = self._evaluate(loop.state)
-    self.results[loop.step] = result
-    self._write(loop.step, result)
-
-
-class ProfileHook(Hook):
-  """Writes a JAX profiler trace for steps [start, start + num)."""
-
-  def __init__(self, start_step: int, num_steps: int, directory: str):
-    self._start, self._stop = start_step, start_step + num_steps
-    self._dir = directory
-    self._active = False
-
-  def due(self, step: int, total: int) -> bool:
-    return self._start >= 0 and step in (self._start, self._stop)
-
-  def run(self, loop: LoopState) -> None:
-    if loop.step == self._start and not self._active:
-      jax.profiler.start_trace(self._dir)
-      self._active = True
-    elif self._active:
-      jax.block_until_ready(loop.state)
-      jax.profiler.stop_trace()
-      self._active = False
-      log.info("profiler trace written to %s", self._dir)
-
-  def close(self, loop: LoopState, ok: bool) -> None:
-    if self._active:
-      jax.profiler.stop_trace()
-      self._active = False
+def _run_due(loop: LoopState, hooks: list[Hook], progress: Callable[[int], None]) -> None:
+  due = [h for h in hooks if h.due(loop.step, loop.total_steps)]
+  if not due:
+    return
+  fetched = any(h.metrics for h in due)
+  if fetched:
+    loop.fetch()
+  info = loop.info(fetched)
+  for hook in due:
+    hook.fn(info)
+    progress(loop.step)
 
 
 def train_loop(
@@ -195,7 +111,9 @@ def train_loop(
 ) -> LoopState:
   """Runs steps until `total_steps`, a preemption, or an error.
 
-  `progress(step)` is told after every step and its hooks (the watchdog).
+  `progress(step)` is told after every step and every hook (the watchdog).
+  At the end each hook's `end(info, ok)` runs, after a last fetch of the
+  pending metrics when the loop ended cleanly (a preemption included).
   """
   ok = False
   try:
@@ -210,15 +128,120 @@ def train_loop(
       loop.pending.append((loop.step, metrics))
       loop.step += 1
       progress(loop.step)
-      for hook in hooks:
-        if hook.due(loop.step, loop.total_steps):
-          hook.run(loop)
-          progress(loop.step)
+      _run_due(loop, hooks, progress)
       if preempted(loop.step):
         ok = True
         raise Preempted(f"preempted at step {loop.step}")
     ok = True
   finally:
+    if ok and any(h.metrics for h in hooks):
+      loop.fetch()
+    info = loop.info(ok and bool(loop.history))
     for hook in hooks:
-      hook.close(loop, ok)
+      if hook.end is not None:
+        hook.end(info, ok)
   return loop
+
+
+class MetricsHook:
+  """Writes fetched metrics, updates progress, and stops after too many bad steps.
+
+  Registered with `metrics=True` every `log_every` steps; it writes every row
+  fetched since its last run (another hook's fetch included).
+  """
+
+  def __init__(
+    self,
+    write: Callable[[int, dict], None],
+    progress: Callable[[int, dict], None],
+    max_bad_steps: int,
+  ):
+    self._write, self._progress, self._max_bad = write, progress, max_bad_steps
+    self._written = 0
+
+  def __call__(self, info: StepInfo) -> None:
+    rows = info.history[self._written :]
+    self._written = len(info.history)
+    for row in rows:
+      values = {k: v for k, v in row.items() if k != "step"}
+      self._write(row["step"], values)
+      if row["bad_steps"] >= self._max_bad:
+        raise NonFiniteError(
+          f"{int(row['bad_steps'])} consecutive steps with a non-finite loss or gradient "
+          f"(last at step {row['step']}, loss={row['loss']}, grad_norm={row['grad_norm']}); "
+          f"train.max_bad_steps={self._max_bad}. Lower the learning rate or check the data."
+        )
+    if rows:
+      self._progress(info.step, rows[-1])
+
+  def end(self, info: StepInfo, ok: bool) -> None:
+    if ok:
+      self(info)
+
+
+class CheckpointSaves:
+  """Starts an asynchronous save when due and at the end; waits at the end.
+
+  `save(step, state)` starts a save and returns whether it began. It refuses
+  a step not after the last saved (`checkpoint.Saver`), so the end of a run
+  resumed at its last step, or just saved, saves nothing twice.
+  """
+
+  def __init__(self, save: Callable[[int, Any], bool], wait: Callable[[], None]):
+    self._save, self._wait = save, wait
+    self.final_save_s = 0.0  # how long the end's save (and the wait for it) took
+
+  def __call__(self, info: StepInfo) -> None:
+    self._save(info.step, dict(info.state))
+
+  def end(self, info: StepInfo, ok: bool) -> None:
+    # After an error another host may be gone: saving (a collective) or
+    # waiting for a save could then hang, so only a clean end saves.
+    if not ok:
+      return
+    started = time.perf_counter()
+    if info.step > 0:
+      self._save(info.step, dict(info.state))
+    self._wait()
+    self.final_save_s = time.perf_counter() - started
+
+
+class Evaluations:
+  """Evaluates the state when due and writes the result at that step."""
+
+  def __init__(self, evaluate: Callable[[Any], dict], write: Callable[[int, dict], None]):
+    self._evaluate, self._write = evaluate, write
+    self.results: dict[int, dict] = {}
+
+  def __call__(self, info: StepInfo) -> None:
+    result = self._evaluate(dict(info.state))
+    self.results[info.step] = result
+    self._write(info.step, result)
+
+
+class Profile:
+  """A JAX profiler trace of steps [start, start + num), into `directory`."""
+
+  def __init__(self, start_step: int, num_steps: int, directory: str):
+    self.start, self.stop = start_step, start_step + num_steps
+    self._dir = directory
+    self._active = False
+
+  def hook(self) -> Hook:
+    steps = (self.start, self.stop) if self.start >= 0 else ()
+    return Hook(self, at=steps, end=self.end, name="profile")
+
+  def __call__(self, info: StepInfo) -> None:
+    if info.step == self.start and not self._active:
+      jax.profiler.start_trace(self._dir)
+      self._active = True
+    elif self._active:
+      jax.block_until_ready(dict(info.state))
+      jax.profiler.stop_trace()
+      self._active = False
+      log.info("profiler trace written to %s", self._dir)
+
+  def end(self, info: StepInfo, ok: bool) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False

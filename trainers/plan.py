@@ -246,7 +246,7 @@ def make_plan(
     raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
   mesh, batch_axes = build_mesh(config, target.devices)
   task = make_task(config)
-  setup = make_state(task.model, config, mesh, batch_axes)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )

@@ -41,6 +41,7 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
+from trainers import optim
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +66,6 @@ class StateSetup:
   @property
   def has_model_state(self) -> bool:
     return "model_state" in self.abstract
-
-
-def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to a fraction of it."""
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=train.learning_rate,
-    warmup_steps=train.warmup_steps,
-    decay_steps=max(train.steps, train.warmup_steps + 1),
-    end_value=train.learning_rate * train.end_learning_rate_fraction,
-  )
-
-
-def make_optimizer(
-  train: ml_collections.ConfigDict,
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """adamw with the schedule, after global-norm clipping (if set)."""
-  schedule = learning_rate_schedule(train)
-  parts = []
-  if train.grad_clip_norm:
-    parts.append(optax.clip_by_global_norm(train.grad_clip_norm))
-  parts.append(optax.adamw(schedule, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay))
-  return optax.chain(*parts), schedule
 
 
 def _names(var: nnx.Variable) -> tuple | None:
@@ -197,6 +175,7 @@ def make_state(
   config: ml_collections.ConfigDict,
   mesh: jax.sharding.Mesh,
   batch_axes: Sequence[str] | None = None,
+  task_optimizer: Callable[[ml_collections.ConfigDict, optax.Schedule], Any] | None = None,
 ) -> StateSetup:
   """Shapes, shardings and a jitted sharded initialiser for the train state.
 
@@ -209,7 +188,7 @@ def make_state(
     >>> sorted(setup.abstract), setup.has_model_state
     (['bad_steps', 'opt_state', 'params', 'step'], False)
   """
-  tx, schedule = make_optimizer(config.train)
+  tx, schedule = optim.make_optimizer(config.train, task_optimizer)
   rules = rules_lib.preset(config.mesh.rules)
   unannotated = config.mesh.get("unannotated", "replicate")
   batch_axes = tuple(config.mesh.batch_axes if batch_axes is None else batch_axes)
@@ -249,14 +228,10 @@ def make_state(
     return state
 
   abstract = in_context(jax.eval_shape)(init_values)
-  # Optimizer moments are shaped like the parameters and split the same way;
-  # scalars (counts) are replicated.
-  opt_shardings = optax.tree_map_params(
-    tx,
-    lambda _, sharding: sharding,
-    abstract["opt_state"],
-    param_shardings,
-    transform_non_params=lambda _: replicated,
+  # From each leaf's own shape: moments follow their parameters, factored ones
+  # and a task's own state are split too (trainers/optim.py).
+  opt_shardings = optim.opt_state_shardings(
+    abstract["opt_state"], abstract["params"], param_shardings, mesh, batch_axes
   )
   shardings = {
     "params": param_shardings,

@@ -29,13 +29,14 @@ from spmd import multihost
 from spmd.mesh import create_mesh
 from trainers import checkpoint, metrics, paths, peaks
 from trainers.data import pipeline
+from trainers.hooks import Hook, load_hooks
 from trainers.loop import (
-  CheckpointHook,
-  EvalHook,
+  CheckpointSaves,
+  Evaluations,
   LoopState,
   MetricsHook,
   Preempted,
-  ProfileHook,
+  Profile,
   train_loop,
 )
 from trainers.preemption import PreemptionWatch
@@ -214,7 +215,7 @@ def save_run_files(config: ml_collections.ConfigDict, workdir: epath.Path) -> No
   (a copy of the config file, when it sat beside the task) runs the same task.
   """
   (workdir / "config.json").write_text(config.to_json_best_effort(indent=1, sort_keys=True))
-  files = task_files(config.task)
+  files = sorted({f for spec in (config.task, *config.get("hooks", ())) for f in task_files(spec)})
   if files:
     code = workdir / "code"
     code.mkdir(parents=True, exist_ok=True)
@@ -331,7 +332,7 @@ def _train_and_evaluate(
     train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
-  setup = make_state(task.model, config, mesh, batch_axes)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   manager = checkpoint.make_manager(
     workdir / "checkpoints",
     config.checkpoint.every,
@@ -404,24 +405,46 @@ def _train_and_evaluate(
       return _evaluate(eval_step, eval_batches, state, config.eval_batches)
 
   rate = f"{task.unit}_per_s"
+  peak_total = peak.flops_per_s * jax.device_count()
+
+  def annotate(row: dict) -> None:
+    row[rate] = row.get("units", 0.0) / row["step_time_s"]  # real units, padding excluded
+    if flops_per_step and peak_total:
+      row[flops_metric] = flops_per_step / row["step_time_s"] / peak_total
+
+  # The built-in hooks, then the task's and the config's, all on the same footing.
+  metrics_hook = MetricsHook(
+    writer.write,
+    lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
+    config.train.max_bad_steps,
+  )
+  evaluations = Evaluations(evaluate, writer.write)
+  saves = CheckpointSaves(save, wait_for_saves)
   hooks = [
-    MetricsHook(
-      config.log_every,
-      writer.write,
-      lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
-      config.train.max_bad_steps,
-      flops_per_step,
-      peak.flops_per_s * jax.device_count(),
-      task.unit,
-      flops_metric,
-    ),
-    EvalHook(config.eval_every, evaluate, writer.write),
-    checkpoint_hook := CheckpointHook(config.checkpoint.every, save, wait_for_saves),
-    ProfileHook(config.profile.start_step, config.profile.num_steps, str(workdir / "profile")),
+    Hook(metrics_hook, every=config.log_every, metrics=True, end=metrics_hook.end, name="metrics"),
+    Hook(evaluations, every=config.eval_every, name="eval"),
+    Hook(saves, every=config.checkpoint.every, end=saves.end, name="checkpoint"),
+    Profile(config.profile.start_step, config.profile.num_steps, str(workdir / "profile")).hook(),
+    *load_hooks(config, task.hooks),
   ]
+
+  def eval_model(state):
+    model = build_model(setup, state["params"], state.get("model_state"))
+    model.eval()
+    return model
+
   watch = PreemptionWatch()
   stop = config.train.stop_at_step or config.train.steps
-  loop = LoopState(restored.state, start, min(stop, config.train.steps), last_fetch_step=start)
+  loop = LoopState(
+    restored.state,
+    start,
+    min(stop, config.train.steps),
+    mesh=mesh,
+    workdir=workdir,
+    model=eval_model,
+    annotate=annotate,
+    last_fetch_step=start,
+  )
   batches = _batches_with_faults(
     train_batches, lambda: train_batches.iterator(data_start, prefetch=config.data.prefetch), config
   )
@@ -446,7 +469,7 @@ def _train_and_evaluate(
         "spmd-train: preempted; checkpoint saved at step %d; the final save took %.1f s "
         "(time allowed after the notice: %s)",
         loop.step,
-        checkpoint_hook.final_save_s,
+        saves.final_save_s,
         PREEMPTION_GRACE,
       )
     raise Preempted(
@@ -459,8 +482,10 @@ def _train_and_evaluate(
     progress.close()
 
   # 6. Final eval, sample, summary, loss curve.
-  final_eval = evaluate(loop.state)
-  writer.write(loop.step, final_eval)
+  final_eval = evaluations.results.get(loop.step)  # the eval hook's, when it ran at the end
+  if final_eval is None:
+    final_eval = evaluate(loop.state)
+    writer.write(loop.step, final_eval)
   report = _report(task, setup, loop.state, loop.step)
   writer.close()
   saver.close()

@@ -109,6 +109,16 @@ class Task:
       `to_example` but cheaper.
     examples_per_record: how many examples (windows) each record holds.
 
+  Training:
+    optimizer: optional `(config.train, schedule) -> optax.GradientTransformation`,
+      replacing the optimizer named by `config.train.optimizer`. The trainer
+      still clips first (`train.grad_clip_norm`) and logs `schedule` as the
+      learning rate; its state is placed from its leaves' shapes
+      (`trainers.optim.opt_state_shardings`). `trainers.optim.decay_mask`
+      gives the default weight-decay mask.
+    hooks: optional `Hook`s (`trainers.hooks`), each with its own schedule,
+      run on every process after the built-in ones; `config.hooks` adds more.
+
   Reporting:
     unit: what throughput counts: "tokens", "examples", "images", ...
     count_units: `batch -> scalar`, the real units in a batch (padding
@@ -132,6 +142,8 @@ class Task:
   compute_dtype: str = "float32"
   flops_per_step: float | None = None
   report: Callable[[Any, int], str] | None = None
+  optimizer: Callable[[ml_collections.ConfigDict, Any], Any] | None = None
+  hooks: Sequence[Any] = ()
 
   def __post_init__(self):
     for name in ("model", "loss", "prepare_data", "to_example"):
