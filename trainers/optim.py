@@ -74,7 +74,8 @@ def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
     decay = optax.constant_schedule(peak)
   elif kind == "rsqrt":
     offset = max(warmup, 1)
-    decay = lambda step: peak * jnp.sqrt(offset / (step + offset))  # noqa: E731
+    # join_schedules also evaluates this before the warmup ends (negative steps).
+    decay = lambda step: peak * jnp.sqrt(offset / (jnp.maximum(step, 0) + offset))  # noqa: E731
   else:
     raise ValueError(f"train.schedule={kind!r} must be one of {SCHEDULES}")
   if not warmup:

@@ -241,7 +241,9 @@ def make_state(
   }
   if has_rest:
     shardings["model_state"] = rest_shardings
-  init = in_context(jax.jit(init_values, out_shardings=shardings))
+  jitted = jax.jit(init_values, out_shardings=shardings)
+  init = in_context(jitted)
+  init.lower = in_context(jitted.lower)  # for memory analysis (what each device holds)
   return StateSetup(
     graphdef=graphdef,
     abstract_params=abstract_params,
