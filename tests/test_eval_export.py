@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,74 @@ def test_export_then_a_fresh_process_gets_the_runs_eval_loss(data, trained, tmp_
   )
   assert whole["eval_weight"] == every["weight"], (whole, every)
   assert whole["eval_loss"] == pytest.approx(every["loss"], rel=1e-5)
+
+
+def test_unfinished_and_damaged_steps_are_named_never_restored(trained, tmp_path):
+  """In this process, as `spmd-export` reads: numpy arrays, no mesh."""
+  import numpy as np
+
+  from trainers import saved_run
+  from trainers.checkpoint import COMMIT_MARKER, CheckpointError
+  from trainers.export import flatten
+
+  copy = tmp_path / "run"
+  shutil.copytree(trained, copy)
+  (copy / "checkpoints" / "10" / COMMIT_MARKER).unlink()
+  with pytest.raises(
+    CheckpointError, match=r"--step=10: .* no commit marker .* committed steps: \[5\]"
+  ):
+    saved_run.find_checkpoint(copy, step=10)
+  assert saved_run.find_checkpoint(copy).step == 5  # the latest committed, nothing removed
+  assert (copy / "checkpoints" / "10").is_dir()
+
+  ref = saved_run.find_checkpoint(copy, str(copy / "checkpoints" / "5"))
+  want = flatten(saved_run.restore_weights(ref))
+  state = copy / "checkpoints" / "5" / "state"
+  files = sorted(
+    (p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"),
+    key=lambda p: -p.stat().st_size,
+  )
+  damaged = 0
+  for path in files:  # orbax may keep files a restore never reads: those may restore exactly
+    original = path.read_bytes()
+    path.write_bytes(original[: len(original) // 2])
+    try:
+      got = flatten(saved_run.restore_weights(ref))
+    except CheckpointError as e:
+      assert f"checkpoint step 5 in {copy / 'checkpoints'}" in str(e) and "damaged" in str(e), e
+      damaged += 1
+    else:
+      assert all(np.array_equal(got[k], want[k]) for k in want), f"{path}: different values"
+    path.write_bytes(original)
+  assert damaged >= 1, "no truncation was noticed"
+
+
+def test_a_file_tasks_saved_config_imports_the_runs_own_copy(tmp_path):
+  """The original folder gone, `config.json` still builds the task, from `<workdir>/code/`."""
+  import importlib.util
+
+  from trainers import saved_run
+  from trainers.config import resolve
+  from trainers.tasks import make_task, task_files
+
+  original = tmp_path / "my_cnn"
+  shutil.copytree(
+    ROOT / "examples" / "cnn_classifier", original, ignore=shutil.ignore_patterns("__pycache__")
+  )
+  spec = importlib.util.spec_from_file_location("my_cnn_config", original / "config.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = resolve(module.get_config(), original / "config.py")
+  unit = make_task(config).unit
+  workdir = tmp_path / "run"  # what the run saved when it started (train.save_run_files)
+  (workdir / "code").mkdir(parents=True)
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=1, sort_keys=True))
+  for path in task_files(config.task):
+    shutil.copy(path, workdir / "code" / path.name)
+  shutil.rmtree(original)
+
+  loaded = saved_run.saved_config(workdir)
+  assert loaded.task == f"{workdir / 'code' / 'task.py'}:make_task", loaded.task
+  assert loaded.model.features == (16, 32, 64)  # JSON's list, back as the config's tuple
+  assert {**loaded.to_dict(), "task": config.task} == config.to_dict()
+  assert make_task(loaded).unit == unit
