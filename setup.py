@@ -60,6 +60,7 @@ setup(
       "spmd-mesh=spmd.mesh_cli:main",
       "spmd-plan=trainers.plan_main:main",
       "spmd-train=trainers.main:main",
+      "spmd-export=trainers.export:main",
     ]
   },
 )

@@ -329,8 +329,14 @@ def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   }
 
 
-def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, what: str) -> None:
-  """Raises `CheckpointError` unless the saved state has the target's names, shapes, dtypes."""
+def check_same_model(
+  manager: ocp.CheckpointManager, step: int, target: Any, what: str, only: tuple[str, ...] = ()
+) -> None:
+  """Raises `CheckpointError` unless the saved state has the target's names, shapes, dtypes.
+
+  `only` limits the comparison to these top-level items of the state (e.g.
+  `("params",)` for a restore of the parameters alone); empty compares all.
+  """
   try:
     saved_tree = manager.item_metadata(step)["state"]
   except Exception as e:  # a damaged metadata file: JSON or orbax errors
@@ -340,6 +346,8 @@ def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, wha
     raise _damaged(what, e) from e
   if saved_tree is None:
     raise CheckpointError(f"{what} cannot be restored: it has no state metadata")
+  if only:
+    saved_tree = {k: saved_tree[k] for k in only if k in saved_tree}
   saved, wanted = _leaves(saved_tree), _leaves(target)
 
   def order(key: str) -> tuple[bool, str]:
@@ -370,7 +378,7 @@ def check_same_model(manager: ocp.CheckpointManager, step: int, target: Any, wha
     )
 
 
-def _restore(manager: ocp.CheckpointManager, step: int, args: Any, what: str) -> Any:
+def restore_step(manager: ocp.CheckpointManager, step: int, args: Any, what: str) -> Any:
   """`manager.restore`, with a damaged checkpoint said as such (nothing is used).
 
   An error that says the storage or the machine is in trouble (permission,
@@ -504,7 +512,7 @@ def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
   return latest
 
 
-def _checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> str:
+def checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> str:
   what = f"checkpoint step {step} in {directory}"
   if not _committed(directory, step):  # init_from: another run's directory, read only
     raise CheckpointError(
@@ -531,9 +539,9 @@ def restore_or_init(
   # 1. Our own latest finished checkpoint: everything, data position included.
   step = latest_committed_step(manager)
   if step is not None:
-    what = _checked_step(manager, str(manager.directory), step)
+    what = checked_step(manager, str(manager.directory), step)
     check_same_model(manager, step, target, what)
-    restored = _restore(
+    restored = restore_step(
       manager,
       step,
       ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()),
@@ -551,9 +559,9 @@ def restore_or_init(
       other_step = other.latest_step()
       if other_step is None:
         raise FileNotFoundError(f"checkpoint.init_from={init_from!r} holds no checkpoint")
-      what = "checkpoint.init_from " + _checked_step(other, paths.user_path(init_from), other_step)
+      what = "checkpoint.init_from " + checked_step(other, paths.user_path(init_from), other_step)
       check_same_model(other, other_step, target, what)
-      restored = _restore(
+      restored = restore_step(
         other, other_step, ocp.args.Composite(state=ocp.args.StandardRestore(target)), what
       )
     state = dict(state, params=restored["state"]["params"])

@@ -5,6 +5,11 @@
 The same command runs single-process and under any launcher: it calls
 `spmd.initialize()` itself, which reads the launcher's environment or the
 cluster's own.
+
+  spmd-train --mode=eval --workdir=workdir/lm_tiny [--step=N] [--checkpoint=DIR] [--eval_batches=0]
+
+evaluates a saved checkpoint instead (`trainers/evaluate.py`); `--config` is
+optional there (default: the run's own `<workdir>/config.json`).
 """
 
 from __future__ import annotations
@@ -19,14 +24,32 @@ from ml_collections import config_flags
 FLAGS = flags.FLAGS
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval"], "train, or evaluate a checkpoint")
+_STEP = flags.DEFINE_integer("step", None, "--mode=eval: the step (default: the latest committed)")
+_CHECKPOINT = flags.DEFINE_string(
+  "checkpoint", "", "--mode=eval: a workdir, checkpoint or step directory to read instead"
+)
+_EVAL_BATCHES = flags.DEFINE_integer(
+  "eval_batches", None, "--mode=eval: replaces config.eval_batches (0: the whole eval split)"
+)
 PUBLISH_WAIT_S = 3.0  # publish_failure's default wait; the exit's wait shares it
 
 
 def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None or _WORKDIR.value is None:
-    raise app.UsageError("--config and --workdir are required")
+  evaluating = _MODE.value == "eval"
+  if _WORKDIR.value is None or (_CONFIG.value is None and not evaluating):
+    raise app.UsageError("--workdir is required, and --config unless --mode=eval")
+  eval_flags = {
+    "step": _STEP.value,
+    "checkpoint": _CHECKPOINT.value,
+    "eval_batches": _EVAL_BATCHES.value,
+  }
+  if not evaluating and any(v not in (None, "") for v in eval_flags.values()):
+    raise app.UsageError(
+      f"--step, --checkpoint and --eval_batches need --mode=eval; got {eval_flags}"
+    )
   if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
     # orbax and tfds log every file they touch at INFO; keep the console for
     # the progress bar and what matters unless asked otherwise.
@@ -37,8 +60,15 @@ def _main(argv: list[str]) -> None:
 
   try:
     # Checked once, up front: keys, types and values, before any data or restore.
-    config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
-    train_and_evaluate(config, _WORKDIR.value)
+    config = None
+    if _CONFIG.value is not None:
+      config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
+    if evaluating:
+      from trainers.evaluate import evaluate_run
+
+      evaluate_run(_WORKDIR.value, config, **eval_flags)
+    else:
+      train_and_evaluate(config, _WORKDIR.value)
   except Preempted as e:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)

@@ -1,0 +1,61 @@
+"""A plain Python process (one CPU device, no jax.distributed) uses an spmd-export file.
+
+  python tests/workers/exported_model.py EXPORT.npz DATA_DIR EXAMPLES
+
+Rebuilds the model from the file alone, runs it over the first EXAMPLES
+examples of the eval split in order (0: all of them), read straight from the
+prepared records, and prints one JSON line: the loss, its weight, the logits'
+shape, and the device count.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from trainers import export, saved_run
+from trainers.data import pipeline
+from trainers.data.datasets import open_source
+from trainers.tasks import lm, make_task
+
+
+def main(path: str, data_dir: str, examples: int) -> None:
+  exported = export.load_export(path)
+  config = saved_run.config_from_json(exported.config_json)
+  model = export.load_model(path)
+  name = make_task(config).prepare_data(data_dir)  # prepared already: returns its name
+  records = open_source(name, config.data.eval_split, data_dir, ("tokens",))
+  seq_len = config.model.seq_len
+  per_record = pipeline.windows_per_record(lm.CORPUS_RECORD_BYTES, seq_len)
+  total = len(records) * per_record
+  count = total if examples == 0 else examples
+  to_example = pipeline.lm_example(seq_len)
+  loss_sum = weight = 0.0
+  shape = None
+  for start in range(0, count, 64):
+    rows = [
+      to_example(records[e // per_record], e % per_record)
+      for e in range(start, min(start + 64, count))
+    ]
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    logits = model(batch["inputs"])
+    shape = list(logits.shape) if shape is None else shape
+    s, w, _ = lm.next_token_loss(model, batch, None, False)
+    loss_sum, weight = loss_sum + float(s), weight + float(w)
+  print(
+    json.dumps(
+      {
+        "loss": loss_sum / weight,
+        "weight": weight,
+        "examples": count,
+        "logits_shape": shape,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+      }
+    )
+  )
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

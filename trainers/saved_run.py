@@ -1,0 +1,230 @@
+"""What a run leaves behind, read back: its resolved config and its checkpoints' weights.
+
+`spmd-train --mode=eval` and `spmd-export` start from a workdir, not from a
+config file: the run wrote `<workdir>/config.json` (the resolved config) and,
+for a file task, `<workdir>/code/` (the task's files) when it started.
+
+  * `saved_config(workdir)`: that JSON as a checked `ConfigDict`. JSON has no
+    tuples, so lists come back as tuples (what configs use); a file task
+    (`config.task = "/abs/task.py:fn"`) is imported from the run's own copy
+    in `code/` when there is one (what the run trained with, even if the
+    original has changed or gone since), else from the original path.
+  * `find_checkpoint(workdir, checkpoint, step)`: which orbax step to read;
+    errors name the path and the steps that exist.
+  * `restore_weights(ref, target)`: the parameters (and model state) only,
+    into `target`'s shardings (any mesh and process count) or as numpy
+    arrays; the optimizer state is never read.
+
+Example:
+  >>> import json, tempfile
+  >>> from configs import lm_tiny
+  >>> workdir = epath.Path(tempfile.mkdtemp())
+  >>> _ = (workdir / "config.json").write_text(lm_tiny.get_config().to_json())
+  >>> config = saved_config(workdir)
+  >>> config.task, config.mesh.batch_axes
+  ('trainers.tasks.lm:make_task', ('data', 'fsdp'))
+  >>> find_checkpoint(workdir)  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  FileNotFoundError: no checkpoint in .../checkpoints: it does not exist (--workdir=...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from trainers import checkpoint, paths
+from trainers.config import resolve
+
+CONFIG_FILE = "config.json"
+CODE_DIR = "code"
+WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
+
+
+def _tuples(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def _task_from_copy(spec: str, workdir: epath.Path) -> str:
+  """A file task's spec pointed at the run's own copy in `code/`, when it has one."""
+  module, _, function = spec.rpartition(":")
+  if not module.endswith(".py"):
+    return spec
+  code = workdir / CODE_DIR
+  if paths.is_url(code):  # tasks import from local files: stage the copy on this host
+    if not code.exists():
+      return spec
+    local = paths.local_cache("code", code)
+    paths.copy_tree(code, epath.Path(local))
+    code = epath.Path(local)
+  copy = code / epath.Path(module).name
+  if copy.exists():
+    return f"{copy}:{function}"
+  if not epath.Path(module).exists():
+    raise FileNotFoundError(
+      f"config.task={spec!r}: the task file is gone and {workdir / CODE_DIR} holds no copy of it; "
+      f"pass --config=<the run's config file>"
+    )
+  return spec
+
+
+def config_from_json(
+  text: str, workdir: str | epath.Path | None = None
+) -> ml_collections.ConfigDict:
+  """A resolved config saved as JSON, checked again as `trainers.config.resolve` checks a file.
+
+  `workdir`, when given, is where to look for a file task's copy (`code/`).
+  """
+  config = ml_collections.ConfigDict(_tuples(json.loads(text)))
+  if workdir is not None:
+    config.task = _task_from_copy(config.task, paths.user_path(workdir))
+  return resolve(config)  # the task spec is absolute already: no config file needed
+
+
+def saved_config(workdir: str | epath.Path) -> ml_collections.ConfigDict:
+  """`<workdir>/config.json`, the config the run resolved, as a checked `ConfigDict`."""
+  workdir = paths.user_path(workdir)
+  path = workdir / CONFIG_FILE
+  if not path.exists():
+    raise FileNotFoundError(
+      f"--workdir={workdir} has no {CONFIG_FILE} (a run writes it when it starts); "
+      "pass the run's config file with --config"
+    )
+  return config_from_json(path.read_text(), workdir)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+  """One checkpoint step: the orbax directory (holding step folders) and the step."""
+
+  directory: epath.Path
+  step: int
+
+  @property
+  def path(self) -> epath.Path:
+    return self.directory / str(self.step)
+
+
+def _steps(directory: epath.Path) -> tuple[list[int], list[int]]:
+  """(committed steps, unfinished steps) in an orbax directory, in order."""
+  if not directory.is_dir():
+    return [], []
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+  done = [s for s in steps if (directory / str(s) / checkpoint.COMMIT_MARKER).exists()]
+  return done, [s for s in steps if s not in done]
+
+
+def find_checkpoint(
+  workdir: str | epath.Path, checkpoint_path: str = "", step: int | None = None
+) -> CheckpointRef:
+  """The step to read: `step` (default: the latest committed) of the run's checkpoints.
+
+  `checkpoint_path`, when given, replaces `<workdir>/checkpoints`: another
+  run's workdir, its checkpoint directory, or one step's directory
+  (`.../checkpoints/200`). Nothing is changed on disk (a training run may be
+  writing there).
+
+  Raises:
+    FileNotFoundError: no such step or no checkpoint at all; names the
+      directory and the committed steps there.
+    CheckpointError: the step exists but its save never finished.
+  """
+  given = f"--checkpoint={checkpoint_path}" if checkpoint_path else f"--workdir={workdir}"
+  base = (
+    paths.user_path(checkpoint_path)
+    if checkpoint_path
+    else paths.user_path(workdir) / "checkpoints"
+  )
+  if (base / "checkpoints").is_dir():  # a workdir
+    base = base / "checkpoints"
+  elif base.name.isdigit() and (base / "state").is_dir():  # one step's directory
+    named = int(base.name)
+    if step is not None and step != named:
+      raise ValueError(f"--step={step} contradicts {given}, which is step {named}")
+    base, step = base.parent, named
+  done, unfinished = _steps(base)
+  if not done and not unfinished:
+    why = "it does not exist" if not base.exists() else "it holds no step directories"
+    raise FileNotFoundError(f"no checkpoint in {base}: {why} ({given})")
+  if step is None:
+    if not done:
+      raise FileNotFoundError(
+        f"no committed checkpoint in {base}: steps {unfinished} never finished saving ({given})"
+      )
+    return CheckpointRef(base, done[-1])
+  if step not in done and step not in unfinished:
+    raise FileNotFoundError(f"--step={step}: {base} has no step {step}; committed steps: {done}")
+  if step in unfinished:
+    raise checkpoint.CheckpointError(
+      f"--step={step}: checkpoint step {step} in {base} has no commit marker "
+      f"({checkpoint.COMMIT_MARKER}): that save never finished; committed steps: {done}"
+    )
+  return CheckpointRef(base, step)
+
+
+def _manager(directory: epath.Path) -> ocp.CheckpointManager:
+  # Read only, and the state read with the PyTree handler (the standard one
+  # saves through it, same files) because it can restore a part of the tree.
+  return ocp.CheckpointManager(
+    directory,
+    item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
+    options=ocp.CheckpointManagerOptions(read_only=True),
+  )
+
+
+def saved_weights_metadata(ref: CheckpointRef) -> dict[str, Any]:
+  """The saved shapes and dtypes of the parameters (and model state), read from the step."""
+  with _manager(ref.directory) as manager:
+    what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
+    try:
+      tree = manager.item_metadata(ref.step)["state"]
+    except Exception as e:  # a damaged metadata file: JSON or orbax errors
+      if checkpoint.is_trouble(e):
+        e.add_note(f"while reading {what}: the checkpoint itself may be fine")
+        raise
+      raise checkpoint.CheckpointError(f"{what}: its metadata cannot be read ({e})") from e
+  if tree is None or "params" not in tree:
+    raise checkpoint.CheckpointError(f"{what} holds no parameters")
+  return {k: tree[k] for k in WEIGHTS if k in tree}
+
+
+def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The parameters (and model state) of `ref`; nothing else is read.
+
+  `target`: `{"params": ..., "model_state": ...}` of `jax.ShapeDtypeStruct`s
+  with shardings: the arrays come back as global `jax.Array`s in those
+  shardings, whatever mesh saved them (every process must call this), after
+  a check that the saved names, shapes and dtypes are the target's. None:
+  numpy arrays on this host alone, shaped as saved (no devices, no mesh).
+
+  Raises:
+    CheckpointError: the step is unfinished, damaged or of another model.
+  """
+  with _manager(ref.directory) as manager:
+    what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
+    if target is None:
+      item = saved_weights_metadata(ref)
+      restore_args = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+        item,
+        is_leaf=lambda x: hasattr(x, "shape"),
+      )
+    else:
+      item = target
+      checkpoint.check_same_model(manager, ref.step, target, what, only=tuple(target))
+      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    restored = checkpoint.restore_step(manager, ref.step, ocp.args.Composite(state=args), what)
+  return dict(restored["state"])
