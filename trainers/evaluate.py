@@ -132,7 +132,7 @@ def _evaluate_run(
       "data": batches.fingerprint,
     },
   )
-  setup = make_state(task.model, config, mesh, batch_axes)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   target = {
     k: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
