@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -72,17 +73,52 @@ def next_token_loss(model, batch, rngs, train):
   return cross_entropy_sums(model(batch["inputs"]), batch["targets"], batch["mask"])
 
 
+def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
+  """Raises `ValueError` when the eval split is "validation" and no file goes there.
+
+  A text corpus puts a file in "validation" by a hash of its name, so a few
+  files at a small `data.validation_percent` may hold out none; the error
+  says how many files there are and the least percentage that holds one out.
+  """
+  from trainers.data import text_corpus
+
+  parts = [part.split("[")[0].strip() for part in config.data.eval_split.split("+")]
+  if text_corpus.VALIDATION not in parts:
+    return
+  percent = float(config.data.validation_percent)
+  files = text_corpus.corpus_files(config.data.source or None, exclude=data_dir)
+  if text_corpus.VALIDATION in text_corpus.split_files(files, percent):
+    return
+  texts = [f.key for f in files if os.path.getsize(f.path)]
+  hint = ""
+  if texts:
+    least = text_corpus.validation_percent_to_hold_out(texts)
+    hint = f"set data.validation_percent={least:g} or more (the least that holds out a file), "
+  source = repr(config.data.source) if config.data.source else "'' (the stdlib)"
+  raise ValueError(
+    f"data.validation_percent={percent:g} holds out none of the {len(texts)} non-empty files of "
+    f"data.source={source}, so data.eval_split="
+    f"{config.data.eval_split!r} would be empty (a file goes to validation when a hash of its "
+    f"name falls in the first {percent:g}% of the hash range). Either {hint}add files, or "
+    "evaluate on some training files with data.eval_split='train[:10%]'."
+  )
+
+
 def _prepare(config: ml_collections.ConfigDict):
   name = config.data.name
   if name == "text_corpus":
     from trainers.data.datasets import prepare_text_corpus
 
-    return lambda data_dir: prepare_text_corpus(
-      data_dir,
-      config.data.source or None,
-      chunk_bytes=CORPUS_RECORD_BYTES,
-      validation_percent=config.data.validation_percent,
-    )
+    def prepare(data_dir: str) -> str:
+      check_held_out(config, data_dir)  # before a build that could not be evaluated
+      return prepare_text_corpus(
+        data_dir,
+        config.data.source or None,
+        chunk_bytes=CORPUS_RECORD_BYTES,
+        validation_percent=config.data.validation_percent,
+      )
+
+    return prepare
   return lambda data_dir: name  # any TFDS dataset already prepared in data_dir
 
 
