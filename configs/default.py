@@ -107,7 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile = ml_collections.ConfigDict()
   config.profile.start_step = -1  # -1 = no trace
   config.profile.num_steps = 5
-  config.sample_tokens = 96  # greedy sample printed at the end (the LM task)
+  # The LM task's greedy sample at the end: this many tokens after the prompt
+  # (0 = no sample). Text for a byte-level vocabulary; with a larger one and no
+  # tokenizer the prompt is its UTF-8 bytes and the sample is shown as ids.
+  config.sample_tokens = 96
+  config.sample_prompt = "def "
   # Persistent compilation cache: restarts skip XLA compiles. Default: the
   # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
   config.compilation_cache_dir = ""

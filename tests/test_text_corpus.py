@@ -293,3 +293,64 @@ def test_default_stdlib_corpus_has_over_10_mb(tmp_path):
   assert not any("site-packages" in s for s in sources)
   assert datasets.open_source("text_corpus", "train", tmp_path).name.startswith(name.split(":")[0])
   print(f"stdlib corpus: {tokens / 1e6:.1f} MB of tokens, built in {built_s:.1f} s")
+
+
+def test_changed_or_added_files_build_a_new_corpus(tmp_path):
+  src, data_dir = tmp_path / "src", tmp_path / "data"
+  src.mkdir()
+  (src / "a.txt").write_text("first version\n")
+
+  def prepare():
+    name = datasets.prepare_text_corpus(data_dir, src, validation_percent=0)
+    return name, _files_of(_read_all(name, "train", str(data_dir)))
+
+  first, files = prepare()
+  assert files == {str(src / "a.txt"): b"first version\n"}
+  assert prepare()[0] == first  # unchanged files: the same corpus, reused
+  (src / "b.txt").write_text("added later\n")
+  added, files = prepare()
+  assert added != first and set(files) == {str(src / "a.txt"), str(src / "b.txt")}
+  (src / "a.txt").write_text("second version\n")  # edited: another size
+  edited, files = prepare()
+  assert edited not in (first, added) and files[str(src / "a.txt")] == b"second version\n"
+  stat = (src / "a.txt").stat()
+  (src / "a.txt").write_text("third  version\n")  # the same size, a later time
+  os.utime(src / "a.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  touched, files = prepare()
+  assert touched != edited and files[str(src / "a.txt")] == b"third  version\n"
+
+
+def test_a_data_dir_inside_the_source_keeps_the_corpus_name(tmp_path):
+  (tmp_path / "a.txt").write_text("some text\n" * 20)
+  name = datasets.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0)
+  # The build wrote files under the source: they are not the corpus's files.
+  assert datasets.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0) == name
+
+
+def test_the_stdlib_corpus_name_is_fixed_by_the_python_version():
+  assert text_corpus.text_corpus_config().name == text_corpus.TextCorpus.BUILDER_CONFIGS[0].name
+
+
+def test_too_few_files_for_validation_name_the_setting_and_what_to_set(tmp_path):
+  from configs import default
+  from trainers.tasks import make_task
+
+  src = tmp_path / "src"
+  src.mkdir()
+  names = [n for n in (f"doc{i}.txt" for i in range(50)) if text_corpus.split_of(n) == "train"][:3]
+  for n in names:
+    (src / n).write_text(f"text of {n}\n")
+  config = default.get_config()
+  config.data.source = str(src)
+  with pytest.raises(ValueError) as e:
+    make_task(config).prepare_data(str(tmp_path / "data"))
+  message = str(e.value)
+  least = re.search(r"set data.validation_percent=([\d.]+) or more", message)
+  assert "data.validation_percent=2 holds out none of the 3 non-empty files" in message
+  assert least and f"data.source={str(src)!r}" in message and "data.eval_split=" in message
+  assert not (tmp_path / "data").exists(), "nothing is built that could not be evaluated"
+  config.data.validation_percent = float(least.group(1))  # what the message says works
+  name = make_task(config).prepare_data(str(tmp_path / "data"))
+  assert len(datasets.open_source(name, "validation", tmp_path / "data")) == 1
+  config.data.validation_percent, config.data.eval_split = 2.0, "train[:50%]"
+  make_task(config).prepare_data(str(tmp_path / "data"))  # no validation split needed

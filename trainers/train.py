@@ -110,6 +110,7 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
     mesh=mesh,
     batch_axes=batch_axes,
     examples_per_record=task.examples_per_record,
+    plan_records=task.plan_records,  # windows per record from the data itself
     features=tuple(task.record_template),  # decode only what the task reads
     shuffle_block=config.data.shuffle_block,
     to_batch=task.to_batch,
@@ -166,7 +167,7 @@ def _report(task: Task, setup: StateSetup, state, step: int) -> str:
     model = build_model(setup, state["params"], state.get("model_state"))
     model.eval()
     return task.report(model, step)
-  except Exception as e:  # the run's results are already saved
+  except Exception as e:  # the summary and loss curve are already written
     log.warning("spmd-train: the task's report failed: %s: %s", type(e).__name__, e)
     return ""
 
@@ -481,12 +482,12 @@ def _train_and_evaluate(
     watchdog.close()
     progress.close()
 
-  # 6. Final eval, sample, summary, loss curve.
+  # 6. Final eval, summary, loss curve, then the sample: the results are on
+  # disk before the task's report runs, whatever it does.
   final_eval = evaluations.results.get(loop.step)  # the eval hook's, when it ran at the end
   if final_eval is None:
     final_eval = evaluate(loop.state)
     writer.write(loop.step, final_eval)
-  report = _report(task, setup, loop.state, loop.step)
   writer.close()
   saver.close()
   last = loop.history[-1] if loop.history else {}
@@ -507,7 +508,6 @@ def _train_and_evaluate(
     "workdir": str(workdir),
     "checkpoints": str(workdir / "checkpoints"),
     "metrics": str(workdir / "metrics.jsonl"),
-    "report": report,
     "resumed_from": restored.source,
     "loss_history": [(h["step"], h["loss"]) for h in loop.history],
   }
@@ -517,8 +517,9 @@ def _train_and_evaluate(
     summary["loss_curve"] = str(
       metrics.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
     )
-    kept = {k: v for k, v in summary.items() if k != "report"}
-    (workdir / "summary.json").write_text(json.dumps(kept, indent=1, default=str))
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+  summary["report"] = report = _report(task, setup, loop.state, loop.step)
+  if chief:
     print(metrics.format_summary(summary), flush=True)
     if report:
       print(report, flush=True)

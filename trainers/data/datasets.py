@@ -236,8 +236,9 @@ def prepare_text_corpus(
       directory, glob pattern or list of files (see `trainers.data.text_corpus`).
     chunk_bytes: the most bytes (tokens) in one record.
     validation_percent: the share of files that go to "validation".
-    rebuild: build again even if prepared (after the files changed: the cache
-      is keyed by the source spec, not the files' contents).
+    rebuild: build again even if prepared. Rarely needed: the cache is keyed
+      by the source spec and its files' names, sizes and modification times
+      (`text_corpus.text_corpus_config`), so changed files build anew.
 
   Returns:
     The name to pass to `open_source`: "text_corpus/<config>:<version>".
@@ -250,7 +251,7 @@ def prepare_text_corpus(
   True
   """
   config = text_corpus.text_corpus_config(
-    source, chunk_bytes=chunk_bytes, validation_percent=validation_percent
+    source, chunk_bytes=chunk_bytes, validation_percent=validation_percent, exclude=data_dir
   )
   # TFDS wants the class's own object for a config the class lists (the default).
   config = text_corpus.TextCorpus.builder_configs.get(config.name, config)

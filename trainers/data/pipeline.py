@@ -17,6 +17,11 @@ Policies, written down:
     padding rows have `mask == 0`, so every example counts exactly once.
   * Every host computes the same step count from the same numbers, so no
     host runs a step the others do not.
+  * A record holds a whole number of examples, the same for every record; a
+    task's `plan_records` derives it from the data (`lm_windows`: as many
+    windows as the longest record holds). What records hold beyond their
+    examples is cut; process 0 logs, per split, how much an epoch uses and
+    drops and why (`GlobalBatches.usage`).
 
 The iterator's state is just the next step (plus what it must match), so a
 run can resume on any number of processes.
@@ -113,6 +118,116 @@ def windows_per_record(record_tokens: int, seq_len: int) -> int:
   return max(1, record_tokens // (seq_len + 1))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecordPlan:
+  """How a split's records become examples, and what an epoch of them uses.
+
+  A task's `plan_records` returns one for the records it is given; the
+  pipeline adds what it skips itself (the examples that would not fill a
+  global batch) and logs the whole account once, on process 0.
+
+  Attributes:
+    examples_per_record: examples each record holds (example `e` is window
+      `e % n` of record `e // n`); the same for every record.
+    unit: what `total` and `in_examples` count, e.g. "tokens".
+    total: units in all the records.
+    in_examples: units the examples hold; the other `total - in_examples`
+      are cut, for the reason `cut` gives.
+    cut: why units are cut, e.g. "past each record's last whole window".
+    empty: examples that hold nothing to learn from (rows the task masks).
+    example: what one example is, e.g. "windows of 129 tokens".
+
+  Example:
+    >>> plan = RecordPlan(examples_per_record=1, total=10, in_examples=10)
+    >>> plan.unit, plan.example
+    ('examples', 'examples')
+  """
+
+  examples_per_record: int
+  unit: str = "examples"
+  total: int
+  in_examples: int
+  cut: str = ""
+  empty: int = 0
+  example: str = "examples"
+
+  def __post_init__(self):
+    if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
+      raise ValueError(f"RecordPlan.examples_per_record={self.examples_per_record!r} must be >= 1")
+    if not 0 <= self.in_examples <= self.total:
+      raise ValueError(
+        f"RecordPlan.in_examples={self.in_examples} must be between 0 and total={self.total}"
+      )
+
+
+_LENGTH_READ_BATCH = 1024  # records per batched read when a feature's length varies
+
+
+def record_lengths(records: Sequence[Any], feature: str) -> np.ndarray:
+  """The length of `feature` (elements) in every record, in record order.
+
+  A feature whose shape the dataset fixes (`records.info.features`, as a
+  `RecordSource` has) is not read at all. A variable-length one is read
+  once, in order, in batches: the same files give every host the same
+  lengths, and the hosts compare what they derive from them (the stream's
+  fingerprint) before any step.
+
+  Example:
+    >>> record_lengths([{"tokens": np.zeros(3)}, {"tokens": np.zeros(5)}], "tokens").tolist()
+    [3, 5]
+  """
+  info = getattr(records, "info", None)
+  spec = info.features[feature] if info is not None and feature in info.features else None
+  shape = getattr(spec, "shape", None)
+  if shape is not None and all(d is not None and d >= 0 for d in shape):
+    return np.full(len(records), int(np.prod(shape)), np.int64)
+  getitems = getattr(records, "__getitems__", None)
+  lengths = np.zeros(len(records), np.int64)
+  for start in range(0, len(records), _LENGTH_READ_BATCH):
+    indices = list(range(start, min(start + _LENGTH_READ_BATCH, len(records))))
+    batch = getitems(indices) if getitems else [records[i] for i in indices]
+    lengths[start : start + len(indices)] = [np.size(r[feature]) for r in batch]
+  return lengths
+
+
+def lm_windows(
+  seq_len: int, feature: str = "tokens", record_tokens: int | None = None
+) -> Callable[[Sequence[Any]], RecordPlan]:
+  """`records -> RecordPlan` for `lm_example`'s windows of `seq_len + 1` tokens.
+
+  Each record gives as many windows as the longest record holds whole
+  (`record_tokens` when the records' longest is known, else read from the
+  data: `record_lengths`). A shorter record's windows past its end are
+  masked out (counted as `empty`), so no token of a longer record is lost;
+  what follows a record's last whole window is cut and counted.
+
+  Example:
+    >>> records = [{"tokens": np.zeros(20, np.int32)}, {"tokens": np.zeros(7, np.int32)}]
+    >>> plan = lm_windows(seq_len=4)(records)  # windows of 5 tokens: 4 per record
+    >>> plan.examples_per_record, plan.total, plan.in_examples, plan.empty
+    (4, 27, 27, 2)
+  """
+  window = seq_len + 1
+
+  def plan(records: Sequence[Any]) -> RecordPlan:
+    lengths = record_lengths(records, feature)
+    longest = record_tokens if record_tokens is not None else int(lengths.max(initial=0))
+    per = windows_per_record(longest, seq_len)
+    # A window teaches something when it holds a target: two tokens or more.
+    learning = np.clip((lengths - 2) // window + 1, 0, per)
+    return RecordPlan(
+      examples_per_record=per,
+      unit="tokens",
+      total=int(lengths.sum()),
+      in_examples=int(np.minimum(lengths, per * window).sum()),
+      cut="past each record's last whole window",
+      empty=int(len(lengths) * per - learning.sum()),
+      example=f"windows of {window} tokens",
+    )
+
+  return plan
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineState:
   """Where a stream stands; enough to resume it on any number of processes."""
@@ -153,6 +268,10 @@ class GlobalBatches:
     to_batch: optional `(records, windows) -> rows`, equal to stacking
       `to_example(record, window)` row by row but cheaper (e.g. `lm_batch`);
       used for every batch without eval padding.
+    plan: what the records hold (`RecordPlan`, e.g. from `lm_windows`): its
+      `examples_per_record` replaces the argument's, `to_example` is called
+      with the window even when there is one, and `usage()` reports in its
+      units. None: each record is `examples_per_record` examples.
 
   With one example per record, each epoch is one uniform permutation of the
   records. With `n` windows per record, a uniform permutation of the windows
@@ -179,7 +298,11 @@ class GlobalBatches:
     examples_per_record: int = 1,
     shuffle_block: int = 256,
     to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None,
+    plan: RecordPlan | None = None,
   ):
+    self._windowed = plan is not None or examples_per_record > 1
+    if plan is not None:
+      examples_per_record = plan.examples_per_record
     if examples_per_record < 1:
       raise ValueError(f"{examples_per_record=} must be at least 1")
     if shuffle_block < 1:
@@ -203,16 +326,6 @@ class GlobalBatches:
           f"{name} has {self.num_records} records, fewer than one {global_batch=}; "
           "use a smaller batch or more data"
         )
-      dropped = self.num_records - self.steps_per_epoch * global_batch
-      if dropped:
-        log.info(
-          "%s: %d of %d records are skipped each epoch (global_batch=%d does not "
-          "divide them); a different set each epoch",
-          name,
-          dropped,
-          self.num_records,
-          global_batch,
-        )
     else:
       self.steps_per_epoch = -(-self.num_records // global_batch)
     # With windows, the records are shuffled and the windows then within blocks.
@@ -229,6 +342,11 @@ class GlobalBatches:
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
     self._example_spec = self._example(records[0], 0)
+    self.plan = plan or RecordPlan(
+      examples_per_record=examples_per_record,
+      total=self.num_records,
+      in_examples=self.num_records,
+    )
     self.order = order_digest(count, examples_per_record, shuffle_block, seed)
     self.fingerprint = hashlib.sha256(
       f"{name}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
@@ -291,12 +409,54 @@ class GlobalBatches:
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
 
+  def usage(self) -> str:
+    """What an epoch (eval: the pass) uses of the records and what it drops, and why.
+
+    Example:
+      >>> from spmd.mesh import create_mesh
+      >>> records = [{"tokens": np.arange(20, dtype=np.int32)}] * 10
+      >>> batches = GlobalBatches(records, lm_example(4), 8, create_mesh("data=-1"),
+      ...                         plan=lm_windows(4)(records))
+      >>> batches.usage()
+      '10 records -> 40 windows of 5 tokens; per epoch 200 tokens used, 0 dropped (nothing dropped)'
+    """
+    plan, examples = self.plan, self.num_records
+    per_example = plan.in_examples / examples  # exact when every example holds as much
+    head = f"{len(self._records)} records -> {examples} {plan.example}"
+    cut = plan.total - plan.in_examples
+    why = [f"{cut} {plan.cut}"] if cut else []
+    if self.train:
+      skipped = examples - self.steps_per_epoch * self.global_batch
+      skipped_units = round(skipped * per_example)
+      if skipped:
+        about = (
+          "" if plan.unit == "examples" or skipped_units == skipped * per_example else "about "
+        )
+        what = "" if plan.unit == "examples" else f"{about}{skipped_units} in "
+        why.append(
+          f"{what}{skipped} {plan.example.split()[0]} skipped so that each epoch is whole "
+          f"global batches of {self.global_batch} (a different set each epoch)"
+        )
+      line = (
+        f"{head}; per epoch {plan.in_examples - skipped_units} {plan.unit} used, "
+        f"{cut + skipped_units} dropped ({'; '.join(why) or 'nothing dropped'})"
+      )
+    else:
+      padding = self.steps_per_epoch * self.global_batch - examples
+      line = (
+        f"{head}; per pass {plan.in_examples} {plan.unit} used, {cut} dropped "
+        f"({'; '.join(why) or 'nothing dropped'}), {padding} masked padding rows"
+      )
+    if plan.empty:
+      line += f"; {plan.empty} of the {examples} {plan.example.split()[0]} are empty (masked)"
+    return line
+
   def _read(self, indices: list[int]) -> Sequence[Any]:
     getitems = getattr(self._records, "__getitems__", None)
     return getitems(indices) if getitems else [self._records[i] for i in indices]
 
   def _example(self, record: Any, window: int) -> Example:
-    if self.examples_per_record == 1:
+    if not self._windowed:
       return self._to_example(record)
     return self._to_example(record, window)
 
@@ -376,11 +536,17 @@ def open_global_batches(
   features: Sequence[str] | None = None,
   shuffle_block: int = 256,
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None,
+  plan_records: Callable[[Sequence[Any]], RecordPlan] | None = None,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
 
   `features` names the record features `to_example` reads; only those are
-  decoded (None: all of them; see `datasets.open_source`).
+  decoded (None: all of them; see `datasets.open_source`). `plan_records`,
+  when given, is called with the opened records and decides how many
+  examples each holds (see `RecordPlan`, `lm_windows`).
+
+  Process 0 logs what the split's examples use of it and what they drop
+  (`GlobalBatches.usage`), once, before any step.
 
   All hosts compare what they opened (dataset, size, batch, seed): a host
   with another copy of the data, or one whose open failed (missing or
@@ -392,6 +558,7 @@ def open_global_batches(
   what = f"input pipeline {name}[{split}]"
   try:
     records = open_source(name, split, data_dir, features)
+    plan = plan_records(records) if plan_records is not None else None
     batches = GlobalBatches(
       records,
       to_example,
@@ -404,6 +571,7 @@ def open_global_batches(
       examples_per_record=examples_per_record,
       shuffle_block=shuffle_block,
       to_batch=to_batch,
+      plan=plan,
     )
   except (OSError, ValueError) as e:
     multihost.check_agreement(what, {multihost.ERROR_KEY: f"{type(e).__name__}: {e}"})
@@ -417,8 +585,11 @@ def open_global_batches(
       "global_batch": global_batch,
       "seed": seed,
       "train": train,
+      "usage": batches.usage(),
     },
   )
+  if jax.process_index() == 0:
+    log.warning("spmd-train: data: %s split: %s", split, batches.usage())
   return batches
 
 

@@ -9,8 +9,9 @@ Each example is one chunk of one file:
 Concatenating a file's chunks in `offset` order gives back the file, byte for
 byte. Empty files give no chunks.
 
-The source is part of the config, so each source has its own cached dataset
-under `data_dir/text_corpus/<config name>/<version>/`:
+The source is part of the config (for your own files, also each file's size
+and modification time), so each source, and each state of its files, has its
+own cached dataset under `data_dir/text_corpus/<config name>/<version>/`:
 
   * `None` (the default): the `.py` files of this Python's standard library
     (`sysconfig.get_paths()["stdlib"]`, without site-packages), about 30 MB
@@ -160,6 +161,56 @@ def list_source_files(source: SourceSpec = None) -> list[SourceFile]:
   return sorted(files, key=lambda f: f.key)
 
 
+def corpus_files(
+  source: SourceSpec = None, exclude: str | os.PathLike | None = None
+) -> list[SourceFile]:
+  """`list_source_files(source)` without the files under `exclude` (the data dir).
+
+  A data dir inside the source directory must not feed a build its own
+  output, nor change the corpus's cache key by being written.
+
+  >>> len(corpus_files(exclude=stdlib_dir()))  # the whole stdlib excluded
+  0
+  """
+  files = list_source_files(source)
+  if exclude is None:
+    return files
+  root = os.path.join(os.path.abspath(os.fspath(exclude)), "")
+  return [f for f in files if not f.path.startswith(root)]
+
+
+def split_files(
+  files: Sequence[SourceFile], validation_percent: float = DEFAULT_VALIDATION_PERCENT
+) -> dict[str, list[SourceFile]]:
+  """The non-empty files of each split; a split without text is left out.
+
+  TFDS cannot write a split without examples, so a split with no text has no
+  entry (e.g. "validation" of a handful of files).
+  """
+  by_split: dict[str, list[SourceFile]] = {TRAIN: [], VALIDATION: []}
+  for f in files:
+    if os.path.getsize(f.path):
+      by_split[split_of(f.key, validation_percent)].append(f)
+  return {split: found for split, found in by_split.items() if found}
+
+
+def validation_percent_to_hold_out(keys: Sequence[str]) -> float:
+  """The least `validation_percent` that puts one of these split keys in validation.
+
+  >>> percent = validation_percent_to_hold_out(["os.py", "re.py"])
+  >>> "validation" in {split_of(k, percent) for k in ["os.py", "re.py"]}
+  True
+  """
+  if not keys:
+    raise ValueError("no files to hold out")
+  return (min(_bucket(k) for k in keys) + 1) / (_HASH_BUCKETS / 100)
+
+
+def _bucket(key: str) -> int:
+  digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+  return int.from_bytes(digest[:8], "big") % _HASH_BUCKETS
+
+
 def split_of(key: str, validation_percent: float = DEFAULT_VALIDATION_PERCENT) -> str:
   """The split ("train" or "validation") of a file with this split key.
 
@@ -168,9 +219,7 @@ def split_of(key: str, validation_percent: float = DEFAULT_VALIDATION_PERCENT) -
   >>> split_of("os.py"), split_of("os.py", validation_percent=100)
   ('train', 'validation')
   """
-  digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-  bucket = int.from_bytes(digest[:8], "big") % _HASH_BUCKETS
-  return VALIDATION if bucket < validation_percent * (_HASH_BUCKETS / 100) else TRAIN
+  return VALIDATION if _bucket(key) < validation_percent * (_HASH_BUCKETS / 100) else TRAIN
 
 
 @dataclasses.dataclass(eq=False)
@@ -190,17 +239,22 @@ def text_corpus_config(
   *,
   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
   validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+  exclude: str | os.PathLike | None = None,
 ) -> TextCorpusConfig:
-  """A config whose name is unique to the source, chunk size and split fraction.
+  """A config whose name is unique to the source, its files, chunk size and split fraction.
 
-  The name is `<label>-<chunk_bytes>b-<hash>`; the hash covers the absolute
-  source spec (for the default, also the Python version, since the stdlib
-  changes with it), so a different source never reuses another's cache.
-  Only the spec is hashed, not file contents: rebuild after editing files.
+  The name is `<label>-<chunk_bytes>b-<hash>`. For your own files the hash
+  covers the absolute source spec and each selected file's split key, size
+  and modification time (files under `exclude`, the data dir, left out), so
+  adding, removing or editing a file builds a new corpus instead of
+  silently reusing the old one. Copies of the files on other hosts must
+  keep their times (`cp -p`, `rsync -t`) to share one build. The default
+  (the stdlib) is keyed by its directory and the Python version, which is
+  when its files change, so its name is the same on every machine.
 
   >>> text_corpus_config().name.startswith("stdlib-4096b-")
   True
-  >>> text_corpus_config("/data/*.txt").name == text_corpus_config("/data/*.md").name
+  >>> text_corpus_config(__file__).name == text_corpus_config(__file__, chunk_bytes=8).name
   False
   """
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -215,14 +269,14 @@ def text_corpus_config(
   elif isinstance(source, str | os.PathLike):
     label, spec = "files", os.path.abspath(os.fspath(source))
     what = f"the files selected by {spec!r}"
-    identity = ["path", spec]
+    identity = ["path", spec, _stamps(spec, exclude)]
   else:
     label, spec = "files", tuple(sorted({os.fspath(p) for p in source}))
     if not spec:
       raise ValueError(f"{source=} is an empty list of files")
     what = f"{len(spec)} listed files"
     # A listed path counts as written (its split key) and as resolved (what is read).
-    identity = ["list", *[[p, os.path.abspath(p)] for p in spec]]
+    identity = ["list", *[[p, os.path.abspath(p)] for p in spec], _stamps(spec, exclude)]
   digest = hashlib.sha256(
     json.dumps([*identity, chunk_bytes, validation_percent]).encode("utf-8", "surrogateescape")
   ).hexdigest()[:12]
@@ -236,6 +290,15 @@ def text_corpus_config(
     chunk_bytes=chunk_bytes,
     validation_percent=validation_percent,
   )
+
+
+def _stamps(source: SourceSpec, exclude: str | os.PathLike | None) -> list[list]:
+  """Each selected file's split key, size and modification time, for the cache key."""
+  stamps = []
+  for f in corpus_files(source, exclude):
+    stat = os.stat(f.path)
+    stamps.append([f.key, stat.st_size, stat.st_mtime_ns])
+  return stamps
 
 
 class TextCorpus(tfds.core.GeneratorBasedBuilder):
@@ -275,22 +338,12 @@ class TextCorpus(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager) -> dict[str, Iterator]:
     del dl_manager  # Everything is local.
     config = self.builder_config
-    # A data_dir inside the source directory must not feed the build its own output.
-    output = os.path.join(os.path.abspath(os.fspath(self.data_dir_root)), "")
-    files = [f for f in list_source_files(config.source) if not f.path.startswith(output)]
-    by_split = {TRAIN: [], VALIDATION: []}
-    for f in files:
-      by_split[split_of(f.key, config.validation_percent)].append(f)
-    # TFDS cannot write a split without examples, so a split with no text is left out
-    # (e.g. "validation" of a handful of files); opening it names the splits there are.
-    nonempty = {
-      split: split_files
-      for split, split_files in by_split.items()
-      if any(os.path.getsize(f.path) for f in split_files)
-    }
+    files = corpus_files(config.source, exclude=os.fspath(self.data_dir_root))
+    # A split with no text is left out; opening it names the splits there are.
+    nonempty = split_files(files, config.validation_percent)
     if not nonempty:
       raise ValueError(f"{config.source=} has no text: its {len(files)} files are empty")
-    return {split: self._generate_examples(split_files) for split, split_files in nonempty.items()}
+    return {split: self._generate_examples(found) for split, found in nonempty.items()}
 
   def _generate_examples(self, files: list[SourceFile]) -> Iterator[tuple[str, dict]]:
     chunk = self.builder_config.chunk_bytes

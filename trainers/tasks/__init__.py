@@ -101,13 +101,22 @@ class Task:
       returns the name to open with `tfds.data_source`.
     record_template: one record's features as zeros (shapes and dtypes, no
       data). Its keys are the features `to_example` reads and the only ones
-      decoded.
+      decoded; `to_example(record_template)` gives the examples' shapes. A
+      feature whose length the data decides (LM tokens) may have any length
+      here.
     to_example: `record -> example` (`record, window -> example` when
-      `examples_per_record > 1`): a dict of fixed-shape numpy arrays. Add a
-      `mask` (1.0 for a real example) so that eval padding counts nothing.
+      `examples_per_record > 1` or `plan_records` is set): a dict of
+      fixed-shape numpy arrays. Add a `mask` (1.0 for a real example) so
+      that eval padding counts nothing.
     to_batch: optional `(records, windows) -> rows`, equal to stacking
       `to_example` but cheaper.
-    examples_per_record: how many examples (windows) each record holds.
+    examples_per_record: how many examples (windows) each record holds,
+      when the task knows it without seeing the data.
+    plan_records: optional `records -> trainers.data.pipeline.RecordPlan`,
+      called once per split on every host with the opened records: how many
+      examples each record holds, derived from the data (it replaces
+      `examples_per_record`), and what they use of it, in the task's units,
+      for the line the run logs (e.g. `pipeline.lm_windows`).
 
   Training:
     optimizer: optional `(config.train, schedule) -> optax.GradientTransformation`,
@@ -137,6 +146,7 @@ class Task:
   to_example: Callable[..., Example]
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None
   examples_per_record: int = 1
+  plan_records: Callable[[Sequence[Any]], Any] | None = None
   unit: str = "examples"
   count_units: Callable[[Batch], jax.Array] | None = None
   compute_dtype: str = "float32"
@@ -153,6 +163,8 @@ class Task:
       raise TypeError(f"Task.record_template={self.record_template!r} must be a non-empty dict")
     if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
       raise ValueError(f"Task.examples_per_record={self.examples_per_record!r} must be >= 1")
+    if self.plan_records is not None and not callable(self.plan_records):
+      raise TypeError(f"Task.plan_records must be callable or None, got {self.plan_records!r}")
     if self.flops_per_step is not None and not self.flops_per_step > 0:
       raise ValueError(f"Task.flops_per_step={self.flops_per_step!r} must be positive or None")
     try:
@@ -164,7 +176,7 @@ class Task:
 
   def example(self) -> Example:
     """The example of the record template (window 0)."""
-    if self.examples_per_record > 1:
+    if self.examples_per_record > 1 or self.plan_records is not None:
       return self.to_example(self.record_template, 0)
     return self.to_example(self.record_template)
 
