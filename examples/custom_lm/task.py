@@ -2,7 +2,8 @@
 
 `spmd-train` calls `make_task(config)` (named by `config.task` in config.py).
 The model is `model.DecoderLM`; the data is the built-in LM task's (the
-embedded `text_corpus`, cut into next-token windows by `trainers.data.pipeline`),
+embedded `text_corpus` by default, or any prepared TFDS dataset with a
+`tokens` feature, cut into next-token windows by `trainers.data.pipeline`),
 so nothing here reads files. What this task adds of its own:
 
   loss       cross-entropy plus z-loss, `z_loss_weight * logsumexp(logits)**2`,
@@ -32,10 +33,8 @@ import optax
 
 from trainers import optim
 from trainers.data import pipeline
-from trainers.data.datasets import prepare_text_corpus
 from trainers.hooks import Hook, StepInfo
-from trainers.tasks import Task, config_section
-from trainers.tasks.lm import CORPUS_RECORD_BYTES
+from trainers.tasks import Task, config_section, lm
 
 import model as model_lib
 
@@ -111,8 +110,6 @@ def param_norm_hook(every: int) -> Hook:
 def make_task(config: ml_collections.ConfigDict) -> Task:
   sizes = config_section(ModelConfig, config.model)
   seq_len = sizes.seq_len
-  if config.data.name != "text_corpus":
-    raise ValueError(f"config.data.name={config.data.name!r}: this example reads text_corpus")
   return Task(
     model=lambda rngs: model_lib.DecoderLM(
       sizes.vocab_size,
@@ -125,18 +122,14 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
       rngs=rngs,
     ),
     loss=z_loss_sums(sizes.z_loss_weight),
-    # The built-in LM task's data, as it is: the corpus in records of bytes, each
-    # cut into windows of seq_len + 1 (inputs and shifted targets, padding masked).
-    prepare_data=lambda data_dir: prepare_text_corpus(
-      data_dir,
-      config.data.source or None,
-      chunk_bytes=CORPUS_RECORD_BYTES,
-      validation_percent=config.data.validation_percent,
-    ),
-    record_template={"tokens": np.zeros(CORPUS_RECORD_BYTES, np.uint8)},
+    # The built-in LM task's data, as it is: the corpus (or config.data.name),
+    # every record cut into windows of seq_len + 1 tokens (inputs and shifted
+    # targets; what a window lacks is masked).
+    prepare_data=lm.prepare_data(config),
+    record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
     to_example=pipeline.lm_example(seq_len),
     to_batch=pipeline.lm_batch(seq_len),
-    examples_per_record=pipeline.windows_per_record(CORPUS_RECORD_BYTES, seq_len),
+    plan_records=lm.lm_records(config, seq_len),
     unit="tokens",
     optimizer=lion_optimizer,
     hooks=[param_norm_hook(sizes.norm_every)] if sizes.norm_every else [],

@@ -104,7 +104,8 @@ def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
   )
 
 
-def _prepare(config: ml_collections.ConfigDict):
+def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
+  """`Task.prepare_data` for `config.data`: builds text_corpus, or names a prepared dataset."""
   name = config.data.name
   if name == "text_corpus":
     from trainers.data.datasets import prepare_text_corpus
@@ -195,14 +196,19 @@ def _sample_report(model_config: lm.TransformerConfig, num_tokens: int, prompt: 
   return report
 
 
+def lm_records(config: ml_collections.ConfigDict, seq_len: int):
+  """`Task.plan_records` for windows of `seq_len + 1` tokens of `config.data.name`."""
+  # The corpus's chunks are at most CORPUS_RECORD_BYTES long, so its windows
+  # are known without reading it; other datasets say it themselves.
+  record_tokens = CORPUS_RECORD_BYTES if config.data.name == "text_corpus" else None
+  return pipeline.lm_windows(seq_len, "tokens", record_tokens)
+
+
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The LM task for `config` (sizes from `config.model`)."""
   model_config = transformer_config(config)
   seq_len = model_config.seq_len
   tokens = config.global_batch * seq_len
-  # The corpus's chunks are at most CORPUS_RECORD_BYTES long, so its windows
-  # are known without reading it; other datasets say it themselves.
-  record_tokens = CORPUS_RECORD_BYTES if config.data.name == "text_corpus" else None
   sample_tokens = config.get("sample_tokens", 0)
   report = None
   if sample_tokens:
@@ -210,12 +216,12 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
   return Task(
     model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
     loss=next_token_loss,
-    prepare_data=_prepare(config),
+    prepare_data=prepare_data(config),
     # One window of int32 ids: the records' own length and dtype are the data's.
     record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
     to_example=pipeline.lm_example(seq_len),
     to_batch=pipeline.lm_batch(seq_len),
-    plan_records=pipeline.lm_windows(seq_len, "tokens", record_tokens),
+    plan_records=lm_records(config, seq_len),
     unit="tokens",
     compute_dtype=model_config.dtype,
     flops_per_step=lm.flops_per_token(model_config) * tokens,
