@@ -42,7 +42,7 @@ from trainers import paths, saved_run
 from trainers.state import make_state
 from trainers.step import make_eval_step
 from trainers.tasks import make_task
-from trainers.train import _evaluate, build_mesh, config_hash, open_data
+from trainers.train import build_mesh, config_hash, evaluate_batches, open_data
 from trainers.watchdog import ProgressWatchdog
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _evaluate_run(
   weights = saved_run.restore_weights(ref, target)
   eval_step = make_eval_step(setup, task, mesh, batch_axes)
   with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
-    metrics = _evaluate(eval_step, batches, weights, config.eval_batches)
+    metrics = evaluate_batches(eval_step, batches, weights, config.eval_batches)
   evaluated = (
     batches.steps_per_epoch
     if config.eval_batches <= 0

@@ -144,7 +144,7 @@ def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
   )
 
 
-def _evaluate(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
+def evaluate_batches(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
   """Exact means over the eval batches: the task's sums, divided by their total weight."""
   steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
   inputs = eval_inputs(state)
@@ -403,7 +403,7 @@ def _train_and_evaluate(
 
   def evaluate(state):
     with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
-      return _evaluate(eval_step, eval_batches, state, config.eval_batches)
+      return evaluate_batches(eval_step, eval_batches, state, config.eval_batches)
 
   rate = f"{task.unit}_per_s"
   peak_total = peak.flops_per_s * jax.device_count()
