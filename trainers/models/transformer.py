@@ -323,8 +323,8 @@ def _scan_blocks(
   7.4 GB, for recomputing the attention scores, softmax and elementwise ops
   (about 6% more FLOPs). "none" keeps everything. `unroll` layers run per
   loop iteration (`TransformerConfig.scan_unroll`). `mask` is
-  `attention_mask`'s, the same for every layer: a loop invariant that the
-  remat saves once, never recomputes.
+  `attention_mask`'s, the same for every layer: an input of each step, not
+  an output of it, so the remat never recomputes it.
   """
   graphdef, state = nnx.split(blocks)
 
