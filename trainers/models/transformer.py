@@ -5,6 +5,13 @@ embeddings, pre-LayerNorm blocks of causal multi-head self-attention and a
 GELU MLP, a final LayerNorm and an untied output projection. There are no
 biases outside the norms (as in PaLM), which keeps `param_count` short.
 
+Rows may be packed, several documents cut and concatenated: the forward pass
+then takes each token's `segment_ids` and `positions`, builds one
+`attention_mask` (causal and same-segment) for all layers, and gathers the
+position embeddings at `positions`, so that no document attends to another
+and each starts at position 0. Unpacked rows pass neither and run the same
+program as before packing existed.
+
 Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
 
   token_embed                    [vocab, d_model]            (vocab, embed)
@@ -211,7 +218,17 @@ class _Attention(nnx.Module):
       rngs, _fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def probabilities(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Attention weights [b, heads, query, key], in the compute dtype.
+
+    `mask` is `attention_mask`'s [b, 1, query, key]; None is causal only.
+    """
+    return self._attend(x, mask)[1]
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    return self._attend(x, mask)[0]
+
+  def _attend(self, x: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     dt = x.dtype
     length, head_dim = x.shape[1], self.query.shape[-1]
     q = _dense(x, self.query[...].astype(dt))  # [b, l, h, k]
@@ -221,12 +238,14 @@ class _Attention(nnx.Module):
     # lose the small differences that decide which tokens get attention.
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
     logits = logits * head_dim**-0.5
-    causal = jnp.tril(jnp.ones((length, length), bool))
+    if mask is None:
+      # Unpacked rows: a [length, length] constant, as before segments existed.
+      mask = jnp.tril(jnp.ones((length, length), bool))
     # A finite minimum rather than -inf: no NaN even if a row were all masked.
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    return _dense(y, self.out[...].astype(dt), contract=2)
+    return _dense(y, self.out[...].astype(dt), contract=2), probs
 
 
 class _MLP(nnx.Module):
@@ -248,8 +267,8 @@ class _Block(nnx.Module):
     self.mlp_norm = _LayerNorm(config.d_model, pdt, rngs=rngs)
     self.mlp = _MLP(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x))
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x), mask)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -287,7 +306,11 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> _Block:
 
 
 def _scan_blocks(
-  blocks: _Block, x: jax.Array, unroll: int = 1, remat_policy: str = "minimal"
+  blocks: _Block,
+  x: jax.Array,
+  unroll: int = 1,
+  remat_policy: str = "minimal",
+  mask: jax.Array | None = None,
 ) -> jax.Array:
   """Applies the stacked blocks in order, one `lax.scan` step per layer.
 
@@ -299,14 +322,16 @@ def _scan_blocks(
   per device for lm_small on v4-32 against 17.6 GB unrolled. With it,
   7.4 GB, for recomputing the attention scores, softmax and elementwise ops
   (about 6% more FLOPs). "none" keeps everything. `unroll` layers run per
-  loop iteration (`TransformerConfig.scan_unroll`).
+  loop iteration (`TransformerConfig.scan_unroll`). `mask` is
+  `attention_mask`'s, the same for every layer: an input of each step, not
+  an output of it, so the remat never recomputes it.
   """
   graphdef, state = nnx.split(blocks)
 
   def layer(x, params):
     # The slices keep the stack's ("layers", ...) annotations; nothing reads
     # them here (parameters are placed by the trainer, not by the model).
-    return nnx.merge(graphdef, params)(x), None
+    return nnx.merge(graphdef, params)(x, mask), None
 
   if remat_policy == "minimal":
     # prevent_cse: a rolled loop already keeps XLA from merging the
@@ -321,12 +346,43 @@ def _scan_blocks(
   return jax.lax.scan(layer, x, state, unroll=unroll)[0]
 
 
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+  """Which keys each query may attend to in packed rows: bool [B, 1, L, L].
+
+  True where the key is at or before the query (causal) AND in the query's
+  segment, so attention never crosses from one document to another. The
+  singleton axis broadcasts over heads. Padding (segment 0) attends to
+  padding, which keeps every row of the softmax non-empty; its targets are
+  masked out of the loss anyway. Derived from the batch's own
+  `segment_ids`, the mask is split over the data axes as the batch is.
+
+  Example:
+    >>> mask = attention_mask(jnp.array([[1, 1, 2, 2, 0]]))
+    >>> mask[0, 0].astype(int).tolist()  # rows: queries, columns: keys
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+  """
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids must be [batch, length], got {segment_ids.shape=}")
+  length = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return (causal & same)[:, None]
+
+
 class TransformerLM(nnx.Module):
   """Decoder-only transformer: int tokens [B, L] -> float32 logits [B, L, vocab].
 
   The logits at position t depend only on tokens 0..t (causal attention).
   L may be anything up to `config.seq_len`; a token id outside
   [0, vocab_size) embeds as zeros.
+
+  Packed rows, several documents one after another, pass `segment_ids` and
+  `positions` (int [B, L], as the tokens): then position t sees only the
+  tokens 0..t of its own segment (`attention_mask`), and its position
+  embedding is `positions[b, t]`'s, so each document is modelled as if it
+  were alone at the start of a row. Without them (None, the default) the
+  program is the unpacked one: the causal mask is a constant, and the
+  positions are 0..L-1.
 
   Example:
     >>> import jax.numpy as jnp
@@ -335,6 +391,16 @@ class TransformerLM(nnx.Module):
     >>> model = TransformerLM(config, rngs=nnx.Rngs(0))
     >>> model(jnp.ones((3, 5), jnp.int32)).shape
     (3, 5, 256)
+
+    A packed row of two documents and a padding token; the second
+    document's logits are those it has alone:
+
+    >>> tokens = jnp.array([[5, 6, 7, 8, 9, 0]])
+    >>> segment_ids = jnp.array([[1, 1, 1, 2, 2, 0]])
+    >>> positions = jnp.array([[0, 1, 2, 0, 1, 0]])
+    >>> packed = model(tokens, segment_ids=segment_ids, positions=positions)
+    >>> bool(jnp.allclose(packed[0, 3:5], model(jnp.array([[8, 9]]))[0], atol=1e-5))
+    True
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -350,7 +416,22 @@ class TransformerLM(nnx.Module):
     self.final_norm = _LayerNorm(d, pdt, rngs=rngs)
     self.unembed = param(rngs, _fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """Logits [B, L, vocab] in float32.
+
+    Args:
+      tokens: int [B, L], L <= `config.seq_len`.
+      segment_ids: int [B, L] or None: the document of each token, numbered
+        from 1 within its row, 0 for padding. Attention stays inside a
+        segment. None: one segment per row.
+      positions: int [B, L] or None: each token's index within its segment,
+        below `config.seq_len`. None: 0..L-1.
+    """
     config = self.config
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, length], got {tokens.shape=}")
@@ -359,6 +440,14 @@ class TransformerLM(nnx.Module):
     length = tokens.shape[1]
     if length > config.seq_len:
       raise ValueError(f"{tokens.shape=} is longer than seq_len={config.seq_len}")
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+      if value is None:
+        continue
+      if value.shape != tokens.shape or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(
+          f"{name} must be integers shaped as the tokens {tokens.shape}, "
+          f"got {value.shape=} {value.dtype=}"
+        )
     dt = jnp.dtype(config.dtype)
     # A one-hot matmul, not a gather: with the table split over (vocab, embed)
     # the gather's gradient is a scatter-add that XLA's SPMD partitioner can only
@@ -367,12 +456,19 @@ class TransformerLM(nnx.Module):
     # less than one MLP layer; revisit for vocabularies of tens of thousands.
     one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
     x = _dense(one_hot, self.token_embed[...].astype(dt))
-    x = x + self.pos_embed[:length].astype(dt)
+    if positions is None:
+      x = x + self.pos_embed[:length].astype(dt)
+    else:
+      # A gather, unlike the token lookup: the rules presets never split the
+      # table's row axis ("length"), so its gradient's scatter-add stays local.
+      x = x + self.pos_embed[...][positions].astype(dt)
+    # Built once for all layers; None keeps each layer's constant causal mask.
+    mask = None if segment_ids is None else attention_mask(segment_ids)
     if config.scan_layers:
-      x = _scan_blocks(self.blocks, x, config.scan_unroll, config.remat_policy)
+      x = _scan_blocks(self.blocks, x, config.scan_unroll, config.remat_policy, mask)
     else:
       for block in self.blocks:
-        x = block(x)
+        x = block(x, mask)
     x = self.final_norm(x)
     # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
     return _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
@@ -454,8 +550,9 @@ def flops_per_token(config: TransformerConfig) -> float:
   one-hot matmul here, for sharding); the untied output projection is a
   matmul and is counted. Each parameter costs 2 FLOPs forward and 4 backward;
   the attention scores and weighted sum cost 12 * d_model * seq_len per
-  layer, counted for the full square (causal masking is not subtracted), as
-  MFU tables conventionally do. Norms, softmax and GELU are not counted.
+  layer, counted for the full square (neither causal nor segment masking is
+  subtracted: packed rows compute the same dense scores), as MFU tables
+  conventionally do. Norms, softmax and GELU are not counted.
 
   Example:
     >>> config = TransformerConfig(vocab_size=256, seq_len=16, num_layers=1, d_model=32,

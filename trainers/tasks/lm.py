@@ -68,9 +68,13 @@ def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfi
 
 
 def next_token_loss(model, batch, rngs, train):
-  """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy."""
+  """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy.
+
+  A packed batch's `segment_ids` and `positions` go to the model, when it has them.
+  """
   del rngs, train  # the transformer has no dropout and no batch statistics
-  return cross_entropy_sums(model(batch["inputs"]), batch["targets"], batch["mask"])
+  packing = {key: batch[key] for key in ("segment_ids", "positions") if key in batch}
+  return cross_entropy_sums(model(batch["inputs"], **packing), batch["targets"], batch["mask"])
 
 
 def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
