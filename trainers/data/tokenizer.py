@@ -95,6 +95,9 @@ class Tokenizer:
           f"{self.path} is not a `tokenizers` tokenizer.json (nor a SentencePiece "
           f"{SENTENCEPIECE_SUFFIX} file): {e}"
         ) from None
+      # Text that spells a special token ("<s>" in an HTML file) is text, never a
+      # marker: only packing puts BOS/EOS (and nothing puts pad) in the stream.
+      self._hf.encode_special_tokens = True
       self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
       self.bos_id = _first_id(self._hf, BOS_NAMES)
       self.eos_id = _first_id(self._hf, EOS_NAMES)
