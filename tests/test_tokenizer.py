@@ -112,3 +112,18 @@ def test_the_config_check_names_the_key_and_value(files, tmp_path):
   config.model.vocab_size = 1024
   assert config_lib.resolve(config).data.tokenizer == "bpe"
   assert lm.make_task(config).count_units is lm.real_tokens
+
+
+def test_a_saved_run_decodes_with_its_own_copy_when_the_original_is_gone(files, tmp_path):
+  from trainers import saved_run
+
+  original = tmp_path / "gone" / "tokenizer.json"
+  tok.train_bpe(open(files[0]).read().splitlines(), 300, original)
+  config = lm_tiny.get_config()
+  config.data.tokenizer, config.data.pack, config.model.vocab_size = str(original), True, 300
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(config_lib.resolve(config).to_json())
+  (workdir / "tokenizer.json").write_bytes(original.read_bytes())  # what the run keeps
+  original.unlink()
+  assert saved_run.saved_config(workdir).data.tokenizer == str(workdir / "tokenizer.json")
