@@ -42,6 +42,10 @@ setup(
     # etils.epath reaches gs:// through fsspec and gcsfs: workdirs, checkpoints'
     # metadata, metrics and data on cloud storage (trainers/paths.py).
     "gcsfs>=2025.1.0",
+    # The LM task's subword tokenizers (trainers/data/tokenizer.py): a BPE trained
+    # on the corpus with HF tokenizers, or a user's tokenizer.json / SentencePiece model.
+    "tokenizers>=0.20",
+    "sentencepiece>=0.2",
   ],
   extras_require={
     "test": [

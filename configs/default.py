@@ -39,6 +39,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.train_split = "train"
   config.data.eval_split = "validation"
   config.data.prefetch = 2
+  # The LM task's tokens: "bytes" (ids = the text's bytes, vocab 256), "bpe" (a
+  # byte-level BPE of model.vocab_size ids trained on the text corpus's train
+  # files on first use, cached in data.dir), or a path/URL to a tokenizer.json
+  # or SentencePiece .model. A subword tokenizer on the text corpus needs pack.
+  config.data.tokenizer = "bytes"
+  # Pack documents (files, or a pre-tokenized dataset's records) framed with
+  # BOS/EOS into windows of model.seq_len + 1 tokens, one record each: every
+  # token used, batches with segment_ids/positions (trainers/data/packed.py).
+  config.data.pack = False
   # Records per shuffle block when records hold several examples (LM windows):
   # a batch draws from this many records, each read about once per block.
   config.data.shuffle_block = 256

@@ -12,7 +12,7 @@ from trainers.tasks import make_task
 from trainers.tasks.lm import transformer_config
 
 
-@pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_small", "mlp"])
+@pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_tiny_bpe", "lm_small", "mlp"])
 def test_config_builds_its_state_shapes_and_shardings(name):
   config = importlib.import_module(f"configs.{name}").get_config()
   module_doc = importlib.import_module(f"configs.{name}").__doc__

@@ -34,6 +34,7 @@ from typing import Any
 import ml_collections
 
 from trainers import optim
+from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.tasks import make_task, resolve_task_spec
 
@@ -133,6 +134,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
   _one_of(config.train.nonfinite_guard, "train.nonfinite_guard", ("auto", "branch", "select"))
   _one_of(config.train.optimizer, "train.optimizer", optim.OPTIMIZERS)
   _one_of(config.train.schedule, "train.schedule", optim.SCHEDULES)
+  tokenizer.check_spec(config.data.tokenizer)
   for pattern in config.train.weight_decay_exclude:
     try:
       re.compile(pattern)

@@ -375,6 +375,7 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
   "eval_accuracy": ("eval accuracy", lambda v: f"{100 * v:.2f}%"),
   "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
   "examples_per_s": ("examples/s", lambda v: f"{v:,.0f}"),
+  "real_token_share": ("real tokens per batch", lambda v: f"{100 * v:.1f}%"),
   "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
   "hfu": ("HFU (compiled matmul FLOPs)", lambda v: f"{100 * v:.1f}%"),
   "peak_flops_per_s": ("peak per device", _flops),

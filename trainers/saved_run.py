@@ -80,6 +80,18 @@ def _task_from_copy(spec: str, workdir: epath.Path) -> str:
   return spec
 
 
+def _tokenizer_from_copy(spec: str, workdir: epath.Path) -> str:
+  """A tokenizer file's spec pointed at the run's own copy, when the original is gone.
+
+  The run keeps its tokenizer beside its config (`Task.run_files`); the copy
+  has the same bytes, so the same identity and packed data.
+  """
+  if spec in ("", "bytes", "bpe") or epath.Path(spec).exists():
+    return spec
+  copy = workdir / ("tokenizer" + (epath.Path(spec).suffix or ".json"))
+  return str(copy) if copy.exists() else spec
+
+
 def config_from_json(
   text: str, workdir: str | epath.Path | None = None
 ) -> ml_collections.ConfigDict:
@@ -90,6 +102,8 @@ def config_from_json(
   config = ml_collections.ConfigDict(_tuples(json.loads(text)))
   if workdir is not None:
     config.task = _task_from_copy(config.task, paths.user_path(workdir))
+    if "tokenizer" in config.get("data", {}):
+      config.data.tokenizer = _tokenizer_from_copy(config.data.tokenizer, paths.user_path(workdir))
   return resolve(config)  # the task spec is absolute already: no config file needed
 
 

@@ -226,6 +226,30 @@ def save_run_files(config: ml_collections.ConfigDict, workdir: epath.Path) -> No
         target.write_bytes(path.read_bytes())  # not when a run starts from its own copy
 
 
+def save_task_files(task: Task, workdir: epath.Path) -> None:
+  """The files the task made while preparing data (`Task.run_files`), into the workdir."""
+  if task.run_files is None:
+    return
+  for name, path in task.run_files().items():
+    target = workdir / name
+    data = epath.Path(path).read_bytes()
+    if not (target.exists() and target.read_bytes() == data):
+      target.write_bytes(data)
+
+
+def real_unit_share(task: Task, history: list[dict]) -> dict[str, float]:
+  """`{"real_<unit>_share": mean units per step / Task.units_per_batch}`, when the task says.
+
+  The units are the step's own sum (already fetched with the metrics), so
+  this costs no transfer.
+  """
+  if not task.units_per_batch or not history:
+    return {}
+  unit = task.unit[:-1] if task.unit.endswith("s") else task.unit
+  share = float(np.mean([h.get("units", 0.0) for h in history])) / task.units_per_batch
+  return {f"real_{unit}_share": share}
+
+
 class _AtStep:
   """Fault injection for tests: wraps the `(step, batch)` iterator and lets
   `act(item, batches)` replace the item of one step."""
@@ -331,6 +355,8 @@ def _train_and_evaluate(
     save_run_files(config, workdir)
   with watchdog.phase("data preparation", 0, "none"):  # as long as it takes, the first time
     train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
+  if chief:
+    save_task_files(task, workdir)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
@@ -510,6 +536,7 @@ def _train_and_evaluate(
     "metrics": str(workdir / "metrics.jsonl"),
     "resumed_from": restored.source,
     "loss_history": [(h["step"], h["loss"]) for h in loop.history],
+    **real_unit_share(task, loop.history),
   }
   if config.report_param_hash:
     summary["param_hash"] = state_hash(loop.state)

@@ -5,6 +5,8 @@ Usage: data_worker.py MODE DATASET DATA_DIR OUT_DIR [options as key=value]
   resume   restore from OUT_DIR/state.json and write the next steps' hashes
   save     run some steps and write the state to OUT_DIR/state.json
   open     just open (for the error cases)
+Options: global_batch, steps, seq_len, mesh, seed, data_dir_p<N>, and packed=<identity>
+for a packed_lm dataset (windows with segment ids, its plan's identity).
 """
 
 import hashlib
@@ -34,15 +36,24 @@ steps = int(opts.get("steps", 4))
 seq_len = int(opts.get("seq_len", 16))
 mesh = create_mesh(opts.get("mesh", "data=-1"))
 
+packing = {}
+if opts.get("packed"):  # one packed window a record (trainers/data/packed.py)
+  from trainers.data import packed
+
+  packing = dict(
+    to_batch=packed.packed_batch(seq_len),
+    plan_records=packed.packed_plan(seq_len, lambda: opts["packed"]),
+  )
 try:
   batches = pipeline.open_global_batches(
     dataset,
     "train",
     data_dir,
-    pipeline.lm_example(seq_len),
+    packed.packed_example(seq_len) if packing else pipeline.lm_example(seq_len),
     global_batch,
     mesh,
     seed=int(opts.get("seed", 7)),
+    **packing,
   )
 except ValueError as e:
   print(f"ERROR {type(e).__name__}: {e}", flush=True)

@@ -136,6 +136,11 @@ class RecordPlan:
     cut: why units are cut, e.g. "past each record's last whole window".
     empty: examples that hold nothing to learn from (rows the task masks).
     example: what one example is, e.g. "windows of 129 tokens".
+    detail: more about the examples for the logged line, e.g. "1200
+      documents packed, 17 padding tokens in the last window".
+    identity: what the examples were made with (e.g. a tokenizer's sha256),
+      saved with the data position: a run refuses to resume on data made
+      with another (`GlobalBatches.check_resumable`). "" = nothing to check.
 
   Example:
     >>> plan = RecordPlan(examples_per_record=1, total=10, in_examples=10)
@@ -150,6 +155,8 @@ class RecordPlan:
   cut: str = ""
   empty: int = 0
   example: str = "examples"
+  detail: str = ""
+  identity: str = ""
 
   def __post_init__(self):
     if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
@@ -238,6 +245,7 @@ class PipelineState:
   num_records: int
   fingerprint: str
   order: str = ""  # `order_digest`: the shuffle's first positions, by value
+  identity: str = ""  # `RecordPlan.identity`: what the data was made with (a tokenizer)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -423,6 +431,8 @@ class GlobalBatches:
     plan, examples = self.plan, self.num_records
     per_example = plan.in_examples / examples  # exact when every example holds as much
     head = f"{len(self._records)} records -> {examples} {plan.example}"
+    if plan.detail:
+      head += f" ({plan.detail})"
     cut = plan.total - plan.in_examples
     why = [f"{cut} {plan.cut}"] if cut else []
     if self.train:
@@ -487,7 +497,13 @@ class GlobalBatches:
 
   def state(self, next_step: int) -> PipelineState:
     return PipelineState(
-      next_step, self.seed, self.global_batch, self.num_records, self.fingerprint, self.order
+      next_step,
+      self.seed,
+      self.global_batch,
+      self.num_records,
+      self.fingerprint,
+      self.order,
+      self.plan.identity,
     )
 
   def iterator(
@@ -502,6 +518,15 @@ class GlobalBatches:
   def check_resumable(self, state: PipelineState) -> None:
     """Raises `ValueError` when `state` belongs to a different stream or order."""
     mine = self.state(state.next_step)
+    if state.identity != mine.identity:
+      raise ValueError(
+        f"cannot resume {self.name}: the saved data position is in data made with "
+        f"{state.identity or 'no recorded tokenizer'!r}, and this run's data is made with "
+        f"{mine.identity or 'no tokenizer'!r}; its token ids mean other text. Resume with "
+        "the tokenizer the run was saved with (data.tokenizer in its config.json; the run "
+        "keeps a copy of its tokenizer file in its workdir), or train with the new one in a "
+        "new workdir (checkpoint.init_from=<this run's checkpoints> starts from its weights)."
+      )
     diffs = {
       f: (getattr(state, f), getattr(mine, f))
       for f in ("seed", "global_batch", "num_records", "fingerprint")

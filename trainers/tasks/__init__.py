@@ -134,9 +134,15 @@ class Task:
       excluded), computed on the devices in the step; a sum over rows, so
       that per-device counts add up. Default: the sum of `batch["mask"]`,
       else the number of rows.
+    units_per_batch: optional, the units a batch holds without any padding
+      (e.g. `global_batch * seq_len` tokens); with it the run's summary
+      reports `real_<unit>_share`, the mean share of real units per step.
     report: optional `(model, step) -> str`, called once at the end of a
       run on every process with the trained model in eval mode (e.g. a
       sample); process 0 prints it. A failing report is logged, never fatal.
+    run_files: optional `() -> {name: path}`, called on process 0 once the
+      data is prepared: files the run keeps in its workdir under `name`
+      (e.g. the tokenizer, so the run's text decodes without its data dir).
   """
 
   model: Callable[[Any], Any]
@@ -149,11 +155,13 @@ class Task:
   plan_records: Callable[[Sequence[Any]], Any] | None = None
   unit: str = "examples"
   count_units: Callable[[Batch], jax.Array] | None = None
+  units_per_batch: float | None = None
   compute_dtype: str = "float32"
   flops_per_step: float | None = None
   report: Callable[[Any, int], str] | None = None
   optimizer: Callable[[ml_collections.ConfigDict, Any], Any] | None = None
   hooks: Sequence[Any] = ()
+  run_files: Callable[[], Mapping[str, str]] | None = None
 
   def __post_init__(self):
     for name in ("model", "loss", "prepare_data", "to_example"):

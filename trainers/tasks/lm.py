@@ -9,6 +9,13 @@ sample at the end. Each record gives every window of `seq_len + 1` tokens it
 holds (`pipeline.lm_windows`), and the run logs what is used and dropped.
 Its section, `config.model`, is `TransformerConfig`'s fields plus nothing.
 
+With `config.data.pack` the documents (the corpus's files, or a
+pre-tokenized dataset's records) are tokenized by `config.data.tokenizer`
+("bytes", "bpe" trained on the corpus, or a tokenizer file), framed with
+BOS/EOS and packed into windows, one record each (`trainers.data.packed`);
+batches then also carry `segment_ids` and `positions`, and throughput counts
+real input tokens (`segment_ids != 0`), not padding.
+
 Example:
   >>> from configs import lm_tiny
   >>> task = make_task(lm_tiny.get_config())
@@ -19,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -30,6 +38,8 @@ import numpy as np
 from trainers.data import pipeline
 from trainers.models import transformer as lm
 from trainers.tasks import Task, config_section, cross_entropy_sums
+
+log = logging.getLogger(__name__)
 
 CORPUS_RECORD_BYTES = 4096  # text_corpus records; LM examples are windows of them
 BYTE_VOCAB = 256  # a vocabulary this size or smaller is read as bytes
@@ -106,6 +116,127 @@ def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
     f"name falls in the first {percent:g}% of the hash range). Either {hint}add files, or "
     "evaluate on some training files with data.eval_split='train[:10%]'."
   )
+
+
+@dataclasses.dataclass
+class PreparedData:
+  """What `prepare_data` found, for the parts of the task that run after it.
+
+  The tokenizer lives in the data dir, known only once the data is prepared
+  (on every process: process 0 first, then the others).
+  """
+
+  tokenizer: object = None  # trainers.data.tokenizer.Tokenizer, or None for bytes
+  identity: str = ""  # what the packed data was made with, saved with its position
+
+
+def tokenizer_spec(config: ml_collections.ConfigDict) -> str:
+  """`config.data.tokenizer`: "bytes", "bpe", or a tokenizer file's path/URL."""
+  return config.data.get("tokenizer", "bytes") or "bytes"
+
+
+def check_data(config: ml_collections.ConfigDict, model_config: lm.TransformerConfig) -> None:
+  """Raises `ValueError` for a tokenizer or packing choice the task cannot run with.
+
+  Runs when the task is made (`trainers.config.resolve`, up front): a user's
+  tokenizer file is read here to compare its vocabulary with the model's.
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> config = lm_tiny.get_config()
+    >>> config.data.tokenizer = "bpe"
+    >>> check_data(config, transformer_config(config))
+    Traceback (most recent call last):
+    ...
+    ValueError: data.tokenizer='bpe' needs data.pack=True on the text corpus: subword tokens are packed into windows (set data.pack=True, or data.tokenizer='bytes')
+  """
+  from trainers.data import tokenizer as tok
+
+  spec, pack, name = tokenizer_spec(config), bool(config.data.get("pack", False)), config.data.name
+  vocab = model_config.vocab_size
+  if spec != tok.BYTES and name == "text_corpus" and not pack:
+    raise ValueError(
+      f"data.tokenizer={spec!r} needs data.pack=True on the text corpus: subword tokens are "
+      "packed into windows (set data.pack=True, or data.tokenizer='bytes')"
+    )
+  if spec == tok.BPE:
+    if name != "text_corpus":
+      raise ValueError(
+        f"data.tokenizer='bpe' trains on the text corpus, but data.name={name!r}; give the "
+        "tokenizer file your dataset was tokenized with, or data.tokenizer='bytes'"
+      )
+    if vocab < tok.BPE_MIN_VOCAB:
+      raise ValueError(
+        f"config.model.vocab_size={vocab} is too small for data.tokenizer='bpe': a byte-level "
+        f"BPE needs at least {tok.BPE_MIN_VOCAB} ids (256 bytes and {len(tok.BPE_SPECIALS)} "
+        "special tokens)"
+      )
+  elif spec != tok.BYTES:
+    tok.check_spec(spec)
+    found = tok.Tokenizer(spec)
+    if vocab < found.vocab_size:
+      raise ValueError(
+        f"config.model.vocab_size={vocab} is smaller than data.tokenizer={spec!r}'s "
+        f"vocabulary of {found.vocab_size}; set config.model.vocab_size={found.vocab_size}"
+      )
+
+
+def _tokenizer(config: ml_collections.ConfigDict, data_dir: str, vocab_size: int):
+  """The run's tokenizer in `data_dir` (trained or copied on first use), None for bytes."""
+  from trainers.data import text_corpus
+  from trainers.data import tokenizer as tok
+
+  spec = tokenizer_spec(config)
+  if spec == tok.BYTES:
+    return None
+  if spec == tok.BPE:
+    source = config.data.source or None
+    percent = float(config.data.validation_percent)
+    files = text_corpus.split_files(text_corpus.corpus_files(source, exclude=data_dir), percent)
+    key = text_corpus.text_corpus_config(source, validation_percent=percent, exclude=data_dir)
+    train = [f.path for f in files.get(text_corpus.TRAIN, [])]
+    return tok.bpe_tokenizer(data_dir, key.name, train, vocab_size)
+  found = tok.user_tokenizer(spec, data_dir)
+  if found.missing:
+    log.warning("spmd-train: data: %s: documents are packed without it", found.missing)
+  return found
+
+
+def packed_prepare(
+  config: ml_collections.ConfigDict, prepared: PreparedData, check: Callable[[], None]
+) -> Callable[[str], str]:
+  """`Task.prepare_data` with packing: the tokenizer, then the packed windows.
+
+  `check()` runs once the tokenizer is known, before any step (the sample's
+  prompt must encode).
+  """
+  from trainers.data import packed
+
+  model_config = transformer_config(config)
+
+  def prepare(data_dir: str) -> str:
+    name = config.data.name
+    if name == "text_corpus":
+      check_held_out(config, data_dir)
+    prepared.tokenizer = _tokenizer(config, data_dir, model_config.vocab_size)
+    prepared.identity = (
+      f"tokenizer {prepared.tokenizer.identity}" if prepared.tokenizer else "tokenizer bytes"
+    )
+    check()
+    common = dict(
+      seq_len=model_config.seq_len,
+      seed=int(config.seed),
+      vocab_size=model_config.vocab_size,
+      tokenizer=prepared.tokenizer,
+      validation_percent=float(config.data.validation_percent),
+    )
+    if name == "text_corpus":
+      built = packed.packed_config(source=config.data.source or None, exclude=data_dir, **common)
+    else:
+      built = packed.packed_config(dataset=name, dataset_dir=data_dir, **common)
+    return packed.prepare_packed(data_dir, built)
+
+  return prepare
 
 
 def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
@@ -187,15 +318,44 @@ def _prompt_ids(codec: TokenCodec, prompt: str, model_config: lm.TransformerConf
   return ids
 
 
-def _sample_report(model_config: lm.TransformerConfig, num_tokens: int, prompt: str):
-  codec = token_codec(model_config.vocab_size)
-  ids = _prompt_ids(codec, prompt, model_config)
+def tokenizer_codec(tokenizer) -> TokenCodec:
+  """The codec of a subword tokenizer: the prompt opens a document (BOS first).
+
+  Example:
+    >>> import tempfile, pathlib
+    >>> from trainers.data.tokenizer import Tokenizer, train_bpe
+    >>> path = train_bpe(["def f(): pass"] * 9, 300, pathlib.Path(tempfile.mkdtemp()) / "t.json")
+    >>> codec = tokenizer_codec(Tokenizer(path))
+    >>> codec.encode("def")[0], codec.decode(codec.encode("def g"))
+    (1, 'def g')
+  """
+  bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+  return TokenCodec(
+    encode=lambda text: bos + tokenizer.encode(text),
+    decode=tokenizer.decode,
+    describe=f"text through the tokenizer {os.path.basename(tokenizer.path)}",
+  )
+
+
+def _sample_report(
+  model_config: lm.TransformerConfig,
+  num_tokens: int,
+  prompt: str,
+  codec: Callable[[], TokenCodec] | None = None,
+):
+  """The end-of-run sample; `codec()` (default: bytes or ids) is called when it runs."""
+  if codec is None:
+    fixed = token_codec(model_config.vocab_size)
+    _prompt_ids(fixed, prompt, model_config)  # checked up front
+    codec = lambda: fixed  # noqa: E731
 
   def report(model, step: int) -> str:
+    found = codec()
+    ids = _prompt_ids(found, prompt, model_config)
     count = min(num_tokens, model_config.seq_len - len(ids))
     tokens = jnp.asarray([ids], jnp.int32)
     out = np.asarray(jax.device_get(lm.generate(model, tokens, count)))[0]
-    return f"sample (greedy, prompt {prompt!r}, {codec.describe}):\n{codec.decode(out)}"
+    return f"sample (greedy, prompt {prompt!r}, {found.describe}):\n{found.decode(out)}"
 
   return report
 
@@ -208,15 +368,69 @@ def lm_records(config: ml_collections.ConfigDict, seq_len: int):
   return pipeline.lm_windows(seq_len, "tokens", record_tokens)
 
 
+def real_tokens(batch) -> jax.Array:
+  """`Task.count_units` of packed batches: real input tokens (`segment_ids != 0`).
+
+  Inputs, not targets: every token of the stream is an input once per epoch
+  (the loss weight, the mask sum, leaves out each document's last token and
+  the EOS -> BOS pairs, so it is a little smaller).
+  """
+  return jnp.sum(batch["segment_ids"] != 0).astype(jnp.float32)
+
+
+def _packed_task(config, model_config, report_args) -> Task:
+  """The LM task on packed windows (`config.data.pack`)."""
+  from trainers.data import packed
+
+  seq_len = model_config.seq_len
+  prepared = PreparedData()
+
+  def codec() -> TokenCodec:
+    if prepared.tokenizer is None:
+      return token_codec(model_config.vocab_size)
+    return tokenizer_codec(prepared.tokenizer)
+
+  report, check = None, lambda: None
+  if report_args is not None:
+    report = _sample_report(model_config, *report_args, codec=codec)
+    check = lambda: _prompt_ids(codec(), report_args[1], model_config)  # noqa: E731
+  return Task(
+    model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
+    loss=next_token_loss,
+    prepare_data=packed_prepare(config, prepared, check),
+    record_template=packed.record_template(seq_len),
+    to_example=packed.packed_example(seq_len),
+    to_batch=packed.packed_batch(seq_len),
+    plan_records=packed.packed_plan(seq_len, lambda: prepared.identity),
+    unit="tokens",
+    count_units=real_tokens,
+    units_per_batch=float(config.global_batch * seq_len),
+    compute_dtype=model_config.dtype,
+    flops_per_step=lm.flops_per_token(model_config) * config.global_batch * seq_len,
+    report=report,
+    run_files=lambda: (
+      {"tokenizer" + _suffix(prepared): prepared.tokenizer.path} if prepared.tokenizer else {}
+    ),
+  )
+
+
+def _suffix(prepared: PreparedData) -> str:
+  return os.path.splitext(prepared.tokenizer.path)[1] or ".json"
+
+
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The LM task for `config` (sizes from `config.model`)."""
   model_config = transformer_config(config)
+  check_data(config, model_config)
   seq_len = model_config.seq_len
   tokens = config.global_batch * seq_len
   sample_tokens = config.get("sample_tokens", 0)
+  prompt = config.get("sample_prompt", "def ")
+  if config.data.get("pack", False):
+    return _packed_task(config, model_config, (sample_tokens, prompt) if sample_tokens else None)
   report = None
   if sample_tokens:
-    report = _sample_report(model_config, sample_tokens, config.get("sample_prompt", "def "))
+    report = _sample_report(model_config, sample_tokens, prompt)
   return Task(
     model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
     loss=next_token_loss,
@@ -227,6 +441,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     to_batch=pipeline.lm_batch(seq_len),
     plan_records=lm_records(config, seq_len),
     unit="tokens",
+    units_per_batch=float(tokens),
     compute_dtype=model_config.dtype,
     flops_per_step=lm.flops_per_token(model_config) * tokens,
     report=report,

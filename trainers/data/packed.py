@@ -1,0 +1,386 @@
+"""`packed_lm`: documents tokenized, concatenated and cut into windows, one record per window.
+
+Documents are the text corpus's files (tokenized by a `Tokenizer`, or as
+bytes), or the records of a prepared TFDS dataset with an integer `tokens`
+feature. Each is framed with BOS/EOS when the tokenizer has them, and the
+documents of a split are concatenated in an order drawn from the seed. The
+stream of `L` tokens is cut into `ceil(L / seq_len)` windows of `seq_len + 1`
+tokens that overlap by one: window `k` holds stream tokens
+`[k * seq_len, k * seq_len + seq_len + 1)`, so every token is an input
+exactly once and every token after the first a target exactly once. Only
+the last window is short (zero padding after `length` tokens).
+
+Each record is one window:
+
+  tokens    uint16 (int32 past 65536 ids) [seq_len + 1]  the window, zero-padded
+  starts    int32[n]   offsets in the window where a document begins
+  length    int32      real tokens in the window
+  document  int64      index, in the split's order, of the document of token 0
+
+`packed_batch` turns windows into the batch contract: `inputs`, `targets`,
+`segment_ids`, `positions`, `mask` (see its docstring). The records are in
+window order (no TFDS shuffling); the input pipeline shuffles them per epoch.
+
+The config name encodes everything the windows depend on: the documents'
+source (`corpus_key`), the tokenizer's identity, seq_len, the seed, the
+validation percentage and the token dtype.
+
+Example:
+  >>> windows = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4))
+  >>> [(w["tokens"].tolist(), w["starts"].tolist(), int(w["length"])) for w in windows]
+  [([1, 5, 2, 1, 6], [0, 3], 5), ([6, 7, 2, 0, 0], [], 3)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from trainers.data import text_corpus
+from trainers.data.tokenizer import Tokenizer
+
+NAME = "packed_lm"
+_READ_BATCH = 1024  # source records per batched read
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """The smallest simple dtype for ids below `vocab_size`: uint16, else int32.
+
+  >>> token_dtype(1024), token_dtype(100_000)
+  (dtype('uint16'), dtype('int32'))
+  """
+  return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+def document_order(count: int, seed: int) -> np.ndarray:
+  """The order in which a split's `count` documents are concatenated, from the seed.
+
+  >>> sorted(document_order(5, seed=0).tolist())
+  [0, 1, 2, 3, 4]
+  """
+  return np.random.default_rng([seed, count]).permutation(count)
+
+
+def pack_documents(
+  documents: Sequence[np.ndarray], seq_len: int, dtype: np.dtype | type = np.int32
+) -> Iterator[dict[str, Any]]:
+  """The windows of the concatenated `documents` (in the given order), as records."""
+  lengths = np.array([len(d) for d in documents], np.int64)
+  kept = [np.asarray(d) for d, n in zip(documents, lengths) if n]
+  if not kept:
+    return
+  stream = np.concatenate(kept)
+  offsets = np.concatenate([[0], np.cumsum(lengths[lengths > 0])[:-1]])
+  total = len(stream)
+  for k in range(-(-total // seq_len)):
+    start = k * seq_len
+    stop = min(start + seq_len + 1, total)
+    tokens = np.zeros(seq_len + 1, dtype)
+    tokens[: stop - start] = stream[start:stop]
+    first, last = np.searchsorted(offsets, [start, stop])
+    yield {
+      "tokens": tokens,
+      "starts": (offsets[first:last] - start).astype(np.int32),
+      "length": np.int32(stop - start),
+      "document": np.int64(np.searchsorted(offsets, start, side="right") - 1),
+    }
+
+
+def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str, np.ndarray]]:
+  """`(records, windows) -> rows` of packed windows: the batch contract.
+
+  Per row, of the window's `seq_len + 1` tokens:
+    inputs       int32  window[:-1]
+    targets      int32  window[1:]
+    segment_ids  int32  of the inputs: documents numbered 1, 2, ... in this row;
+                        0 = padding (only in a split's last window)
+    positions    int32  index within its segment in this row: a document cut
+                        at the window's start continues as a new segment at 0
+    mask         float32  1 where the target is a real token of the input's
+                        document (so EOS -> next BOS pairs and padding are 0)
+
+  Example:
+    >>> records = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4))
+    >>> rows = packed_batch(4)(records, np.zeros(2, np.int64))
+    >>> rows["segment_ids"].tolist(), rows["positions"].tolist()
+    ([[1, 1, 1, 2], [1, 1, 1, 0]], [[0, 1, 2, 0], [0, 1, 2, 0]])
+    >>> rows["mask"].tolist()
+    [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+  """
+  index = np.arange(seq_len)
+
+  def to_batch(records: Sequence[Any], windows: np.ndarray) -> dict[str, np.ndarray]:
+    del windows  # one window per record
+    n = len(records)
+    tokens = np.zeros((n, seq_len + 1), np.int32)
+    starts = np.zeros((n, seq_len + 1), bool)
+    lengths = np.zeros((n, 1), np.int64)
+    for row, record in enumerate(records):
+      tokens[row] = record["tokens"]
+      starts[row, np.asarray(record["starts"], np.int64)] = True
+      lengths[row] = int(record["length"])
+    boundary = starts[:, :seq_len].copy()
+    boundary[:, 0] = True  # each row's first token opens a segment
+    real = index < lengths
+    segment_ids = np.where(real, np.cumsum(boundary, axis=1), 0).astype(np.int32)
+    opened = np.maximum.accumulate(np.where(boundary, index, 0), axis=1)
+    positions = np.where(real, index - opened, 0).astype(np.int32)
+    mask = (index + 1 < lengths) & ~starts[:, 1:]
+    return {
+      "inputs": np.ascontiguousarray(tokens[:, :-1]),
+      "targets": np.ascontiguousarray(tokens[:, 1:]),
+      "segment_ids": segment_ids,
+      "positions": positions,
+      "mask": mask.astype(np.float32),
+    }
+
+  return to_batch
+
+
+def packed_example(seq_len: int) -> Callable[..., dict[str, np.ndarray]]:
+  """`(record, window) -> example`: one row of `packed_batch`."""
+  to_batch = packed_batch(seq_len)
+
+  def to_example(record: dict[str, Any], window: int = 0) -> dict[str, np.ndarray]:
+    return {k: v[0] for k, v in to_batch([record], np.array([window])).items()}
+
+  return to_example
+
+
+def record_template(seq_len: int) -> dict[str, np.ndarray]:
+  """One packed record as zeros (a whole window of padding)."""
+  return {
+    "tokens": np.zeros(seq_len + 1, np.int32),
+    "starts": np.zeros(0, np.int32),
+    "length": np.int32(0),
+    "document": np.int64(0),
+  }
+
+
+def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
+  """`records -> RecordPlan` for packed windows, from the first and last record only.
+
+  All windows but a split's last are full, so the tokens and documents
+  follow from the ends. `identity()` is the tokenizer's, for the saved
+  position (a resume on other data is refused).
+  """
+  from trainers.data.pipeline import RecordPlan
+
+  def plan(records: Sequence[Any]) -> RecordPlan:
+    first, last = records[0], records[len(records) - 1]
+    tokens = (len(records) - 1) * seq_len + min(int(last["length"]), seq_len)
+    documents = (
+      int(last["document"])
+      - int(first["document"])
+      + 1
+      + int(np.sum(np.asarray(last["starts"]) > 0))
+    )
+    padding = len(records) * seq_len - tokens
+    return RecordPlan(
+      examples_per_record=1,
+      unit="tokens",
+      total=tokens,
+      in_examples=tokens,
+      example=f"windows of {seq_len + 1} tokens",
+      detail=f"{documents} documents packed, {padding} padding tokens in the last window",
+      identity=identity(),
+    )
+
+  return plan
+
+
+@dataclasses.dataclass(eq=False)
+class PackedConfig(tfds.core.BuilderConfig):
+  """A `packed_lm` config; make one with `packed_config`, which names it."""
+
+  source: str | tuple[str, ...] | None = None  # text files (text_corpus's spec)
+  dataset: str = ""  # or a prepared TFDS dataset with a `tokens` feature ...
+  dataset_dir: str = ""  # ... in this data dir
+  tokenizer: str = ""  # the tokenizer file; "" = bytes (text) or ids as they are
+  seq_len: int = 128
+  seed: int = 0
+  validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT
+  vocab_size: int = 256
+  exclude: str = ""  # the data dir, left out of a text source
+
+
+def corpus_key(config: PackedConfig) -> list:
+  """What the documents are: the text files' state, or the dataset and its split sizes."""
+  if config.dataset:
+    info = _dataset_info(config)
+    return [info.full_name, sorted((s, info.splits[s].num_examples) for s in info.splits)]
+  return [
+    text_corpus.text_corpus_config(
+      config.source, validation_percent=config.validation_percent, exclude=config.exclude or None
+    ).name
+  ]
+
+
+def _dataset_info(config: PackedConfig) -> tfds.core.DatasetInfo:
+  """The source dataset's info, from its files (nothing downloads)."""
+  from tensorflow_datasets.core import read_only_builder
+
+  from trainers.data import datasets
+
+  try:
+    return read_only_builder.builder_from_files(config.dataset, data_dir=config.dataset_dir).info
+  except tfds.core.DatasetNotFoundError:
+    raise datasets._not_prepared(config.dataset, config.dataset_dir) from None
+
+
+def packed_config(
+  *,
+  seq_len: int,
+  seed: int,
+  vocab_size: int,
+  tokenizer: Tokenizer | None = None,
+  source: text_corpus.SourceSpec = None,
+  dataset: str = "",
+  dataset_dir: str = "",
+  validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT,
+  exclude: str | os.PathLike | None = None,
+) -> PackedConfig:
+  """A config whose name hashes the documents, tokenizer, seq_len, seed and split."""
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    raise ValueError(f"{seq_len=} must be a positive int")
+  if isinstance(source, str | os.PathLike):
+    source = os.path.abspath(os.fspath(source))
+  elif source is not None:
+    source = tuple(sorted({os.fspath(p) for p in source}))
+  config = PackedConfig(
+    name="unnamed",
+    source=source,
+    dataset=dataset,
+    dataset_dir=os.fspath(dataset_dir),
+    tokenizer=tokenizer.path if tokenizer else "",
+    seq_len=seq_len,
+    seed=seed,
+    validation_percent=float(validation_percent),
+    vocab_size=vocab_size,
+    exclude=os.fspath(exclude) if exclude else "",
+  )
+  identity = tokenizer.identity if tokenizer else "bytes" if not dataset else "ids"
+  dtype = token_dtype(vocab_size)
+  key = [corpus_key(config), identity, seq_len, seed, config.validation_percent, dtype.name]
+  digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+  label = "tfds" if dataset else "stdlib" if source is None else "files"
+  config.name = f"{label}-{seq_len}s-{digest}"
+  config.description = (
+    f"Windows of {seq_len + 1} tokens packed from {dataset or 'text files'} "
+    f"(tokenizer {identity}), seed {seed}."
+  )
+  return config
+
+
+class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Packed LM windows, one record each (see the module docstring)."""
+
+  name = NAME
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "tokens, starts, length, document."}
+  code_path = epath.Path(__file__)  # as text_corpus.TextCorpus.code_path
+
+  def __init__(self, **kwargs):
+    kwargs.setdefault("file_format", "array_record")
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    config = self.builder_config
+    dtype = token_dtype(config.vocab_size)
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=config.description,
+      features=tfds.features.FeaturesDict(
+        {
+          "tokens": tfds.features.Tensor(
+            shape=(config.seq_len + 1,), dtype=dtype, encoding="bytes"
+          ),
+          "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
+          "length": tfds.features.Scalar(dtype=np.int32),
+          "document": tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
+      disable_shuffling=True,  # records in window order; epochs are shuffled when read
+    )
+
+  def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    del dl_manager
+    config = self.builder_config
+    tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+    if config.dataset:
+      loaders = {
+        split: (lambda s=split: _dataset_documents(config, s, tokenizer))
+        for split in _dataset_info(config).splits
+      }
+    else:
+      files = text_corpus.corpus_files(config.source, exclude=config.exclude or None)
+      by_split = text_corpus.split_files(files, config.validation_percent)
+      if not by_split:
+        raise ValueError(f"{config.source=} has no text: its {len(files)} files are empty")
+      loaders = {
+        split: (lambda found=found: _text_documents(found, tokenizer))
+        for split, found in by_split.items()
+      }
+    return {split: self._generate_examples(load) for split, load in loaders.items()}
+
+  def _generate_examples(self, load: Callable[[], list[np.ndarray]]) -> Iterator[tuple[int, dict]]:
+    config = self.builder_config
+    documents = load()
+    order = document_order(len(documents), config.seed)
+    dtype = token_dtype(config.vocab_size)
+    yield from enumerate(pack_documents([documents[i] for i in order], config.seq_len, dtype))
+
+
+def _framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+  if tokenizer is None:
+    return ids
+  head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+  tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  return np.concatenate(
+    [np.asarray(head, np.int64), ids.astype(np.int64), np.asarray(tail, np.int64)]
+  )
+
+
+def _text_documents(
+  files: Sequence[text_corpus.SourceFile], tokenizer: Tokenizer | None
+) -> list[np.ndarray]:
+  if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
+    return [np.fromfile(f.path, np.uint8) for f in files]
+  from trainers.data.tokenizer import read_text
+
+  texts = [read_text(f.path) for f in files]
+  return [_framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
+
+
+def _dataset_documents(
+  config: PackedConfig, split: str, tokenizer: Tokenizer | None
+) -> list[np.ndarray]:
+  from trainers.data.datasets import open_source
+
+  records = open_source(config.dataset, split, config.dataset_dir, ["tokens"])
+  documents = []
+  for start in range(0, len(records), _READ_BATCH):
+    batch = records.__getitems__(list(range(start, min(start + _READ_BATCH, len(records)))))
+    documents.extend(np.asarray(r["tokens"]).reshape(-1) for r in batch)
+  top = max((int(d.max()) for d in documents if d.size), default=0)
+  if top >= config.vocab_size:
+    raise ValueError(
+      f"{config.dataset}[{split}] has token id {top}, outside config.model.vocab_size="
+      f"{config.vocab_size}"
+    )
+  return [_framed(d, tokenizer) for d in documents]
+
+
+def prepare_packed(data_dir: str | os.PathLike, config: PackedConfig) -> str:
+  """Builds the packed dataset in `data_dir` unless it is there; returns its name to open."""
+  builder = PackedLm(data_dir=os.fspath(data_dir), config=config)
+  builder.download_and_prepare(download_config=text_corpus.DOWNLOAD_CONFIG)
+  return f"{NAME}/{config.name}:{builder.version}"
