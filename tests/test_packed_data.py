@@ -21,6 +21,21 @@ from trainers.tasks import make_task
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
+RUN_WINDOWS = 4  # windows a record holds here: several records, the last one short
+
+
+@pytest.fixture(autouse=True)
+def short_runs(monkeypatch):
+  """Records of RUN_WINDOWS windows, so that every test crosses records."""
+  monkeypatch.setattr(packed, "RECORD_TOKENS", RUN_WINDOWS * SEQ_LEN)
+
+
+def all_windows(records):
+  """Every window of every record, in stream order, through the task's batch builder."""
+  plan = packed.packed_plan(SEQ_LEN)(records)
+  k = np.arange(plan.examples)
+  rows = packed.packed_batch(SEQ_LEN)([records[int(r)] for r in k // RUN_WINDOWS], k % RUN_WINDOWS)
+  return plan.examples, rows
 
 
 def packed_config(root, tokenizer="bpe", vocab_size=300):
@@ -95,8 +110,9 @@ def test_every_token_of_every_document_once_per_epoch_in_order(corpus, caplog):
   order = packed.document_order(len(docs), config.seed)
   stream = np.concatenate([docs[i] for i in order])
   starts = np.cumsum([0] + [len(docs[i]) for i in order[:-1]])
-  windows = len(records)
+  windows = batches.num_records
   assert windows == -(-len(stream) // SEQ_LEN)  # every token an input once: ceil(L / S)
+  assert len(records) == -(-windows // RUN_WINDOWS) and windows % RUN_WINDOWS  # the last short
 
   # One epoch through the pipeline: each fed window once, the skipped ones counted.
   fed = {}
@@ -110,13 +126,13 @@ def test_every_token_of_every_document_once_per_epoch_in_order(corpus, caplog):
   for k, row in fed.items():
     assert row == expected_rows(stream, starts, SEQ_LEN, k), f"window {k}"
   # The fed windows plus the skipped ones hold the stream, in order, each token once.
-  every = packed.packed_batch(SEQ_LEN)([records[k] for k in range(windows)], np.zeros(windows))
+  _, every = all_windows(records)
   rebuilt = every["inputs"][every["segment_ids"] != 0]
   assert rebuilt.tolist() == stream.tolist()
   assert every["mask"].sum() == len(stream) - len(docs)  # each document's last token, no target
   padding = windows * SEQ_LEN - len(stream)
   assert line.startswith(
-    f"spmd-train: data: train split: {windows} records -> {windows} windows of {SEQ_LEN + 1} "
+    f"spmd-train: data: train split: {len(records)} records -> {windows} windows of {SEQ_LEN + 1} "
     f"tokens ({len(docs)} documents packed, {padding} padding tokens in the last window); "
     f"per epoch "
   )
@@ -144,11 +160,9 @@ def test_a_pretokenized_dataset_packs_every_token(tmp_path, caplog):
   order = packed.document_order(len(docs), config.seed)
   stream = np.concatenate([docs[i] for i in order])  # ids as they are: no tokenizer, no frame
   records = open_source(name, "train", tmp_path)
-  every = packed.packed_batch(SEQ_LEN)(
-    [records[k] for k in range(len(records))], np.zeros(len(records))
-  )
+  windows, every = all_windows(records)
   assert every["inputs"][every["segment_ids"] != 0].tolist() == stream.tolist()
-  skipped = len(records) % GLOBAL_BATCH
+  skipped = windows % GLOBAL_BATCH
   # Nothing dropped but the windows that do not fill the last global batch.
   assert "past each record" not in line and "(40 documents packed," in line
   assert line.endswith(
@@ -210,7 +224,9 @@ def _build_for_workers(root):
 
 @pytest.fixture(scope="module")
 def packed_data(corpus):
-  return _build_for_workers(corpus)
+  with pytest.MonkeyPatch.context() as patch:  # the module fixture outlives short_runs
+    patch.setattr(packed, "RECORD_TOKENS", RUN_WINDOWS * SEQ_LEN)
+    return _build_for_workers(corpus)
 
 
 def run(mode, data, out_dir, num_processes, *opts):

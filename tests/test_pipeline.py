@@ -1,6 +1,7 @@
 """Step-indexed global batches in one process (8 CPU devices)."""
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -310,3 +311,35 @@ def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_e
     epochs.append(seen)
   assert not np.array_equal(epochs[0], epochs[1]), "each epoch its own order"
   assert np.array_equal(build().record_indices(3), b.record_indices(3)), "a pure function of step"
+
+
+@pytest.mark.parametrize("block", [1, 7, 1000])
+def test_a_short_last_record_gives_only_its_windows_each_once_per_epoch(block):
+  """Packed data: the last record holds 2 of 5 windows; the other 3 are never rows."""
+  per, seq_len, n, examples = 5, 7, 48, 47 * 5 + 2
+  source = CountingRecords(n, per * (seq_len + 1))
+  plan = pipeline.RecordPlan(examples_per_record=per, examples=examples, total=1, in_examples=1)
+  b = pipeline.GlobalBatches(
+    source,
+    pipeline.lm_example(seq_len),
+    8,
+    create_mesh("data=-1"),
+    seed=1,
+    shuffle_block=block,
+    plan=plan,
+  )
+  assert b.num_records == examples and b.steps_per_epoch == examples // 8
+  skipped = examples % 8
+  for epoch in range(3):
+    steps = range(epoch * b.steps_per_epoch, (epoch + 1) * b.steps_per_epoch)
+    seen = np.concatenate([b.record_indices(s) for s in steps]).tolist()
+    assert len(seen) == len(set(seen)) == examples - skipped, "each window once per epoch"
+    assert set(seen) <= set(range(examples)), "never a window the last record lacks"
+  with pytest.raises(ValueError, match=r"RecordPlan.examples=235 must leave out fewer"):
+    pipeline.GlobalBatches(
+      source,
+      pipeline.lm_example(seq_len),
+      8,
+      create_mesh("data=-1"),
+      plan=dataclasses.replace(plan, examples=n * per - per),
+    )

@@ -1,4 +1,4 @@
-"""`packed_lm`: documents tokenized, concatenated and cut into windows, one record per window.
+"""`packed_lm`: documents tokenized, concatenated and cut into windows, stored in runs of windows.
 
 Documents are the text corpus's files (tokenized by a `Tokenizer`, or as
 bytes), or the records of a prepared TFDS dataset with an integer `tokens`
@@ -8,14 +8,23 @@ stream of `L` tokens is cut into `ceil(L / seq_len)` windows of `seq_len + 1`
 tokens that overlap by one: window `k` holds stream tokens
 `[k * seq_len, k * seq_len + seq_len + 1)`, so every token is an input
 exactly once and every token after the first a target exactly once. Only
-the last window is short (zero padding after `length` tokens).
+the last window is short (zero padding after its real tokens).
 
-Each record is one window:
+Each record holds `windows_per_record(seq_len)` consecutive windows (fewer
+in the split's last record), as one run of the stream:
 
-  tokens    uint16 (int32 past 65536 ids) [seq_len + 1]  the window, zero-padded
-  starts    int32[n]   offsets in the window where a document begins
-  length    int32      real tokens in the window
+  tokens    uint16 (int32 past 65536 ids) [n * seq_len + 1]  the run, zero-padded
+  starts    int32[m]   offsets in the run where a document begins
+  length    int32      real tokens in the run
   document  int64      index, in the split's order, of the document of token 0
+
+Window `w` of a record is its tokens `[w * seq_len, w * seq_len + seq_len + 1)`.
+A run rather than a record per window: the dataset is written and decoded a
+record at a time, and the input pipeline caches decoded records while it
+draws a shuffle block's windows from them (`GlobalBatches`), so a batch's
+rows cost a slice each rather than a decode each. The pipeline is told the
+exact window count (`RecordPlan.examples`): the last record's missing windows
+are never rows.
 
 `packed_batch` turns windows into the batch contract: `inputs`, `targets`,
 `segment_ids`, `positions`, `mask` (see its docstring). The records are in
@@ -26,8 +35,9 @@ source (`corpus_key`), the tokenizer's identity, seq_len, the seed, the
 validation percentage and the token dtype.
 
 Example:
-  >>> windows = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4))
-  >>> [(w["tokens"].tolist(), w["starts"].tolist(), int(w["length"])) for w in windows]
+  >>> runs = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4,
+  ...                            run_windows=1))
+  >>> [(r["tokens"].tolist(), r["starts"].tolist(), int(r["length"])) for r in runs]
   [([1, 5, 2, 1, 6], [0, 3], 5), ([6, 7, 2, 0, 0], [], 3)]
 """
 
@@ -49,6 +59,18 @@ from trainers.data.tokenizer import Tokenizer
 
 NAME = "packed_lm"
 _READ_BATCH = 1024  # source records per batched read
+# Tokens per record: a few KB, like the text corpus's chunks. Long windows get
+# a record each.
+RECORD_TOKENS = 4096
+
+
+def windows_per_record(seq_len: int) -> int:
+  """How many windows of `seq_len` inputs a record holds.
+
+  >>> windows_per_record(64), windows_per_record(8192)
+  (64, 1)
+  """
+  return max(1, RECORD_TOKENS // seq_len)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -70,9 +92,16 @@ def document_order(count: int, seed: int) -> np.ndarray:
 
 
 def pack_documents(
-  documents: Sequence[np.ndarray], seq_len: int, dtype: np.dtype | type = np.int32
+  documents: Sequence[np.ndarray],
+  seq_len: int,
+  dtype: np.dtype | type = np.int32,
+  run_windows: int | None = None,
 ) -> Iterator[dict[str, Any]]:
-  """The windows of the concatenated `documents` (in the given order), as records."""
+  """The records of the concatenated `documents` (in the given order): runs of windows.
+
+  `run_windows` (windows a record holds) defaults to `windows_per_record(seq_len)`.
+  """
+  per = run_windows or windows_per_record(seq_len)
   lengths = np.array([len(d) for d in documents], np.int64)
   kept = [np.asarray(d) for d, n in zip(documents, lengths) if n]
   if not kept:
@@ -80,10 +109,11 @@ def pack_documents(
   stream = np.concatenate(kept)
   offsets = np.concatenate([[0], np.cumsum(lengths[lengths > 0])[:-1]])
   total = len(stream)
-  for k in range(-(-total // seq_len)):
-    start = k * seq_len
-    stop = min(start + seq_len + 1, total)
-    tokens = np.zeros(seq_len + 1, dtype)
+  run = per * seq_len
+  for k in range(-(-total // run)):
+    start = k * run
+    stop = min(start + run + 1, total)
+    tokens = np.zeros(run + 1, dtype)
     tokens[: stop - start] = stream[start:stop]
     first, last = np.searchsorted(offsets, [start, stop])
     yield {
@@ -109,7 +139,9 @@ def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str
 
   Example:
     >>> records = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4))
-    >>> rows = packed_batch(4)(records, np.zeros(2, np.int64))
+    >>> len(records), records[0]["tokens"].shape  # one run of up to 1024 windows
+    (1, (4097,))
+    >>> rows = packed_batch(4)(records * 2, np.array([0, 1]))
     >>> rows["segment_ids"].tolist(), rows["positions"].tolist()
     ([[1, 1, 1, 2], [1, 1, 1, 0]], [[0, 1, 2, 0], [0, 1, 2, 0]])
     >>> rows["mask"].tolist()
@@ -118,15 +150,17 @@ def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str
   index = np.arange(seq_len)
 
   def to_batch(records: Sequence[Any], windows: np.ndarray) -> dict[str, np.ndarray]:
-    del windows  # one window per record
     n = len(records)
+    first = np.asarray(windows, np.int64) * seq_len  # each window's offset in its run
     tokens = np.zeros((n, seq_len + 1), np.int32)
     starts = np.zeros((n, seq_len + 1), bool)
     lengths = np.zeros((n, 1), np.int64)
-    for row, record in enumerate(records):
-      tokens[row] = record["tokens"]
-      starts[row, np.asarray(record["starts"], np.int64)] = True
-      lengths[row] = int(record["length"])
+    for row, (record, lo) in enumerate(zip(records, first)):
+      run = record["tokens"]
+      tokens[row] = run[lo : lo + seq_len + 1]
+      opened = np.asarray(record["starts"], np.int64) - lo
+      starts[row, opened[(opened >= 0) & (opened <= seq_len)]] = True
+      lengths[row] = min(max(int(record["length"]) - lo, 0), seq_len + 1)
     boundary = starts[:, :seq_len].copy()
     boundary[:, 0] = True  # each row's first token opens a segment
     real = index < lengths
@@ -156,7 +190,7 @@ def packed_example(seq_len: int) -> Callable[..., dict[str, np.ndarray]]:
 
 
 def record_template(seq_len: int) -> dict[str, np.ndarray]:
-  """One packed record as zeros (a whole window of padding)."""
+  """One packed record as zeros (one window of padding: the data decides the run's length)."""
   return {
     "tokens": np.zeros(seq_len + 1, np.int32),
     "starts": np.zeros(0, np.int32),
@@ -176,16 +210,19 @@ def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
 
   def plan(records: Sequence[Any]) -> RecordPlan:
     first, last = records[0], records[len(records) - 1]
-    tokens = (len(records) - 1) * seq_len + min(int(last["length"]), seq_len)
+    per = (len(first["tokens"]) - 1) // seq_len  # as the data was packed
+    tokens = (len(records) - 1) * per * seq_len + int(last["length"])  # each an input once
+    windows = -(-tokens // seq_len)
     documents = (
       int(last["document"])
       - int(first["document"])
       + 1
       + int(np.sum(np.asarray(last["starts"]) > 0))
     )
-    padding = len(records) * seq_len - tokens
+    padding = windows * seq_len - tokens
     return RecordPlan(
-      examples_per_record=1,
+      examples_per_record=per,
+      examples=windows,
       unit="tokens",
       total=tokens,
       in_examples=tokens,
@@ -210,6 +247,7 @@ class PackedConfig(tfds.core.BuilderConfig):
   validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT
   vocab_size: int = 256
   exclude: str = ""  # the data dir, left out of a text source
+  windows_per_record: int = 1
 
 
 def corpus_key(config: PackedConfig) -> list:
@@ -247,8 +285,13 @@ def packed_config(
   dataset_dir: str = "",
   validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT,
   exclude: str | os.PathLike | None = None,
+  run_windows: int | None = None,
 ) -> PackedConfig:
-  """A config whose name hashes the documents, tokenizer, seq_len, seed and split."""
+  """A config whose name hashes the documents, tokenizer, seq_len, seed and split.
+
+  `run_windows` (windows a record holds) defaults to `windows_per_record(seq_len)`.
+  """
+  per = run_windows or windows_per_record(seq_len)
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
     raise ValueError(f"{seq_len=} must be a positive int")
   if isinstance(source, str | os.PathLike):
@@ -266,10 +309,19 @@ def packed_config(
     validation_percent=float(validation_percent),
     vocab_size=vocab_size,
     exclude=os.fspath(exclude) if exclude else "",
+    windows_per_record=per,
   )
   identity = tokenizer.identity if tokenizer else "bytes" if not dataset else "ids"
   dtype = token_dtype(vocab_size)
-  key = [corpus_key(config), identity, seq_len, seed, config.validation_percent, dtype.name]
+  key = [
+    corpus_key(config),
+    identity,
+    seq_len,
+    per,
+    seed,
+    config.validation_percent,
+    dtype.name,
+  ]
   digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
   label = "tfds" if dataset else "stdlib" if source is None else "files"
   config.name = f"{label}-{seq_len}s-{digest}"
@@ -284,8 +336,11 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Packed LM windows, one record each (see the module docstring)."""
 
   name = NAME
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "tokens, starts, length, document."}
+  VERSION = tfds.core.Version("2.0.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {
+    "1.0.0": "One window a record: tokens, starts, length, document.",
+    "2.0.0": "Runs of windows_per_record(seq_len) windows a record.",
+  }
   code_path = epath.Path(__file__)  # as text_corpus.TextCorpus.code_path
 
   def __init__(self, **kwargs):
@@ -301,7 +356,9 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       features=tfds.features.FeaturesDict(
         {
           "tokens": tfds.features.Tensor(
-            shape=(config.seq_len + 1,), dtype=dtype, encoding="bytes"
+            shape=(config.windows_per_record * config.seq_len + 1,),
+            dtype=dtype,
+            encoding="bytes",
           ),
           "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
           "length": tfds.features.Scalar(dtype=np.int32),
@@ -336,7 +393,10 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     documents = load()
     order = document_order(len(documents), config.seed)
     dtype = token_dtype(config.vocab_size)
-    yield from enumerate(pack_documents([documents[i] for i in order], config.seq_len, dtype))
+    runs = pack_documents(
+      [documents[i] for i in order], config.seq_len, dtype, config.windows_per_record
+    )
+    yield from enumerate(runs)
 
 
 def _framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:

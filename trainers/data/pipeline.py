@@ -141,6 +141,9 @@ class RecordPlan:
     identity: what the examples were made with (e.g. a tokenizer's sha256),
       saved with the data position: a run refuses to resume on data made
       with another (`GlobalBatches.check_resumable`). "" = nothing to check.
+    examples: how many examples there are when the last record holds fewer
+      than `examples_per_record` (its missing windows do not exist: packed
+      windows); None = every record holds them all.
 
   Example:
     >>> plan = RecordPlan(examples_per_record=1, total=10, in_examples=10)
@@ -157,10 +160,13 @@ class RecordPlan:
   example: str = "examples"
   detail: str = ""
   identity: str = ""
+  examples: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
       raise ValueError(f"RecordPlan.examples_per_record={self.examples_per_record!r} must be >= 1")
+    if self.examples is not None and self.examples < 1:
+      raise ValueError(f"RecordPlan.examples={self.examples!r} must be >= 1 or None")
     if not 0 <= self.in_examples <= self.total:
       raise ValueError(
         f"RecordPlan.in_examples={self.in_examples} must be between 0 and total={self.total}"
@@ -320,6 +326,16 @@ class GlobalBatches:
     self.shuffle_block = shuffle_block
     self.examples_per_record = examples_per_record
     self.num_records = len(records) * examples_per_record  # examples, really
+    # Windows the last record lacks (packed data): they are never positions.
+    self._missing = 0
+    if plan is not None and plan.examples is not None:
+      self._missing = self.num_records - plan.examples
+      if not 0 <= self._missing < examples_per_record:
+        raise ValueError(
+          f"{name}: RecordPlan.examples={plan.examples} must leave out fewer than one record's "
+          f"{examples_per_record} examples of the {len(records)} records' {self.num_records}"
+        )
+      self.num_records = plan.examples
     self.global_batch = global_batch
     self.seed = seed
     self.train = train
@@ -341,7 +357,7 @@ class GlobalBatches:
     # come from its `shuffle_block` records: most lookups are repeats.
     count = len(records)
     self._record_at = functools.lru_cache(maxsize=2 * shuffle_block + global_batch)(
-      lambda position: shuffled_position(position, count, seed) % count
+      functools.partial(_record_in_order, count=count, seed=seed, short_last=self._missing > 0)
     )
     self._cache = _RecordCache(shuffle_block + global_batch) if examples_per_record > 1 else None
     self._records = records
@@ -355,7 +371,7 @@ class GlobalBatches:
       total=self.num_records,
       in_examples=self.num_records,
     )
-    self.order = order_digest(count, examples_per_record, shuffle_block, seed)
+    self.order = order_digest(count, examples_per_record, shuffle_block, seed, self._missing)
     self.fingerprint = hashlib.sha256(
       f"{name}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
     ).hexdigest()[:16]
@@ -387,6 +403,8 @@ class GlobalBatches:
     block, j = divmod(within, block_records * per)
     first = block * block_records
     size = min(block_records, count - first) * per
+    if first + block_records >= count:  # the last block ends with the last record
+      size -= self._missing
     k = index_shuffle(j, size - 1, _seed_of(_WINDOW_ORDER, self.seed, epoch, block), _ROUNDS)
     record = self._record_at(epoch * count + first + k // per)
     return record * per + k % per
@@ -624,7 +642,9 @@ ORDER_DIGEST_POSITIONS = 64  # first positions of each permutation in `order_dig
 _RECORD_ORDER, _WINDOW_ORDER = 0, 1  # which permutation a seed is for
 
 
-def order_digest(num_records: int, examples_per_record: int, shuffle_block: int, seed: int) -> str:
+def order_digest(
+  num_records: int, examples_per_record: int, shuffle_block: int, seed: int, missing: int = 0
+) -> str:
   """A hash of the first positions of both permutations, for the run's seed.
 
   Saved with the data position and compared on resume: if grain's
@@ -639,10 +659,12 @@ def order_digest(num_records: int, examples_per_record: int, shuffle_block: int,
     False
   """
   first = min(num_records, ORDER_DIGEST_POSITIONS)
-  records = [shuffled_position(p, num_records, seed) for p in range(first)]
+  records = [_record_in_order(p, num_records, seed, missing > 0) for p in range(first)]
   windows: list[int] = []
   if examples_per_record > 1:
     size = min(shuffle_block, num_records) * examples_per_record
+    if shuffle_block >= num_records:
+      size -= missing
     block_seed = _seed_of(_WINDOW_ORDER, seed, 0, 0)
     windows = [
       index_shuffle(j, size - 1, block_seed, _ROUNDS)
@@ -670,6 +692,26 @@ def shuffled_position(position: int, length: int, seed: int) -> int:
   epoch, within = divmod(position, length)
   seed = _seed_of(_RECORD_ORDER, seed, epoch)
   return epoch * length + index_shuffle(within, length - 1, seed, _ROUNDS)
+
+
+def _record_in_order(position: int, count: int, seed: int, short_last: bool) -> int:
+  """The record at `position` of the record order, epoch after epoch.
+
+  Each epoch is a permutation of the `count` records. With `short_last`
+  (the last record holds fewer examples than the others) it is a permutation
+  of the others followed by that record, so that only an epoch's last block
+  of the window shuffle is short and positions stay arithmetic.
+
+  Example:
+    >>> [_record_in_order(p, 4, seed=0, short_last=True) for p in range(4)][-1]
+    3
+  """
+  if not short_last or count == 1:
+    return shuffled_position(position, count, seed) % count
+  epoch, within = divmod(position, count)
+  if within == count - 1:
+    return count - 1
+  return shuffled_position(epoch * (count - 1) + within, count - 1, seed) % (count - 1)
 
 
 @functools.lru_cache(maxsize=16)  # a batch spans at most two epochs, two blocks
