@@ -64,7 +64,8 @@ def main() -> None:
           "bpe_train_s": round(trained, 1),
           "pack_s": round(packing, 1),
           "disk_mb": round(du(where) / 2**20, 1),
-          "train_windows": len(records),
+          "train_records": len(records),
+          "train_windows": plan.examples,
           "train_tokens": plan.total,
           "text_bytes_per_token": round(text_bytes / plan.total, 2),
         }
