@@ -299,3 +299,28 @@ def test_spmd_train_llama_tiny_the_loss_falls(tmp_path):
   assert len(curve) == 40 and np.mean(curve[-3:]) < 0.7 * np.mean(curve[:3]), curve
   assert all(math.isfinite(x) for x in curve)
   assert "MFU" in result.processes[0].output
+
+
+def test_activation_layouts_under_fsdp_tp_are_what_the_rules_say():
+  """The constraints in the traced forward pass: Megatron's layout, batch over data x fsdp."""
+  model = _model(scan_layers=False, num_heads=4, num_kv_heads=2)
+  mesh = create_mesh("data=2,fsdp=2,tensor=2")
+  tokens, segment_ids, positions = (jnp.tile(x, (4, 1)) for x in _packed())
+  with rules.activation_rules(rules.FSDP_TP, mesh):
+    jaxpr = jax.make_jaxpr(lambda t, s, p: model(t, s, p))(tokens, segment_ids, positions)
+  specs = collections.Counter(
+    tuple(e.params["sharding"].spec)
+    for e in jaxpr.jaxpr.eqns
+    if e.primitive.name == "sharding_constraint"
+  )
+  batch = ("data", "fsdp")
+  # Specs drop trailing unsplit dimensions: (batch, length, heads, kv) is
+  # (batch, None, "tensor") like (batch, length, mlp) and (batch, length, vocab).
+  assert specs == {
+    (batch,): 1 + 2 * 2,  # the embeddings, then after attention and MLP in each layer
+    # per layer q, k, v, the attention output, the MLP's gate and up; then the logits
+    (batch, None, "tensor"): 6 * 2 + 1,
+  }, specs
+  # Without rules the same model has no constraints at all.
+  plain = jax.make_jaxpr(lambda t: model(t))(tokens)
+  assert not any(e.primitive.name == "sharding_constraint" for e in plain.jaxpr.eqns)
