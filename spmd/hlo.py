@@ -418,6 +418,55 @@ def dots(hlo_text: str) -> list[Dot]:
   return found
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+  """One collective instruction of a compiled program, as `collective_ops` reads it."""
+
+  kind: str
+  computation: str  # the HLO computation holding it (a loop body, a fusion, the entry)
+  executions: int  # per call of the entry: loop trip counts multiplied in
+  bytes: int  # result bytes per device, one execution
+  groups: list[list[int]] | None  # partition ids of each group; None: not known
+  dcn_send: bool  # the DCN part of a multislice collective (a megascale `send`)
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+  """Every collective instruction of an optimised HLO module, where it runs and how often.
+
+  What `collectives` sums up, one instruction at a time: tests use it to
+  say which mesh axis a collective runs over (its groups) and whether it
+  runs once per layer (its computation is a loop body run once per layer).
+
+  Example:
+    >>> text = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %p = f32[8]{0} parameter(0)
+    ...   ROOT %ag = f32[8]{0} all-gather(%p), replica_groups=[2,2]<=[4], dimensions={0}
+    ... }'''
+    >>> [op] = collective_ops(text)
+    >>> op.kind, op.computation, op.executions, op.groups
+    ('all-gather', 'main', 1, [[0, 1], [2, 3]])
+  """
+  computations, entry = _split_computations(hlo_text)
+  runs = _executions(computations, entry)
+  ops = []
+  for name, lines in computations.items():
+    times = runs.get(name, 0 if entry else 1)
+    if times == 0:
+      continue
+    for line in lines:
+      dcn = _MEGASCALE_SEND.search(line)
+      if dcn:
+        kind = dcn.group("kind").lower().replace("_", "-")
+        nbytes = (_array_bytes(dcn.group("shape")) or [0])[0]
+        ops.append(CollectiveOp(kind, name, times, nbytes, None, True))
+        continue
+      m = _INSTRUCTION.search(line)
+      if m:
+        nbytes = _result_bytes(m.group("shape"), bool(m.group("start")))
+        ops.append(CollectiveOp(m.group("kind"), name, times, nbytes, parse_groups(line), False))
+  return ops
+
+
 def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> list[Collective]:
   """The collectives in an optimised HLO module, grouped by kind and group shape.
 
@@ -426,35 +475,17 @@ def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> li
     device_slices: slice index of each partition id (the program's device
       assignment in order), to tell whether a group crosses DCN.
   """
-  computations, entry = _split_computations(hlo_text)
-  runs = _executions(computations, entry)
   totals: dict[tuple[str, int, bool | None], list[int]] = {}
-  for name, lines in computations.items():
-    times = runs.get(name, 0 if entry else 1)
-    for line in lines:
-      if times == 0:
-        continue
-      dcn = _MEGASCALE_SEND.search(line)
-      if dcn:
-        kind = dcn.group("kind").lower().replace("_", "-")
-        key = (kind, 0, True)
-        nbytes = (_array_bytes(dcn.group("shape")) or [0])[0]
-        count, total = totals.get(key, [0, 0])
-        totals[key] = [count + times, total + times * nbytes]
-        continue
-      m = _INSTRUCTION.search(line)
-      if not m:
-        continue
-      kind = m.group("kind")
-      groups = parse_groups(line)
-      size = len(groups[0]) if groups else 0
+  for op in collective_ops(hlo_text):
+    if op.dcn_send:
+      key = (op.kind, 0, True)
+    else:
       crosses = None
-      if groups is not None and device_slices is not None:
-        crosses = any(len({device_slices[i] for i in g}) > 1 for g in groups)
-      key = (kind, size, crosses)
-      nbytes = _result_bytes(m.group("shape"), bool(m.group("start")))
-      count, total = totals.get(key, [0, 0])
-      totals[key] = [count + times, total + times * nbytes]
+      if op.groups is not None and device_slices is not None:
+        crosses = any(len({device_slices[i] for i in g}) > 1 for g in op.groups)
+      key = (op.kind, len(op.groups[0]) if op.groups else 0, crosses)
+    count, total = totals.get(key, [0, 0])
+    totals[key] = [count + op.executions, total + op.executions * op.bytes]
   order = {kind: i for i, kind in enumerate(KINDS)}
   return [
     Collective(kind, count, nbytes, size, crosses)

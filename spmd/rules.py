@@ -16,8 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +37,7 @@ LOGICAL_AXES = (
   "embed",
   "mlp",
   "heads",
+  "kv_heads",
   "kv",
   "vocab",
   "layers",
@@ -52,7 +55,10 @@ FSDP: Rules = (
   ("batch", ("data", "fsdp")),
   ("embed", "fsdp"),
   ("vocab", None),
-  *((name, None) for name in ("length", "mlp", "heads", "kv", "layers", "norm", "classes")),
+  *(
+    (name, None)
+    for name in ("length", "mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes")
+  ),
 )
 """Fully sharded data parallel: weights split over `fsdp` along `embed`."""
 
@@ -61,6 +67,9 @@ FSDP_TP: Rules = (
   ("embed", "fsdp"),
   ("mlp", "tensor"),
   ("heads", "tensor"),
+  # Grouped-query attention's key/value heads split like the query heads, so
+  # each device holds the K/V heads its query heads read.
+  ("kv_heads", "tensor"),
   ("vocab", "tensor"),
   *((name, None) for name in ("length", "kv", "layers", "norm", "classes")),
 )
@@ -127,7 +136,7 @@ def annotation_to_spec(
     >>> annotation_to_spec(("rows",), FSDP, mesh)
     Traceback (most recent call last):
     ...
-    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
+    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
   """
   table = dict(rules)
   used: set[str] = set()
@@ -200,3 +209,75 @@ def check_divisible(
         f"{name}: dimension {dim} of {shape=} is not divisible by {parts} "
         f"(mesh axes {_as_tuple(entry)} of {dict(mesh.shape)})"
       )
+
+
+# ---------------------------------------------------------------------------
+# Activation sharding: constraints by logical names, active only where a
+# trainer says which rules and mesh apply.
+
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Rules, mesh: jax.sharding.Mesh) -> Iterator[None]:
+  """Makes `constrain` pin activations by `rules` on `mesh` while inside.
+
+  A trainer enters it around the code it traces (the loss in the train and
+  eval steps), so a model states its activations' layout by logical names
+  and never needs to know the mesh; outside it, `constrain` does nothing.
+  It holds per thread and only while tracing matters: the constraints end
+  up in the compiled program, not in this context.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from spmd.mesh import create_mesh
+    >>> mesh = create_mesh("data=-1,tensor=2")
+    >>> with activation_rules(FSDP_TP, mesh):
+    ...   y = jax.jit(lambda x: constrain(x * 2, ("batch", "mlp")))(jnp.ones((4, 8)))
+    >>> y.sharding.spec
+    P('data', 'tensor')
+  """
+  stack = _active.__dict__.setdefault("stack", [])
+  stack.append((tuple(rules), mesh))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def active_rules() -> tuple[Rules, jax.sharding.Mesh] | None:
+  """The innermost `activation_rules` of this thread, or None."""
+  stack = getattr(_active, "stack", None)
+  return stack[-1] if stack else None
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """`x` pinned to the layout its logical axis names map to, or `x` when no rules are active.
+
+  Inside `activation_rules(rules, mesh)` this is
+  `jax.lax.with_sharding_constraint` with the spec `logical_to_spec` gives
+  (mesh axes of size 1 dropped). Outside it, and inside a `shard_map` that
+  makes some mesh axes manual (there each device already holds its own
+  rows), it returns `x` unchanged, so a model that constrains its
+  activations still runs in a plain process (tests, export, sampling).
+
+  Raises:
+    ValueError: `logical` does not name each dimension of `x`, or a split
+      dimension does not divide by its mesh axes (naming both).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> constrain(jnp.ones((2, 3)), ("batch", "embed")).shape  # no rules active
+    (2, 3)
+  """
+  active = active_rules()
+  if active is None:
+    return x
+  if len(logical) != x.ndim:
+    raise ValueError(f"{tuple(logical)=} must name each dimension of {x.shape=}")
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    return x
+  rules, mesh = active
+  spec = logical_to_spec(logical, rules, mesh)
+  check_divisible(f"activation {tuple(logical)}", tuple(x.shape), spec, mesh)
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))

@@ -6,13 +6,17 @@ import jax
 import pytest
 
 from spmd.mesh import create_mesh
+from trainers.models import llama
 from trainers.models import transformer as lm
 from trainers.state import make_state
 from trainers.tasks import make_task
+from trainers.tasks.llama import llama_config
 from trainers.tasks.lm import transformer_config
 
 
-@pytest.mark.parametrize("name", ["default", "lm_tiny", "lm_tiny_bpe", "lm_small", "mlp"])
+@pytest.mark.parametrize(
+  "name", ["default", "lm_tiny", "lm_tiny_bpe", "lm_small", "mlp", "llama_tiny", "llama3_8b"]
+)
 def test_config_builds_its_state_shapes_and_shardings(name):
   config = importlib.import_module(f"configs.{name}").get_config()
   module_doc = importlib.import_module(f"configs.{name}").__doc__
@@ -24,9 +28,11 @@ def test_config_builds_its_state_shapes_and_shardings(name):
   count = sum(leaf.size for leaf in leaves)
   if config.task == "lm":
     assert count == lm.param_count(transformer_config(config))
+  elif config.task == "llama":
+    assert count == llama.param_count(llama_config(config))
   else:  # 6 x parameters x batch: the FLOP count says how many parameters there are
     assert make_task(config).flops_per_step == 6.0 * count * config.global_batch
   kernel_specs = {s.spec for s in jax.tree.leaves(setup.shardings["params"])}
   assert any("fsdp" in str(spec) for spec in kernel_specs)
-  if config.task == "lm":
+  if config.task in ("lm", "llama"):
     assert any("tensor" in str(spec) for spec in kernel_specs)

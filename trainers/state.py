@@ -62,6 +62,10 @@ class StateSetup:
   schedule: optax.Schedule
   init: Callable[[], Any]  # jitted: returns the sharded initial state
   placement: list[tuple[str, str, str]]  # (variable path, spec, why) for the log
+  # What the steps trace under (`spmd.rules.activation_rules`), so a model's
+  # activation constraints (`spmd.rules.constrain`) follow `config.mesh.rules`.
+  mesh: jax.sharding.Mesh | None = None
+  rules: rules_lib.Rules = ()
 
   @property
   def has_model_state(self) -> bool:
@@ -255,6 +259,8 @@ def make_state(
     schedule=schedule,
     init=init,
     placement=rows + [(f"model_state/{p}", s, w) for p, s, w in rest_rows],
+    mesh=mesh,
+    rules=rules,
   )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import spmd
+from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from trainers.state import StateSetup, build_model
 from trainers.tasks import Task
@@ -49,7 +51,11 @@ def _loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
       model.train()
     else:
       model.eval()
-    loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
+    # The model's activation constraints (spmd.rules.constrain) take the
+    # mesh and rules of the state; without a mesh they do nothing.
+    active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
+    with active:
+      loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
     clash = sorted(set(metric_sums) & set(STEP_METRICS))
     if clash:
       raise ValueError(f"the task's loss returns metrics {clash}, names the step reports itself")

@@ -2,6 +2,9 @@
 
   transformer.py  `TransformerLM`: decoder-only byte-level language model,
                   `generate`, `param_count`, `flops_per_token`
+  llama.py        `Llama`: RMSNorm, RoPE, SwiGLU, grouped-query attention,
+                  packed-segment masking, activations constrained by
+                  logical names (`spmd.rules.constrain`)
   mlp.py          `MLPClassifier`
 
 What the models share lives here: `param` creates an annotated parameter and

@@ -3,7 +3,7 @@
 A `Task` is a dataclass built with keywords. `spmd-train` finds the function
 that makes it from the config, `config.task`, in one of three forms:
 
-  "lm", "classifier"          a built-in task (`BUILTIN_TASKS`)
+  "lm", "llama", "classifier" a built-in task (`BUILTIN_TASKS`)
   "package.module:function"   any importable module
   "task.py:function"          a file, relative to the config file's folder
 
@@ -61,6 +61,7 @@ LossFn = Callable[[Any, Batch, Any, bool], tuple[jax.Array, jax.Array, dict[str,
 BUILTIN_TASKS = {
   "lm": "trainers.tasks.lm:make_task",
   "classifier": "trainers.tasks.classifier:make_task",
+  "llama": "trainers.tasks.llama:make_task",
 }
 """Names `config.task` may use for the built-in tasks, and where they live."""
 
@@ -234,7 +235,7 @@ def resolve_task_spec(spec: str, config_dir: str | Path | None = None) -> str:
     >>> resolve_task_spec("my_task")
     Traceback (most recent call last):
     ...
-    ValueError: config.task='my_task' is not a built-in task (['classifier', 'lm']), 'package.module:function' or 'file.py:function'
+    ValueError: config.task='my_task' is not a built-in task (['classifier', 'llama', 'lm']), 'package.module:function' or 'file.py:function'
   """
   if spec in BUILTIN_TASKS:
     return BUILTIN_TASKS[spec]

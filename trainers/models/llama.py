@@ -1,0 +1,461 @@
+"""A Llama-family decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+The architecture of Llama 2/3 (Touvron et al. 2023; Meta 2024): pre-RMSNorm
+blocks of causal self-attention with rotary position embeddings and
+grouped-query attention (`num_kv_heads` key/value heads shared by groups of
+`num_heads` query heads), a SwiGLU MLP, a final RMSNorm and an output
+projection, tied to the token embedding or not. No biases anywhere.
+
+Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
+
+  token_embed                  [vocab, d_model]                      (vocab, embed)
+  blocks/attn_norm/scale       [layers, d_model]                     (layers, norm)
+  blocks/attn/query            [layers, d_model, heads, head_dim]    (layers, embed, heads, kv)
+  blocks/attn/key, value       [layers, d_model, kv_heads, head_dim] (layers, embed, kv_heads, kv)
+  blocks/attn/out              [layers, heads, head_dim, d_model]    (layers, heads, kv, embed)
+  blocks/mlp_norm/scale        [layers, d_model]                     (layers, norm)
+  blocks/mlp/gate, up          [layers, d_model, d_ff]               (layers, embed, mlp)
+  blocks/mlp/down              [layers, d_ff, d_model]               (layers, mlp, embed)
+  final_norm/scale             [d_model]                             (norm,)
+  unembed                      [d_model, vocab]  (untied only)       (embed, vocab)
+
+Layers are stacked and scanned, rematerialised by `remat_policy`, or
+unrolled, as in `trainers.models.transformer` (same seed, same weights in
+either layout).
+
+Activations are constrained explicitly by logical names (MaxText's way):
+the residual stream is (batch, length, embed), queries (batch, length,
+heads, kv), keys and values (batch, length, kv_heads, kv), the MLP's hidden
+layer (batch, length, mlp), the logits (batch, length, vocab). The trainer
+says which rules and mesh apply (`spmd.rules.activation_rules`, entered by
+the train and eval steps); with `mesh.rules=fsdp_tp` that is Megatron's
+layout (heads and MLP split over `tensor`, the batch over data and fsdp).
+With no rules active the constraints do nothing, so the model runs as is
+in a plain process.
+
+Packed data: `model(tokens, segment_ids, positions)` attends only within a
+segment (causally), and RoPE counts positions within the segment.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> config = LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64)
+  >>> model = Llama(config, rngs=nnx.Rngs(0))
+  >>> model(jnp.ones((2, 5), jnp.int32)).shape
+  (2, 5, 256)
+  >>> model.blocks.attn.key.shape, model.blocks.attn.key.get_metadata("out_sharding")
+  ((1, 32, 2, 8), ('layers', 'embed', 'kv_heads', 'kv'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd.rules import constrain
+from trainers.models import param
+
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+REMAT_POLICIES = ("minimal", "full", "none")
+
+
+def _fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
+  """LeCun normal (untruncated: it compiles faster) over the input dimensions."""
+  return nnx.initializers.variance_scaling(
+    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+  )
+
+
+def _float_dtype(name: str, value: str) -> jnp.dtype:
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise ValueError(f"{name}={value!r} is not a dtype") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name}={value!r} is not a floating point dtype")
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Sizes and dtypes of a `Llama`.
+
+  Example:
+    >>> LlamaConfig(d_model=64, num_heads=8, num_kv_heads=2).head_dim
+    8
+    >>> LlamaConfig(num_heads=4, num_kv_heads=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_kv_heads=3 must divide num_heads=4 (grouped-query attention)
+  """
+
+  vocab_size: int = 256
+  seq_len: int = 128
+  """The training length (windows of the data; RoPE itself has no limit)."""
+  num_layers: int = 2
+  d_model: int = 128
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  """Key/value heads; each serves num_heads // num_kv_heads query heads."""
+  d_ff: int = 384
+  """Hidden width of each SwiGLU MLP."""
+  rope_theta: float = 10000.0
+  """RoPE's base period (Llama 2: 1e4, Llama 3: 5e5)."""
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  """Use the token embedding, transposed, as the output projection."""
+  dtype: str = "float32"
+  """Compute dtype, e.g. "float32" or "bfloat16"."""
+  param_dtype: str = "float32"
+  scan_layers: bool = True
+  """Stack the layers' weights and `lax.scan` over them (see the transformer)."""
+  scan_unroll: int = 1
+  """With scan_layers: layers per iteration of the scan's loop."""
+  remat_policy: str = "minimal"
+  """With scan_layers, what each layer keeps for the backward pass: "minimal"
+  (the weight matmuls' outputs), "full" (only its input: least memory, one
+  more forward pass) or "none" (everything)."""
+
+  def __post_init__(self):
+    for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "num_kv_heads"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if self.d_ff < 1:
+      raise ValueError(f"d_ff={self.d_ff!r} must be a positive integer")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+        "(grouped-query attention)"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} (d_model / num_heads) must be even for RoPE")
+    if not self.rope_theta > 1:
+      raise ValueError(f"rope_theta={self.rope_theta!r} must be > 1")
+    _float_dtype("dtype", self.dtype)
+    _float_dtype("param_dtype", self.param_dtype)
+    for name in ("tie_embeddings", "scan_layers"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+    unroll = self.scan_unroll
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+      raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def _dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
+  """Contracts x's last `contract` dims with w's first ones, as one 2-D matmul.
+
+  Flattened so that the weight gradient contracts one token axis, which
+  XLA:CPU's matmul kernels read in place (see the transformer's `_dense`).
+  """
+  lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
+  inner = math.prod(w.shape[:contract])
+  y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
+  return y.reshape(*lead, *features)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """(sin, cos) of RoPE's angles, float32 [..., head_dim // 2], for integer positions.
+
+  Frequency i is `theta ** (-2i / head_dim)`, as in Llama.
+
+  Example:
+    >>> sin, cos = rope_angles(jnp.array([[0, 1]]), head_dim=4, theta=10000.0)
+    >>> sin.shape, cos[0, 0].tolist()
+    ((1, 2, 2), [1.0, 1.0])
+  """
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  """Rotates `x` [batch, length, heads, head_dim] by the angles [batch, length, head_dim // 2].
+
+  The two halves of each head are the pairs' coordinates (the "rotate half"
+  layout of Hugging Face's and MaxText's Llama); computed in float32.
+  """
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """`x / rms(x) * scale`, statistics in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype: jnp.dtype, *, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # A bf16 mean of d_model squares loses most of its bits.
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query causal self-attention with RoPE and an optional segment mask."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    d, h, g, k = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+    pdt = jnp.dtype(config.param_dtype)
+    init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+    self.query = param(rngs, init, (d, h, k), ("embed", "heads", "kv"), pdt)
+    self.key = param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), pdt)
+    self.value = param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), pdt)
+    self.out = param(
+      rngs, _fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
+    )
+
+  def __call__(self, x: jax.Array, mask: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    dt = x.dtype
+    b, length, _ = x.shape
+    q = constrain(_dense(x, self.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
+    k = constrain(_dense(x, self.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+    v = constrain(_dense(x, self.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    # Query head i reads key/value head i // group: the heads axis splits as
+    # (kv_heads, group), so no K/V copy per query head is materialised.
+    q = q.reshape(b, length, kv_heads, -1, head_dim)
+    # Scores and softmax in float32 whatever the compute dtype.
+    logits = jnp.einsum("bqhgk,bshk->bhgqs", q, k, preferred_element_type=jnp.float32)
+    logits = logits * head_dim**-0.5
+    # A finite minimum rather than -inf: no NaN even if a row were all masked.
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    y = jnp.einsum("bhgqs,bshk->bqhgk", probs, v).reshape(b, length, -1, head_dim)
+    y = constrain(y, ("batch", "length", "heads", "kv"))
+    return _dense(y, self.out[...].astype(dt), contract=2)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    d, f, pdt = config.d_model, config.d_ff, jnp.dtype(config.param_dtype)
+    self.gate = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.up = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.down = param(rngs, _fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    names = ("batch", "length", "mlp")
+    gate = constrain(_dense(x, self.gate[...].astype(dt)), names)
+    up = constrain(_dense(x, self.up[...].astype(dt)), names)
+    return _dense(jax.nn.silu(gate) * up, self.down[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention, then the MLP."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(config.param_dtype)
+    self.attn_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x: jax.Array, mask: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    residual = ("batch", "length", "embed")
+    x = constrain(x + self.attn(self.attn_norm(x), mask, sin, cos), residual)
+    return constrain(x + self.mlp(self.mlp_norm(x)), residual)
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+  """One module whose parameters have a leading `layers` axis of size `num_layers`.
+
+  Layer i draws the keys the unrolled model's layer i would draw from the
+  same stream (its counter advanced by i layers' worth of draws), so a seed
+  gives the same weights in either layout (as `transformer._stacked_blocks`).
+
+  Example:
+    >>> config = LlamaConfig(num_layers=3, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32)
+    >>> stack = stacked(lambda r: Block(config, rngs=r), 3, nnx.Rngs(0))
+    >>> stack.mlp.up.shape, stack.mlp.up.get_metadata("out_sharding")
+    ((3, 16, 32), ('layers', 'embed', 'mlp'))
+  """
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  draws = len(jax.tree.leaves(abstract))  # `param` draws one key per parameter
+  stream = rngs.params
+  key, start = stream.key.get_value(), stream.count.get_value()
+
+  def one(layer: jax.Array) -> nnx.State:
+    layer_rngs = nnx.Rngs(params=key)
+    layer_rngs.params.count.set_value(start + layer * draws)
+    return nnx.split(make(layer_rngs))[1]
+
+  state = jax.vmap(one)(jnp.arange(num_layers, dtype=start.dtype))
+  for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    var.set_metadata(out_sharding=("layers", *var.get_metadata("out_sharding")))
+  stream.count.set_value(start + num_layers * draws)
+  return nnx.merge(graphdef, state)
+
+
+_POLICIES = {
+  # MaxText's "minimal": keep the weight matmuls' outputs, recompute the rest
+  # (attention scores, softmax, elementwise ops) in the backward pass.
+  "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def scan_layers(
+  blocks: nnx.Module, x: jax.Array, *args: jax.Array, unroll: int = 1, remat_policy: str = "minimal"
+) -> jax.Array:
+  """Applies stacked `blocks(x, *args)` in order, one `lax.scan` step per layer.
+
+  `args` are the same for every layer (mask, RoPE angles). Each step is
+  rematerialised as `remat_policy` says; "none" keeps every intermediate.
+  """
+  graphdef, state = nnx.split(blocks)
+
+  def layer(x, params):
+    return nnx.merge(graphdef, params)(x, *args), None
+
+  if remat_policy != "none":
+    # prevent_cse only when unrolled: a rolled loop already keeps the
+    # recomputation apart from the forward pass, and the barrier costs speed.
+    layer = jax.checkpoint(layer, policy=_POLICIES[remat_policy], prevent_cse=unroll > 1)
+  return jax.lax.scan(layer, x, state, unroll=unroll)[0]
+
+
+def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
+  """bool [batch, length, length]: query q may read key s.
+
+  Causal; with `segment_ids` also only within the query's own segment
+  (packed rows hold several documents side by side).
+
+  Example:
+    >>> attention_mask(jnp.array([[1, 1, 2]]), 1, 3)[0].astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+  """
+  causal = jnp.tril(jnp.ones((length, length), bool))[None]
+  if segment_ids is None:
+    return jnp.broadcast_to(causal, (batch, length, length))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal & same
+
+
+class Llama(nnx.Module):
+  """Llama decoder: int tokens [B, L] -> float32 logits [B, L, vocab].
+
+  `segment_ids` (int [B, L], packed data) restricts attention to keys of the
+  query's own segment; `positions` (int [B, L], the index within the
+  segment) are RoPE's positions, else 0..L-1. A token id outside
+  [0, vocab_size) embeds as zeros.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    d, pdt = config.d_model, jnp.dtype(config.param_dtype)
+    self.token_embed = param(rngs, _EMBED_INIT, (config.vocab_size, d), ("vocab", "embed"), pdt)
+    if config.scan_layers:
+      self.blocks = stacked(lambda r: Block(config, rngs=r), config.num_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(d, config.norm_eps, pdt, rngs=rngs)
+    if not config.tie_embeddings:
+      self.unembed = param(
+        rngs, _fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt
+      )
+
+  def __call__(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    config = self.config
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(
+        f"tokens must be integers [batch, length], got {tokens.shape=} {tokens.dtype=}"
+      )
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+      if value is not None and value.shape != tokens.shape:
+        raise ValueError(f"{name}.shape={value.shape} must equal {tokens.shape=}")
+    batch, length = tokens.shape
+    dt = jnp.dtype(config.dtype)
+    # A gather, not a one-hot matmul: at a 128k vocabulary the one-hot
+    # product would cost as much as a layer. "fill" makes an unknown id zeros.
+    table = self.token_embed[...].astype(dt)
+    x = jnp.take(table, tokens, axis=0, mode="fill", fill_value=0)
+    x = constrain(x, ("batch", "length", "embed"))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    sin, cos = rope_angles(positions, config.head_dim, config.rope_theta)
+    mask = attention_mask(segment_ids, batch, length)
+    if config.scan_layers:
+      x = scan_layers(
+        self.blocks,
+        x,
+        mask,
+        sin,
+        cos,
+        unroll=config.scan_unroll,
+        remat_policy=config.remat_policy,
+      )
+    else:
+      for block in self.blocks:
+        x = block(x, mask, sin, cos)
+    x = self.final_norm(x)
+    # The loss wants float32 logits: accumulate the projection in float32.
+    if config.tie_embeddings:
+      logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
+    else:
+      logits = _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+
+def param_count(config: LlamaConfig) -> int:
+  """The number of parameters of `Llama(config)`, computed from the sizes.
+
+  Example:
+    >>> param_count(LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64))
+    25696
+  """
+  d, f, hd = config.d_model, config.d_ff, config.head_dim
+  attention = 2 * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd
+  per_layer = attention + 3 * d * f + 2 * d  # + two RMSNorm scales
+  embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
+  return embeddings + config.num_layers * per_layer + d
+
+
+def flops_per_token(config: LlamaConfig) -> float:
+  """Training FLOPs per token (forward + backward), PaLM's accounting, for MFU.
+
+  `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, Chowdhery et al. 2022,
+  appendix B): N counts the parameters that take part in matmuls, i.e.
+  every parameter except the token embedding table (a lookup), plus the
+  output projection's `d_model * vocab` whether tied or not (the tied table
+  is still multiplied). 2 FLOPs per parameter forward, 4 backward; the
+  attention scores and weighted sum cost 12 * d_model * seq_len per layer
+  (heads * head_dim = d_model; the full square, causal masking not
+  subtracted; grouped-query attention saves no attention FLOPs). Norms,
+  RoPE, softmax and SiLU are not counted.
+
+  Example:
+    >>> config = LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
+    ...                      seq_len=16)
+    >>> flops_per_token(config)  # 6 * (25696 - 256 * 32) + 12 * 1 * 32 * 16
+    111168.0
+  """
+  output = config.d_model * config.vocab_size
+  non_embedding = param_count(config) - output * (1 if config.tie_embeddings else 2) + output
+  return float(6 * non_embedding + 12 * config.num_layers * config.d_model * config.seq_len)

@@ -1,0 +1,80 @@
+"""The Llama task (`config.task = "llama"`): `trainers.models.llama` on the LM task's data.
+
+The data side is the LM task's own (`trainers.tasks.lm`): the byte-level
+`text_corpus` or any prepared dataset with a `tokens` feature, cut into
+windows of `seq_len + 1` tokens. The loss is next-token cross-entropy over
+the unmasked targets; a batch of packed data that carries `segment_ids` and
+`positions` has them passed to the model, so attention stays inside each
+document and RoPE counts from each document's start. Tokens are the unit and
+PaLM's model FLOPs give MFU. Its section, `config.model`, is
+`LlamaConfig`'s fields plus nothing.
+
+Example:
+  >>> from configs import llama_tiny
+  >>> task = make_task(llama_tiny.get_config())
+  >>> task.unit, task.record_template["tokens"].shape
+  ('tokens', (65,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+import numpy as np
+
+from trainers.data import pipeline
+from trainers.models import llama
+from trainers.tasks import Batch, Task, config_section, cross_entropy_sums
+from trainers.tasks import lm as lm_task
+
+# Batch features the model takes besides the tokens, when the data has them.
+PACKING_FEATURES = ("segment_ids", "positions")
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+  """The section `config.model` of the Llama task: `LlamaConfig`'s fields and defaults."""
+  return ml_collections.ConfigDict(dataclasses.asdict(llama.LlamaConfig()))
+
+
+def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
+  """The model's sizes from `config.model`; a misspelt key is an error naming it."""
+  return config_section(llama.LlamaConfig, config.model)
+
+
+def next_token_loss(model, batch: Batch, rngs, train: bool):
+  """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = llama.Llama(llama.LlamaConfig(num_layers=1, d_model=16, num_heads=2,
+    ...                                       num_kv_heads=1, d_ff=32), rngs=nnx.Rngs(0))
+    >>> ones = jnp.ones((2, 4), jnp.int32)
+    >>> batch = {"inputs": ones, "targets": ones, "mask": jnp.ones((2, 4)),
+    ...          "segment_ids": ones, "positions": jnp.zeros((2, 4), jnp.int32)}
+    >>> loss_sum, weight, sums = next_token_loss(model, batch, None, True)
+    >>> float(weight), sorted(sums)
+    (8.0, ['accuracy'])
+  """
+  del rngs, train  # no dropout, no batch statistics
+  packing = {k: batch[k] for k in PACKING_FEATURES if k in batch}
+  return cross_entropy_sums(model(batch["inputs"], **packing), batch["targets"], batch["mask"])
+
+
+def make_task(config: ml_collections.ConfigDict) -> Task:
+  """The Llama task for `config` (sizes from `config.model`, data as the LM task's)."""
+  model_config = llama_config(config)
+  seq_len = model_config.seq_len
+  return Task(
+    model=lambda rngs: llama.Llama(model_config, rngs=rngs),
+    loss=next_token_loss,
+    prepare_data=lm_task.prepare_data(config),
+    record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
+    to_example=pipeline.lm_example(seq_len),
+    to_batch=pipeline.lm_batch(seq_len),
+    plan_records=lm_task.lm_records(config, seq_len),
+    unit="tokens",
+    compute_dtype=model_config.dtype,
+    flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
+  )
