@@ -53,9 +53,9 @@ def transformer_setup(config, mesh, batch_axes: tuple[str, ...] = ("data",)):
   (P1, P3, `profile_step`, `step_variants`) build their state here.
 
   Example:
-    >>> from configs import lm_tiny
+    >>> from configs import lm_tiny_bytes
     >>> from spmd.mesh import create_mesh
-    >>> config = lm_tiny.get_config()
+    >>> config = lm_tiny_bytes.get_config()
     >>> config.global_batch, config.model.seq_len = 8, 16
     >>> setup, model_config, batch = transformer_setup(config, create_mesh("data=-1"))
     >>> batch["inputs"].shape, model_config.d_model

@@ -1,6 +1,6 @@
 """P6 and P8: whole `spmd-train` runs started through `spmd-launch local`.
 
-  python -m benchmarks.launches [--config=configs/lm_tiny.py] [--rounds=3] [--json=out.json]
+  python -m benchmarks.launches [--config=configs/lm_tiny_bytes.py] [--rounds=3] [--json=out.json]
 
   P6  2 processes x 1 device ÷ 1 process x 2 devices: median steady-state
       step time (the trainer's own `step_time_s`, first logging window left
@@ -104,7 +104,7 @@ def steady_step_s(workdir: str, log_every: int) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/lm_tiny.py")
+  parser.add_argument("--config", default="configs/lm_tiny_bytes.py")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=120, help="train steps per P6 run")
   parser.add_argument("--workdir", default="workdir/bench/launches")

@@ -101,7 +101,7 @@ def run_layout(layout: str, config: str, steps: int) -> float:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layouts", default="1x2,2x1,2x1u")
-  parser.add_argument("--config", default="configs/lm_tiny.py")
+  parser.add_argument("--config", default="configs/lm_tiny_bytes.py")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--steps", type=int, default=100, help="timed steps per job")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

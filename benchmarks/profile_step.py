@@ -37,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_DEVICES", "1"
 jax.config.update("jax_platforms", "cpu")
 
 from benchmarks import common  # noqa: E402
-from configs import lm_tiny  # noqa: E402
+from configs import lm_tiny_bytes  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--top", type=int, default=0, help="also list the N slowest ops")
   args = parser.parse_args()
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.model.d_model, config.model.num_heads, config.model.d_ff = (
     args.width,
     args.width // 64,

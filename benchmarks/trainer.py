@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from configs import lm_small, lm_tiny  # noqa: E402
+from configs import lm_small, lm_tiny_bytes  # noqa: E402
 from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
@@ -106,7 +106,7 @@ def model_config_for(args: argparse.Namespace):
   if args.model == "lm_small":
     config = lm_small.get_config()
   else:  # lm_tiny at width 512: big enough for matmuls to dominate on a CPU
-    config = lm_tiny.get_config()
+    config = lm_tiny_bytes.get_config()
     config.model.d_model, config.model.num_heads, config.model.d_ff = 512, 8, 2048
   if args.global_batch is not None:
     config.global_batch = args.global_batch

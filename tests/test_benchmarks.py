@@ -65,7 +65,7 @@ def test_the_shared_helpers_examples_hold():
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   out = tmp_path / "p7.json"
   done = _run_module(
-    "benchmarks.memory", "--config=configs/lm_tiny.py", f"--json={out}", BENCH_DEVICES="2"
+    "benchmarks.memory", "--config=configs/lm_tiny_bytes.py", f"--json={out}", BENCH_DEVICES="2"
   )
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   [row] = json.loads(out.read_text())

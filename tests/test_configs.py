@@ -15,7 +15,7 @@ from trainers.tasks.lm import transformer_config
 
 
 @pytest.mark.parametrize(
-  "name", ["default", "lm_tiny", "lm_tiny_bpe", "lm_small", "mlp", "llama_tiny", "llama3_8b"]
+  "name", ["default", "lm_tiny", "lm_tiny_bytes", "lm_small", "mlp", "llama_tiny", "llama3_8b"]
 )
 def test_config_builds_its_state_shapes_and_shardings(name):
   config = importlib.import_module(f"configs.{name}").get_config()

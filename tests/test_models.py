@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import lm_tiny
+from configs import lm_tiny_bytes
 from spmd import rules
 from spmd.mesh import create_mesh
 from trainers.models import logical_axes, param
@@ -230,7 +230,7 @@ def test_every_preset_leaves_the_layers_axis_whole():
 @pytest.mark.parametrize("rules_name", ["fsdp", "fsdp_tp"])
 def test_make_state_shards_stacked_params_like_their_layers(mesh, rules_name):
   """The trainer's shardings: each stacked weight is split like one layer's, whole along layers."""
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.mesh.rules = rules_name
 
   def setup(scan_layers):

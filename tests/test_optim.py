@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import lm_tiny
+from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers import optim
@@ -21,7 +21,7 @@ AXES = ("data", "fsdp")
 
 
 def _config(ici="data=-1,fsdp=1,tensor=1", **train):
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.mesh.ici = ici
   config.model.d_model, config.model.d_ff, config.model.seq_len = 32, 64, 16
   config.global_batch = 16

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import lm_tiny
+from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers.models.transformer import (
@@ -168,7 +168,7 @@ def test_a_packed_train_step_on_four_devices_matches_one_device():
   packed = {key: np.concatenate([packed[key], _packed_batch(1)[key][:1]]) for key in packed}
   runs = {}
   for ici, count in (("data=1,fsdp=1,tensor=1", 1), ("data=1,fsdp=2,tensor=2", 4)):
-    config = lm_tiny.get_config()
+    config = lm_tiny_bytes.get_config()
     config.mesh.ici, config.mesh.rules = ici, "fsdp_tp"
     config.model.d_model, config.model.d_ff, config.model.seq_len = 32, 64, LENGTH
     config.global_batch = 4

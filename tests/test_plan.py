@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from configs import lm_tiny
+from configs import lm_tiny_bytes
 from spmd import hlo
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available
@@ -57,7 +57,7 @@ def test_sharded_matmul_bytes_match_hand_computed():
 
 def _tiny(rules: str, ici: str, scan_unroll: int = 1, remat_policy: str = "minimal"):
   """lm_tiny, its layers scanned in a loop and rematerialised unless told otherwise."""
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.mesh.rules, config.mesh.ici = rules, ici
   config.model.scan_layers = True  # lm_tiny itself runs a plain list of blocks
   config.model.scan_unroll, config.model.remat_policy = scan_unroll, remat_policy
@@ -288,7 +288,10 @@ def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
 def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
   path = tmp_path / "step.xla"
   done = _spmd_plan(
-    "--config=configs/lm_tiny.py", "--topology=v5e-16", f"--save_executable={path}", timeout=180
+    "--config=configs/lm_tiny_bytes.py",
+    "--topology=v5e-16",
+    f"--save_executable={path}",
+    timeout=180,
   )
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   assert "executable: saved" in done.stdout, done.stdout

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import lm_tiny
+from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers.state import make_state
@@ -16,7 +16,7 @@ from trainers.tasks import make_task
 
 
 def _setup(ici="data=-1,fsdp=1,tensor=1", **train):
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.mesh.ici = ici
   config.model.d_model, config.model.d_ff, config.model.seq_len = 32, 64, 16
   config.global_batch = 16

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from flax.nnx import bridge
 
-from configs import lm_tiny, mlp
+from configs import lm_tiny_bytes, mlp
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers import config as config_lib
@@ -178,7 +178,7 @@ def test_a_misspelt_key_in_a_config_file_is_an_error_naming_it(tmp_path):
   path.write_text(
     textwrap.dedent(
       """
-      from configs import lm_tiny, mlp
+      from configs import lm_tiny_bytes, mlp
 
       def get_config():
         c = mlp.get_config()
@@ -233,7 +233,7 @@ def test_task_specs_resolve_by_name_module_and_file(tmp_path):
     load_task_factory(resolve_task_spec("missing.py:make", tmp_path))
   with pytest.raises(ValueError, match="has no function 'nope'"):
     load_task_factory("trainers.tasks.lm:nope")
-  config = lm_tiny.get_config()
+  config = lm_tiny_bytes.get_config()
   config.task = "trainers.tasks.lm:transformer_config"
   with pytest.raises(TypeError, match="returned TransformerConfig, not a Task"):
     make_task(config)

@@ -12,7 +12,7 @@ Its section, `config.model`, is `TransformerConfig`'s fields plus nothing.
 With `config.data.pack` the documents (the corpus's files, or a
 pre-tokenized dataset's records) are tokenized by `config.data.tokenizer`
 ("bytes", "bpe" trained on the corpus, or a tokenizer file), framed with
-BOS/EOS and packed into windows, one record each (`trainers.data.packed`);
+BOS/EOS and packed into windows, stored in runs (`trainers.data.packed`);
 batches then also carry `segment_ids` and `positions`, and throughput counts
 real input tokens (`segment_ids != 0`), not padding.
 
@@ -144,7 +144,9 @@ def check_data(config: ml_collections.ConfigDict, model_config: lm.TransformerCo
   Example:
     >>> from configs import lm_tiny
     >>> config = lm_tiny.get_config()
-    >>> config.data.tokenizer = "bpe"
+    >>> config.data.tokenizer, config.data.pack
+    ('bpe', True)
+    >>> config.data.pack = False
     >>> check_data(config, transformer_config(config))
     Traceback (most recent call last):
     ...
