@@ -19,4 +19,7 @@ def get_config():
   config.data.tokenizer = "bpe"
   config.data.pack = True
   config.model.vocab_size = 1024
+  # A byte-level BPE joins a space to the word after it, so a prompt that ends
+  # in a space ends in a token that training text rarely holds.
+  config.sample_prompt = "import"
   return config
