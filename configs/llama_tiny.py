@@ -3,8 +3,9 @@
   spmd-launch local --num-processes 2 --devices-per-process 2 -- \\
       spmd-train --config=configs/llama_tiny.py --workdir=workdir/llama_tiny
 
-On the LM task's default data (byte-level text_corpus, vocabulary 256) for
-now. With tensor parallelism the activations follow the rules, e.g.
+On the demo's data: a BPE of 1024 ids trained on the embedded corpus, its
+documents packed into windows with segment ids (shared with lm_tiny in the
+data dir). With tensor parallelism the activations follow the rules, e.g.
 `--config.mesh.ici=data=-1,tensor=2 --config.mesh.rules=fsdp_tp`.
 """
 
@@ -22,6 +23,9 @@ def get_config():
   config.model.num_heads = 4
   config.model.num_kv_heads = 2
   config.model.d_ff = 384
+  config.model.vocab_size = 1024
+  config.data.tokenizer = "bpe"
+  config.data.pack = True
   # Two small layers: a plain list of blocks, as lm_tiny (the scan's loop and
   # remat cost more than they save at this depth).
   config.model.scan_layers = False

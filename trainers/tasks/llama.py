@@ -1,8 +1,9 @@
 """The Llama task (`config.task = "llama"`): `trainers.models.llama` on the LM task's data.
 
-The data side is the LM task's own (`trainers.tasks.lm`): the byte-level
-`text_corpus` or any prepared dataset with a `tokens` feature, cut into
-windows of `seq_len + 1` tokens. The loss is next-token cross-entropy over
+The data side is the LM task's own (`trainers.tasks.lm.lm_data`): bytes or
+subword tokens of the text corpus, or any prepared dataset with a `tokens`
+feature, in windows of `seq_len + 1` tokens, packed with segment ids when
+`config.data.pack` is set. The loss is next-token cross-entropy over
 the unmasked targets; a batch of packed data that carries `segment_ids` and
 `positions` has them passed to the model, so attention stays inside each
 document and RoPE counts from each document's start. Tokens are the unit and
@@ -21,9 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
-import numpy as np
 
-from trainers.data import pipeline
 from trainers.models import llama
 from trainers.tasks import Batch, Task, config_section, cross_entropy_sums
 from trainers.tasks import lm as lm_task
@@ -66,15 +65,11 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
   """The Llama task for `config` (sizes from `config.model`, data as the LM task's)."""
   model_config = llama_config(config)
   seq_len = model_config.seq_len
+  data = lm_task.lm_data(config, seq_len, model_config.vocab_size)
   return Task(
     model=lambda rngs: llama.Llama(model_config, rngs=rngs),
     loss=next_token_loss,
-    prepare_data=lm_task.prepare_data(config),
-    record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
-    to_example=pipeline.lm_example(seq_len),
-    to_batch=pipeline.lm_batch(seq_len),
-    plan_records=lm_task.lm_records(config, seq_len),
-    unit="tokens",
+    **data.fields,
     compute_dtype=model_config.dtype,
     flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
   )

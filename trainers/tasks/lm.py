@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +136,7 @@ def tokenizer_spec(config: ml_collections.ConfigDict) -> str:
   return config.data.get("tokenizer", "bytes") or "bytes"
 
 
-def check_data(config: ml_collections.ConfigDict, model_config: lm.TransformerConfig) -> None:
+def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
   """Raises `ValueError` for a tokenizer or packing choice the task cannot run with.
 
   Runs when the task is made (`trainers.config.resolve`, up front): a user's
@@ -147,7 +148,7 @@ def check_data(config: ml_collections.ConfigDict, model_config: lm.TransformerCo
     >>> config.data.tokenizer, config.data.pack
     ('bpe', True)
     >>> config.data.pack = False
-    >>> check_data(config, transformer_config(config))
+    >>> check_data(config, config.model.vocab_size)
     Traceback (most recent call last):
     ...
     ValueError: data.tokenizer='bpe' needs data.pack=True on the text corpus: subword tokens are packed into windows (set data.pack=True, or data.tokenizer='bytes')
@@ -155,7 +156,7 @@ def check_data(config: ml_collections.ConfigDict, model_config: lm.TransformerCo
   from trainers.data import tokenizer as tok
 
   spec, pack, name = tokenizer_spec(config), bool(config.data.get("pack", False)), config.data.name
-  vocab = model_config.vocab_size
+  vocab = vocab_size
   if spec != tok.BYTES and name == "text_corpus" and not pack:
     raise ValueError(
       f"data.tokenizer={spec!r} needs data.pack=True on the text corpus: subword tokens are "
@@ -205,7 +206,11 @@ def _tokenizer(config: ml_collections.ConfigDict, data_dir: str, vocab_size: int
 
 
 def packed_prepare(
-  config: ml_collections.ConfigDict, prepared: PreparedData, check: Callable[[], None]
+  config: ml_collections.ConfigDict,
+  prepared: PreparedData,
+  check: Callable[[], None],
+  seq_len: int,
+  vocab_size: int,
 ) -> Callable[[str], str]:
   """`Task.prepare_data` with packing: the tokenizer, then the packed windows.
 
@@ -214,21 +219,19 @@ def packed_prepare(
   """
   from trainers.data import packed
 
-  model_config = transformer_config(config)
-
   def prepare(data_dir: str) -> str:
     name = config.data.name
     if name == "text_corpus":
       check_held_out(config, data_dir)
-    prepared.tokenizer = _tokenizer(config, data_dir, model_config.vocab_size)
+    prepared.tokenizer = _tokenizer(config, data_dir, vocab_size)
     prepared.identity = (
       f"tokenizer {prepared.tokenizer.identity}" if prepared.tokenizer else "tokenizer bytes"
     )
     check()
     common = dict(
-      seq_len=model_config.seq_len,
+      seq_len=seq_len,
       seed=int(config.seed),
-      vocab_size=model_config.vocab_size,
+      vocab_size=vocab_size,
       tokenizer=prepared.tokenizer,
       validation_percent=float(config.data.validation_percent),
     )
@@ -303,10 +306,9 @@ def token_codec(vocab_size: int) -> TokenCodec:
   )
 
 
-def _prompt_ids(codec: TokenCodec, prompt: str, model_config: lm.TransformerConfig) -> list[int]:
+def prompt_ids(codec: TokenCodec, prompt: str, vocab: int, seq_len: int) -> list[int]:
   """The prompt's ids, checked up front so that the sample cannot fail at the end."""
   ids = codec.encode(prompt)
-  vocab, seq_len = model_config.vocab_size, model_config.seq_len
   if not ids or len(ids) >= seq_len:
     raise ValueError(
       f"config.sample_prompt={prompt!r} is {len(ids)} tokens; a sample needs 1 to "
@@ -348,12 +350,12 @@ def _sample_report(
   """The end-of-run sample; `codec()` (default: bytes or ids) is called when it runs."""
   if codec is None:
     fixed = token_codec(model_config.vocab_size)
-    _prompt_ids(fixed, prompt, model_config)  # checked up front
+    prompt_ids(fixed, prompt, model_config.vocab_size, model_config.seq_len)  # up front
     codec = lambda: fixed  # noqa: E731
 
   def report(model, step: int) -> str:
     found = codec()
-    ids = _prompt_ids(found, prompt, model_config)
+    ids = prompt_ids(found, prompt, model_config.vocab_size, model_config.seq_len)
     count = min(num_tokens, model_config.seq_len - len(ids))
     tokens = jnp.asarray([ids], jnp.int32)
     out = np.asarray(jax.device_get(lm.generate(model, tokens, count)))[0]
@@ -380,40 +382,85 @@ def real_tokens(batch) -> jax.Array:
   return jnp.sum(batch["segment_ids"] != 0).astype(jnp.float32)
 
 
-def _packed_task(config, model_config, report_args) -> Task:
-  """The LM task on packed windows (`config.data.pack`)."""
+@dataclasses.dataclass(frozen=True)
+class LmData:
+  """The data side of an LM task, for any decoder trained on the same data (`lm_data`).
+
+  Attributes:
+    fields: the `Task` keywords of the data: `prepare_data`,
+      `record_template`, `to_example`, `to_batch`, `plan_records`, `unit`,
+      `count_units`, `units_per_batch`, `run_files`.
+    codec: `() -> TokenCodec`: text to ids and back, through the run's
+      tokenizer once the data is prepared (bytes or ids before, and without
+      one).
+  """
+
+  fields: dict[str, Any]
+  codec: Callable[[], TokenCodec]
+
+
+def lm_data(
+  config: ml_collections.ConfigDict, seq_len: int, vocab_size: int, prompt: str | None = None
+) -> LmData:
+  """The LM data of `config.data` in windows of `seq_len + 1` tokens, as `Task` keywords.
+
+  Bytes or a pre-tokenized dataset in windows of its records, or, with
+  `config.data.pack`, documents tokenized and packed (batches then carry
+  `segment_ids` and `positions`, and throughput counts real input tokens).
+  `prompt`, when given, must encode to 1..seq_len-1 ids of the vocabulary:
+  checked as soon as the tokenizer is known, before any step.
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> data = lm_data(lm_tiny.get_config(), seq_len=64, vocab_size=1024)
+    >>> data.fields["unit"], data.fields["count_units"] is real_tokens
+    ('tokens', True)
+  """
+  check_data(config, vocab_size)
+  units = float(config.global_batch * seq_len)
+  if not config.data.get("pack", False):
+    fixed = token_codec(vocab_size)
+    if prompt is not None:
+      prompt_ids(fixed, prompt, vocab_size, seq_len)
+    fields = dict(
+      prepare_data=prepare_data(config),
+      # One window of int32 ids: the records' own length and dtype are the data's.
+      record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
+      to_example=pipeline.lm_example(seq_len),
+      to_batch=pipeline.lm_batch(seq_len),
+      plan_records=lm_records(config, seq_len),
+      unit="tokens",
+      units_per_batch=units,
+    )
+    return LmData(fields=fields, codec=lambda: fixed)
+
   from trainers.data import packed
 
-  seq_len = model_config.seq_len
   prepared = PreparedData()
 
   def codec() -> TokenCodec:
     if prepared.tokenizer is None:
-      return token_codec(model_config.vocab_size)
+      return token_codec(vocab_size)
     return tokenizer_codec(prepared.tokenizer)
 
-  report, check = None, lambda: None
-  if report_args is not None:
-    report = _sample_report(model_config, *report_args, codec=codec)
-    check = lambda: _prompt_ids(codec(), report_args[1], model_config)  # noqa: E731
-  return Task(
-    model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
-    loss=next_token_loss,
-    prepare_data=packed_prepare(config, prepared, check),
+  def check() -> None:
+    if prompt is not None:
+      prompt_ids(codec(), prompt, vocab_size, seq_len)
+
+  fields = dict(
+    prepare_data=packed_prepare(config, prepared, check, seq_len, vocab_size),
     record_template=packed.record_template(seq_len),
     to_example=packed.packed_example(seq_len),
     to_batch=packed.packed_batch(seq_len),
     plan_records=packed.packed_plan(seq_len, lambda: prepared.identity),
     unit="tokens",
     count_units=real_tokens,
-    units_per_batch=float(config.global_batch * seq_len),
-    compute_dtype=model_config.dtype,
-    flops_per_step=lm.flops_per_token(model_config) * config.global_batch * seq_len,
-    report=report,
+    units_per_batch=units,
     run_files=lambda: (
       {"tokenizer" + _suffix(prepared): prepared.tokenizer.path} if prepared.tokenizer else {}
     ),
   )
+  return LmData(fields=fields, codec=codec)
 
 
 def _suffix(prepared: PreparedData) -> str:
@@ -423,28 +470,18 @@ def _suffix(prepared: PreparedData) -> str:
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The LM task for `config` (sizes from `config.model`)."""
   model_config = transformer_config(config)
-  check_data(config, model_config)
   seq_len = model_config.seq_len
-  tokens = config.global_batch * seq_len
   sample_tokens = config.get("sample_tokens", 0)
-  prompt = config.get("sample_prompt", "def ")
-  if config.data.get("pack", False):
-    return _packed_task(config, model_config, (sample_tokens, prompt) if sample_tokens else None)
+  prompt = config.get("sample_prompt", "def ") if sample_tokens else None
+  data = lm_data(config, seq_len, model_config.vocab_size, prompt)
   report = None
   if sample_tokens:
-    report = _sample_report(model_config, sample_tokens, prompt)
+    report = _sample_report(model_config, sample_tokens, prompt, codec=data.codec)
   return Task(
     model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
     loss=next_token_loss,
-    prepare_data=prepare_data(config),
-    # One window of int32 ids: the records' own length and dtype are the data's.
-    record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
-    to_example=pipeline.lm_example(seq_len),
-    to_batch=pipeline.lm_batch(seq_len),
-    plan_records=lm_records(config, seq_len),
-    unit="tokens",
-    units_per_batch=float(tokens),
+    **data.fields,
     compute_dtype=model_config.dtype,
-    flops_per_step=lm.flops_per_token(model_config) * tokens,
+    flops_per_step=lm.flops_per_token(model_config) * config.global_batch * seq_len,
     report=report,
   )
