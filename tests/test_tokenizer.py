@@ -127,3 +127,33 @@ def test_a_saved_run_decodes_with_its_own_copy_when_the_original_is_gone(files, 
   (workdir / "tokenizer.json").write_bytes(original.read_bytes())  # what the run keeps
   original.unlink()
   assert saved_run.saved_config(workdir).data.tokenizer == str(workdir / "tokenizer.json")
+
+
+def test_a_tokenizer_file_on_cloud_storage_is_copied_into_the_data_dir(
+  files, tmp_path, monkeypatch
+):
+  """data.tokenizer=gs://...: a local GCS emulator serves it; the run reads the local copy."""
+  import gcsfs
+  from etils import epath
+
+  from tests.gcs_emulator import GcsEmulator
+
+  emulator = GcsEmulator(tmp_path / "gcs")
+  emulator.start()
+  try:
+    for key, value in emulator.env().items():
+      monkeypatch.setenv(key, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+    local = tok.train_bpe((open(f).read() for f in files), 300, tmp_path / "t" / "tokenizer.json")
+    url = "gs://bucket/tokenizers/tokenizer.json"
+    epath.Path(url).write_bytes(local.read_bytes())
+    tok.check_spec(url)  # the config check reads URLs as paths
+    found = tok.user_tokenizer(url, tmp_path / "data")
+    assert found.path.startswith(str(tmp_path / "data" / tok.CACHE_DIR))
+    assert found.identity == tok.file_identity(local.read_bytes())
+    assert found.decode(found.encode(TEXT)) == TEXT
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer='gs://bucket/missing.json'"):
+      tok.user_tokenizer("gs://bucket/missing.json", tmp_path / "data")
+  finally:
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    emulator.stop()
