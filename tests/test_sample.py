@@ -1,0 +1,122 @@
+"""Sampling with a KV cache: cached decoding equals the full forward pass token for token,
+temperature and top-k, the cache sharded on a mesh, the `spmd-sample` CLI on a tiny run,
+and the cache's memory in the plan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmd import rules
+from spmd.mesh import create_mesh
+from trainers.models import decode, llama, logical_axes
+from trainers.models import transformer as lm
+
+SEQ_LEN = 24
+
+
+def _llama(scan_layers=False, tie=False):
+  config = llama.LlamaConfig(
+    vocab_size=96,
+    seq_len=SEQ_LEN,
+    num_layers=2,
+    d_model=32,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=64,
+    scan_layers=scan_layers,
+    tie_embeddings=tie,
+  )
+  return llama.Llama(config, rngs=nnx.Rngs(1))
+
+
+def _transformer(scan_layers=False):
+  config = lm.TransformerConfig(
+    vocab_size=96, seq_len=SEQ_LEN, num_layers=2, d_model=32, num_heads=4, d_ff=64,
+    scan_layers=scan_layers,
+  )  # fmt: skip
+  return lm.TransformerLM(config, rngs=nnx.Rngs(1))
+
+
+MODELS = {
+  "llama": _llama,
+  "llama_scan": lambda: _llama(scan_layers=True),
+  "llama_tied": lambda: _llama(tie=True),
+  "transformer": _transformer,
+  "transformer_scan": lambda: _transformer(scan_layers=True),
+}
+PROMPT = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1]], jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cached_greedy_equals_the_full_forward_pass_token_for_token(name):
+  model = MODELS[name]()
+  num_tokens = SEQ_LEN - PROMPT.shape[1]  # to the end of the cache
+  cached = decode.generate(model, PROMPT, num_tokens)
+  uncached = decode.generate_uncached(model, PROMPT, num_tokens)
+  np.testing.assert_array_equal(cached, uncached)
+  assert cached.shape == (2, SEQ_LEN)
+  # The prefill's logits are the forward pass's.
+  logits, _ = decode.prefill(model, PROMPT)
+  np.testing.assert_allclose(logits, model(PROMPT), atol=1e-5)
+
+
+def test_the_transformers_own_greedy_generate_agrees():
+  model = _transformer()
+  np.testing.assert_array_equal(decode.generate(model, PROMPT, 6), lm.generate(model, PROMPT, 6))
+
+
+def test_top_k_one_is_greedy_and_a_key_gives_the_same_tokens_twice():
+  model = _llama()
+  greedy = decode.generate(model, PROMPT, 10)
+  one = decode.generate(model, PROMPT, 10, temperature=2.0, top_k=1, key=jax.random.key(3))
+  np.testing.assert_array_equal(one, greedy)
+  a = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(4))
+  b = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(4))
+  c = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(5))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)  # other keys, other draws (a fixed model: deterministic)
+
+
+def test_every_sampled_token_is_in_the_top_k_of_the_uncached_logits():
+  model, k, start = _llama(), 3, PROMPT.shape[1]
+  out = np.asarray(
+    decode.generate(model, PROMPT, 12, temperature=3.0, top_k=k, key=jax.random.key(0))
+  )
+  for t in range(start, out.shape[1]):
+    logits = np.asarray(model(jnp.asarray(out[:, :t])))[:, -1]
+    top = np.argsort(-logits, axis=-1)[:, :k]
+    for row in range(out.shape[0]):
+      assert out[row, t] in top[row], (t, row, out[row, t], top[row])
+
+
+def test_bad_arguments_are_named():
+  model = _llama()
+  with pytest.raises(ValueError, match="num_tokens=30"):
+    decode.generate(model, PROMPT, 30)
+  with pytest.raises(ValueError, match="top_k=500"):
+    decode.generate(model, PROMPT, 2, temperature=1.0, top_k=500)
+  with pytest.raises(ValueError, match="max_len=99"):
+    decode.generate(model, PROMPT, 2, max_len=99)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers):
+  model = _llama(scan_layers=scan_layers)
+  mesh = create_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+  graphdef, state = nnx.split(model)
+  params = nnx.state(model, nnx.Param)
+  shardings = rules.logical_to_sharding(logical_axes(params), mesh, rules.FSDP_TP, shapes=params)
+  placed = nnx.merge(graphdef, jax.device_put(state, shardings))
+  _, cache = decode.prefill(placed, PROMPT, rules=rules.FSDP_TP, mesh=mesh)
+  # batch over data, the key/value heads over tensor: a quarter of the cache per device
+  assert cache.keys.sharding.spec == jax.sharding.PartitionSpec(None, "data", None, "tensor")
+  assert decode.cache_bytes_per_device(cache) * 4 == 2 * cache.keys.nbytes
+  sharded = decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh)
+  np.testing.assert_array_equal(sharded, decode.generate(model, PROMPT, 12))
+  drawn = dict(temperature=1.0, top_k=4, key=jax.random.key(9))
+  np.testing.assert_array_equal(
+    decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh, **drawn),
+    decode.generate(model, PROMPT, 12, **drawn),
+  )
