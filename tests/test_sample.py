@@ -120,3 +120,30 @@ def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers)
     decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh, **drawn),
     decode.generate(model, PROMPT, 12, **drawn),
   )
+
+
+# ---------------------------------------------------------------------------
+# The plan: the cache's memory per device, from its shapes and shardings.
+
+
+def test_the_plan_has_the_kv_cache_row_with_its_bytes():
+  from configs import llama_tiny
+  from trainers import plan as plan_lib
+  from trainers.plan_main import format_plan
+
+  config = llama_tiny.get_config()
+  config.mesh.ici, config.mesh.rules = "data=-1,tensor=2", "fsdp_tp"
+  target = plan_lib.gpu_target("h100", 4)
+  plan = plan_lib.make_plan(config, target, compile_step=False)
+  m = config.model
+  # k and v, layers, batch, length, kv heads, head dim, float32; batch over data=2, heads over tensor=2
+  total = 2 * m.num_layers * config.global_batch * m.seq_len * m.num_kv_heads * 32 * 4
+  assert plan.kv_cache.total_bytes == total
+  assert plan.kv_cache.bytes_per_device == total // 4
+  assert plan.kv_cache.spec == "P(None, 'data', None, 'tensor')"
+  assert f"kv cache (decode, {config.global_batch} x {m.seq_len})" in format_plan(plan)
+  assert plan.to_dict()["kv_cache"]["bytes_per_device"] == total // 4
+  small = plan_lib.make_plan(config, target, compile_step=False, decode_batch=2)
+  assert small.kv_cache.bytes_per_device == total // config.global_batch * 2 // 4
+  with pytest.raises(ValueError, match="batch=3"):
+    plan_lib.make_plan(config, target, compile_step=False, decode_batch=3)
