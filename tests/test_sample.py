@@ -147,3 +147,73 @@ def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   assert small.kv_cache.bytes_per_device == total // config.global_batch * 2 // 4
   with pytest.raises(ValueError, match="batch=3"):
     plan_lib.make_plan(config, target, compile_step=False, decode_batch=3)
+
+
+# ---------------------------------------------------------------------------
+# spmd-sample on a run: restore, encode through the run's tokenizer, decode.
+
+
+def test_a_byte_level_runs_codec_is_bytes(tmp_path):
+  from configs import lm_tiny_bytes
+  from trainers.sample import run_codec
+
+  codec = run_codec(lm_tiny_bytes.get_config(), str(tmp_path))
+  assert codec.describe == "bytes" and codec.decode(codec.encode("déf")) == "déf"
+
+
+@pytest.mark.slow
+def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_path):
+  import subprocess
+  import sys
+
+  from launch.local import run_local
+  from tests.data_fixtures import training_data
+  from tests.multiprocess import ROOT
+
+  data = training_data(tmp_path / "data")
+  workdir = tmp_path / "run"
+  env = {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]}
+  train = [
+    sys.executable,
+    "-m",
+    "trainers.main",
+    f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
+    f"--workdir={workdir}",
+    f"--config.data.dir={data['dir']}",
+    f"--config.data.source={data['source']}",
+    "--config.data.validation_percent=25",
+    "--config.global_batch=8",
+    "--config.train.steps=20",
+    "--config.train.warmup_steps=5",
+    "--config.eval_every=0",
+    "--config.checkpoint.every=20",
+    "--config.sample_prompt=the",
+    "--config.sample_tokens=12",
+  ]
+  result = run_local(
+    train, num_processes=1, devices_per_process=1, timeout_s=240, grace_s=10, echo=False,
+    cwd=str(ROOT), env=env,
+  )  # fmt: skip
+  assert result.ok, result.report()
+  assert (workdir / "tokenizer.json").exists()
+  # The run's own end-of-run sample (the Llama task's, with the cache), as it printed it.
+  output = result.processes[0].output
+  assert "sample (greedy, prompt 'the', text through the tokenizer" in output, output[-2000:]
+  sample = subprocess.run(
+    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the",
+     "--num_tokens=12"],
+    capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
+  )  # fmt: skip
+  assert sample.returncode == 0, sample.stderr
+  # The checkpoint restored on one device continues the prompt as the run's model did.
+  assert sample.stdout.startswith("the") and f":\n{sample.stdout}" in output, (
+    sample.stdout,
+    output[-1000:],
+  )
+  assert "step 20, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
+  drawn = subprocess.run(
+    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the model",
+     "--num_tokens=8", "--temperature=1.0", "--top_k=5", "--seed=2", "--step=20"],
+    capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
+  )  # fmt: skip
+  assert drawn.returncode == 0 and drawn.stdout.startswith("the model"), drawn.stderr
