@@ -141,7 +141,10 @@ def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   assert plan.kv_cache.total_bytes == total
   assert plan.kv_cache.bytes_per_device == total // 4
   assert plan.kv_cache.spec == "P(None, 'data', None, 'tensor')"
-  assert f"kv cache (decode, {config.global_batch} x {m.seq_len})" in format_plan(plan)
+  assert (
+    f"kv cache         {total // 4 / 1024:.2f} KiB (decode, {config.global_batch} x {m.seq_len}:"
+    in format_plan(plan)
+  )
   assert plan.to_dict()["kv_cache"]["bytes_per_device"] == total // 4
   small = plan_lib.make_plan(config, target, compile_step=False, decode_batch=2)
   assert small.kv_cache.bytes_per_device == total // config.global_batch * 2 // 4

@@ -90,9 +90,8 @@ def _kv_cache_rows(plan) -> list[str]:
   if kv is None:
     return []
   return [
-    f"  kv cache (decode, {kv.batch} x {kv.length})  {_bytes(kv.bytes_per_device)}, "
-    f"{_bytes(kv.total_bytes)} in all, keys and values {kv.spec} "
-    "(a sampler's, not in the step's total)"
+    f"  kv cache         {_bytes(kv.bytes_per_device)} (decode, {kv.batch} x {kv.length}: "
+    f"{_bytes(kv.total_bytes)} in all, keys and values {kv.spec}; a sampler's, not in the total)"
   ]
 
 
