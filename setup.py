@@ -65,6 +65,7 @@ setup(
       "spmd-plan=trainers.plan_main:main",
       "spmd-train=trainers.main:main",
       "spmd-export=trainers.export:main",
+      "spmd-sample=trainers.sample:main",
     ]
   },
 )

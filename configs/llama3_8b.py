@@ -44,5 +44,7 @@ def get_config():
   config.log_every = 10
   config.eval_every = 1000
   config.checkpoint.every = 1000
-  config.sample_tokens = 0  # the Llama task has no sampler yet
+  # No end-of-run sample: the data is bytes with no tokenizer, so it would show
+  # ids; spmd-sample reads the checkpoints instead.
+  config.sample_tokens = 0
   return config

@@ -37,5 +37,6 @@ def get_config():
   config.eval_every = 100
   config.eval_batches = 4
   config.checkpoint.every = 100
-  config.sample_tokens = 0  # the Llama task has no sampler yet
+  config.sample_tokens = 48
+  config.sample_prompt = "import"  # a whole word, as lm_tiny's (see there)
   return config

@@ -143,6 +143,17 @@ class Compute:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+  """The KV cache of a decode of `batch` sequences of `length` tokens, on the training mesh."""
+
+  batch: int
+  length: int
+  bytes_per_device: int  # keys and values, the largest shard (`trainers.models.decode`)
+  total_bytes: int  # before sharding
+  spec: str  # the keys' and values' PartitionSpec [layers, batch, length, kv_heads, head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything `spmd-plan` reports."""
 
@@ -166,6 +177,7 @@ class Plan:
   collectives: list[hlo.Collective]
   fits: bool | None
   suggestions: list[str]
+  kv_cache: KVCachePlan | None = None  # None: the model has no KV-cache decoder
 
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
@@ -230,6 +242,7 @@ def make_plan(
   margin: float = 0.1,
   compile_step: bool | None = None,
   keep_compiled: list | None = None,
+  decode_batch: int | None = None,
 ) -> Plan:
   """Compiles `config`'s train step for `target` and reads what it needs.
 
@@ -241,11 +254,16 @@ def make_plan(
       already exceed the device's memory (compiling would only cost minutes);
       True always; False never.
     keep_compiled: if given, the compiled executable is appended to it.
+    decode_batch: sequences of the KV-cache row (a decode of decode_batch x
+      seq_len on the training mesh); None: `config.global_batch`.
   """
   if not 0 < efficiency[0] <= efficiency[1] <= 1:
     raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
+  if decode_batch is not None and (isinstance(decode_batch, bool) or decode_batch < 1):
+    raise ValueError(f"{decode_batch=} must be a positive integer (None: global_batch)")
   mesh, batch_axes = build_mesh(config, target.devices)
   task = make_task(config)
+  kv_cache = kv_cache_plan(task, config, mesh, decode_batch or config.global_batch)
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
@@ -335,6 +353,42 @@ def make_plan(
     collectives=collectives,
     fits=fits,
     suggestions=suggestions,
+    kv_cache=kv_cache,
+  )
+
+
+def kv_cache_plan(
+  task, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, batch: int
+) -> KVCachePlan | None:
+  """The KV cache of a decode of `batch` x seq_len, sharded by `config.mesh.rules` on `mesh`.
+
+  Arithmetic on the cache's abstract arrays and their shardings: nothing is
+  compiled. None when the task's model has no cached decoder.
+
+  Raises:
+    ValueError: `batch` (or the key/value heads) does not divide over the
+      mesh axes the rules split it over.
+  """
+  from flax import nnx
+
+  from spmd import rules as rules_lib
+  from trainers.models import decode
+
+  model = nnx.eval_shape(lambda: task.model(nnx.Rngs(0)))
+  shape = decode.cache_shape(getattr(model, "config", None))
+  if shape is None:
+    return None
+  length = model.config.seq_len
+  try:
+    cache = decode.abstract_cache(shape, batch, length, mesh, rules_lib.preset(config.mesh.rules))
+  except ValueError as e:
+    raise ValueError(f"the KV cache of a decode of {batch=} x {length}: {e}") from None
+  return KVCachePlan(
+    batch=batch,
+    length=length,
+    bytes_per_device=decode.cache_bytes_per_device(cache),
+    total_bytes=shape.bytes(batch, length),
+    spec=str(cache.keys.sharding.spec),
   )
 
 

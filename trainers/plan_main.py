@@ -9,7 +9,11 @@
 Compiles the real train step ahead of time for the target (`trainers.plan`),
 prints memory per device against the device's HBM, FLOPs, the expected step
 time and MFU under a stated efficiency assumption, the collectives per step
-and whether they cross DCN, and the per-host data layout. TPU targets need
+and whether they cross DCN, and the per-host data layout. For a decoder with
+a KV-cache sampler (`trainers.models.decode`) it also gives the cache's
+memory per device for a decode of `--decode_batch` (default global_batch)
+sequences of seq_len tokens on the same mesh, from the cache's shapes and
+shardings (nothing extra is compiled). TPU targets need
 the `tpu` extra (libtpu); nothing runs on, or needs, an accelerator.
 """
 
@@ -51,6 +55,12 @@ def _flags(argv: list[str]) -> flags.FlagValues:
     "auto: skip when the state alone cannot fit",
     flag_values=fv,
   )
+  flags.DEFINE_integer(
+    "decode_batch",
+    None,
+    "sequences of the KV-cache row (a decode of this many x seq_len); default global_batch",
+    flag_values=fv,
+  )
   flags.DEFINE_bool("json", False, "print JSON instead of the table", flag_values=fv)
   flags.DEFINE_string(
     "save_executable",
@@ -75,6 +85,16 @@ def _seconds(s: float) -> str:
   return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
+def _kv_cache_rows(plan) -> list[str]:
+  kv = getattr(plan, "kv_cache", None)
+  if kv is None:
+    return []
+  return [
+    f"  kv cache         {_bytes(kv.bytes_per_device)} (decode, {kv.batch} x {kv.length}: "
+    f"{_bytes(kv.total_bytes)} in all, keys and values {kv.spec}; a sampler's, not in the total)"
+  ]
+
+
 def format_plan(plan, config_name: str = "") -> str:
   """The plan as a table for people."""
   m, c = plan.memory, plan.compute
@@ -94,6 +114,7 @@ def format_plan(plan, config_name: str = "") -> str:
     f"  batch            {_bytes(m.batch_bytes)}",
     f"  temporaries      {_bytes(m.temp_bytes)}{est if m.temp_bytes is not None else ''}",
     f"  code             {_bytes(m.code_bytes)}",
+    *_kv_cache_rows(plan),
     f"  total            {_bytes(m.total_bytes if m.total_bytes is not None else m.state_bytes)}"
     f" of {_bytes(m.device_bytes)} HBM",
   ]
@@ -181,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
   if (fv.topology is None) == (fv.gpu is None):
     print("spmd-plan: give exactly one of --topology (TPU) or --gpu", file=sys.stderr)
     return 2
+  if fv.decode_batch is not None and fv.decode_batch < 1:
+    print(f"spmd-plan: --decode_batch={fv.decode_batch} must be >= 1", file=sys.stderr)
+    return 2
   try:
     efficiency = tuple(float(x) for x in fv.efficiency.split(","))
   except ValueError:
@@ -219,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     margin=fv.margin,
     compile_step={"auto": None, "always": True, "never": False}[fv.compile],
     keep_compiled=compiled,
+    decode_batch=fv.decode_batch,
   )
   saved = ""
   if fv.save_executable:

@@ -7,7 +7,8 @@ feature, in windows of `seq_len + 1` tokens, packed with segment ids when
 the unmasked targets; a batch of packed data that carries `segment_ids` and
 `positions` has them passed to the model, so attention stays inside each
 document and RoPE counts from each document's start. Tokens are the unit and
-PaLM's model FLOPs give MFU. Its section, `config.model`, is
+PaLM's model FLOPs give MFU; at the end, a greedy sample of
+`config.sample_tokens` after `config.sample_prompt`, decoded with a KV cache. Its section, `config.model`, is
 `LlamaConfig`'s fields plus nothing.
 
 Example:
@@ -65,11 +66,17 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
   """The Llama task for `config` (sizes from `config.model`, data as the LM task's)."""
   model_config = llama_config(config)
   seq_len = model_config.seq_len
-  data = lm_task.lm_data(config, seq_len, model_config.vocab_size)
+  sample_tokens = config.get("sample_tokens", 0)
+  prompt = config.get("sample_prompt", "def ") if sample_tokens else None
+  data = lm_task.lm_data(config, seq_len, model_config.vocab_size, prompt)
+  report = None
+  if sample_tokens:
+    report = lm_task.sample_report(model_config, sample_tokens, prompt, codec=data.codec)
   return Task(
     model=lambda rngs: llama.Llama(model_config, rngs=rngs),
     loss=next_token_loss,
     **data.fields,
     compute_dtype=model_config.dtype,
     flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
+    report=report,
   )

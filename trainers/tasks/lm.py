@@ -5,7 +5,7 @@ A decoder-only transformer (`trainers.models.transformer`) on the byte-level
 feature (pre-tokenized, any integer dtype, fixed or variable length, ids
 below `config.model.vocab_size`): next-token cross-entropy over the unmasked
 targets, accuracy, tokens as the unit, PaLM's model FLOPs, and a greedy
-sample at the end. Each record gives every window of `seq_len + 1` tokens it
+sample at the end (with a KV cache, `trainers.models.decode`). Each record gives every window of `seq_len + 1` tokens it
 holds (`pipeline.lm_windows`), and the run logs what is used and dropped.
 Its section, `config.model`, is `TransformerConfig`'s fields plus nothing.
 
@@ -37,6 +37,7 @@ import ml_collections
 import numpy as np
 
 from trainers.data import pipeline
+from trainers.models import decode
 from trainers.models import transformer as lm
 from trainers.tasks import Task, config_section, cross_entropy_sums
 
@@ -341,13 +342,17 @@ def tokenizer_codec(tokenizer) -> TokenCodec:
   )
 
 
-def _sample_report(
-  model_config: lm.TransformerConfig,
+def sample_report(
+  model_config: Any,
   num_tokens: int,
   prompt: str,
   codec: Callable[[], TokenCodec] | None = None,
 ):
-  """The end-of-run sample; `codec()` (default: bytes or ids) is called when it runs."""
+  """The end-of-run greedy sample of a decoder with a KV cache (`trainers.models.decode`).
+
+  `model_config` gives `vocab_size` and `seq_len` (a `TransformerConfig` or
+  `LlamaConfig`); `codec()` (default: bytes or ids) is called when it runs.
+  """
   if codec is None:
     fixed = token_codec(model_config.vocab_size)
     prompt_ids(fixed, prompt, model_config.vocab_size, model_config.seq_len)  # up front
@@ -358,7 +363,7 @@ def _sample_report(
     ids = prompt_ids(found, prompt, model_config.vocab_size, model_config.seq_len)
     count = min(num_tokens, model_config.seq_len - len(ids))
     tokens = jnp.asarray([ids], jnp.int32)
-    out = np.asarray(jax.device_get(lm.generate(model, tokens, count)))[0]
+    out = np.asarray(jax.device_get(decode.generate(model, tokens, count)))[0]
     return f"sample (greedy, prompt {prompt!r}, {found.describe}):\n{found.decode(out)}"
 
   return report
@@ -476,7 +481,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
   data = lm_data(config, seq_len, model_config.vocab_size, prompt)
   report = None
   if sample_tokens:
-    report = _sample_report(model_config, sample_tokens, prompt, codec=data.codec)
+    report = sample_report(model_config, sample_tokens, prompt, codec=data.codec)
   return Task(
     model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
     loss=next_token_loss,

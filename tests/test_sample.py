@@ -1,0 +1,224 @@
+"""Sampling with a KV cache: cached decoding equals the full forward pass token for token,
+temperature and top-k, the cache sharded on a mesh, the `spmd-sample` CLI on a tiny run,
+and the cache's memory in the plan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmd import rules
+from spmd.mesh import create_mesh
+from trainers.models import decode, llama, logical_axes
+from trainers.models import transformer as lm
+
+SEQ_LEN = 24
+
+
+def _llama(scan_layers=False, tie=False):
+  config = llama.LlamaConfig(
+    vocab_size=96,
+    seq_len=SEQ_LEN,
+    num_layers=2,
+    d_model=32,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=64,
+    scan_layers=scan_layers,
+    tie_embeddings=tie,
+  )
+  return llama.Llama(config, rngs=nnx.Rngs(1))
+
+
+def _transformer(scan_layers=False):
+  config = lm.TransformerConfig(
+    vocab_size=96, seq_len=SEQ_LEN, num_layers=2, d_model=32, num_heads=4, d_ff=64,
+    scan_layers=scan_layers,
+  )  # fmt: skip
+  return lm.TransformerLM(config, rngs=nnx.Rngs(1))
+
+
+MODELS = {
+  "llama": _llama,
+  "llama_scan": lambda: _llama(scan_layers=True),
+  "llama_tied": lambda: _llama(tie=True),
+  "transformer": _transformer,
+  "transformer_scan": lambda: _transformer(scan_layers=True),
+}
+PROMPT = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1]], jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cached_greedy_equals_the_full_forward_pass_token_for_token(name):
+  model = MODELS[name]()
+  num_tokens = SEQ_LEN - PROMPT.shape[1]  # to the end of the cache
+  cached = decode.generate(model, PROMPT, num_tokens)
+  uncached = decode.generate_uncached(model, PROMPT, num_tokens)
+  np.testing.assert_array_equal(cached, uncached)
+  assert cached.shape == (2, SEQ_LEN)
+  # The prefill's logits are the forward pass's.
+  logits, _ = decode.prefill(model, PROMPT)
+  np.testing.assert_allclose(logits, model(PROMPT), atol=1e-5)
+
+
+def test_the_transformers_own_greedy_generate_agrees():
+  model = _transformer()
+  np.testing.assert_array_equal(decode.generate(model, PROMPT, 6), lm.generate(model, PROMPT, 6))
+
+
+def test_top_k_one_is_greedy_and_a_key_gives_the_same_tokens_twice():
+  model = _llama()
+  greedy = decode.generate(model, PROMPT, 10)
+  one = decode.generate(model, PROMPT, 10, temperature=2.0, top_k=1, key=jax.random.key(3))
+  np.testing.assert_array_equal(one, greedy)
+  a = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(4))
+  b = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(4))
+  c = decode.generate(model, PROMPT, 10, temperature=1.5, top_k=5, key=jax.random.key(5))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)  # other keys, other draws (a fixed model: deterministic)
+
+
+def test_every_sampled_token_is_in_the_top_k_of_the_uncached_logits():
+  model, k, start = _llama(), 3, PROMPT.shape[1]
+  out = np.asarray(
+    decode.generate(model, PROMPT, 12, temperature=3.0, top_k=k, key=jax.random.key(0))
+  )
+  # Causal: position t - 1 of one forward pass over the whole output holds
+  # the logits the uncached decoder reads before choosing token t.
+  every = np.asarray(model(jnp.asarray(out)))
+  for t in range(start, out.shape[1]):
+    top = np.argsort(-every[:, t - 1], axis=-1)[:, :k]
+    for row in range(out.shape[0]):
+      assert out[row, t] in top[row], (t, row, out[row, t], top[row])
+
+
+def test_bad_arguments_are_named():
+  model = _llama()
+  with pytest.raises(ValueError, match="num_tokens=30"):
+    decode.generate(model, PROMPT, 30)
+  with pytest.raises(ValueError, match="top_k=500"):
+    decode.generate(model, PROMPT, 2, temperature=1.0, top_k=500)
+  with pytest.raises(ValueError, match="max_len=99"):
+    decode.generate(model, PROMPT, 2, max_len=99)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers):
+  model = _llama(scan_layers=scan_layers)
+  mesh = create_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+  graphdef, state = nnx.split(model)
+  params = nnx.state(model, nnx.Param)
+  shardings = rules.logical_to_sharding(logical_axes(params), mesh, rules.FSDP_TP, shapes=params)
+  placed = nnx.merge(graphdef, jax.device_put(state, shardings))
+  _, cache = decode.prefill(placed, PROMPT, rules=rules.FSDP_TP, mesh=mesh)
+  # batch over data, the key/value heads over tensor: a quarter of the cache per device
+  assert cache.keys.sharding.spec == jax.sharding.PartitionSpec(None, "data", None, "tensor")
+  assert decode.cache_bytes_per_device(cache) * 4 == 2 * cache.keys.nbytes
+  sharded = decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh)
+  np.testing.assert_array_equal(sharded, decode.generate(model, PROMPT, 12))
+  drawn = dict(temperature=1.0, top_k=4, key=jax.random.key(9))
+  np.testing.assert_array_equal(
+    decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh, **drawn),
+    decode.generate(model, PROMPT, 12, **drawn),
+  )
+
+
+# ---------------------------------------------------------------------------
+# The plan: the cache's memory per device, from its shapes and shardings.
+
+
+def test_the_plan_has_the_kv_cache_row_with_its_bytes():
+  from configs import llama_tiny
+  from trainers import plan as plan_lib
+  from trainers.plan_main import format_plan
+
+  config = llama_tiny.get_config()
+  config.mesh.ici, config.mesh.rules = "data=-1,tensor=2", "fsdp_tp"
+  target = plan_lib.gpu_target("h100", 4)
+  plan = plan_lib.make_plan(config, target, compile_step=False)
+  m = config.model
+  # k and v, layers, batch, length, kv heads, head dim, float32; batch over data=2, heads over tensor=2
+  total = 2 * m.num_layers * config.global_batch * m.seq_len * m.num_kv_heads * 32 * 4
+  assert plan.kv_cache.total_bytes == total
+  assert plan.kv_cache.bytes_per_device == total // 4
+  assert plan.kv_cache.spec == "P(None, 'data', None, 'tensor')"
+  assert (
+    f"kv cache         {total // 4 / 1024:.2f} KiB (decode, {config.global_batch} x {m.seq_len}:"
+    in format_plan(plan)
+  )
+  assert plan.to_dict()["kv_cache"]["bytes_per_device"] == total // 4
+  small = plan_lib.make_plan(config, target, compile_step=False, decode_batch=2)
+  assert small.kv_cache.bytes_per_device == total // config.global_batch * 2 // 4
+  with pytest.raises(ValueError, match="batch=3"):
+    plan_lib.make_plan(config, target, compile_step=False, decode_batch=3)
+
+
+# ---------------------------------------------------------------------------
+# spmd-sample on a run: restore, encode through the run's tokenizer, decode.
+
+
+def test_a_byte_level_runs_codec_is_bytes(tmp_path):
+  from configs import lm_tiny_bytes
+  from trainers.sample import run_codec
+
+  codec = run_codec(lm_tiny_bytes.get_config(), str(tmp_path))
+  assert codec.describe == "bytes" and codec.decode(codec.encode("déf")) == "déf"
+
+
+@pytest.mark.slow
+def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_path):
+  import subprocess
+  import sys
+
+  from launch.local import run_local
+  from tests.data_fixtures import training_data
+  from tests.multiprocess import ROOT
+
+  data = training_data(tmp_path / "data")
+  workdir = tmp_path / "run"
+  env = {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]}
+  train = [
+    sys.executable,
+    "-m",
+    "trainers.main",
+    f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
+    f"--workdir={workdir}",
+    f"--config.data.dir={data['dir']}",
+    f"--config.data.source={data['source']}",
+    "--config.data.validation_percent=25",
+    "--config.global_batch=8",
+    "--config.train.steps=20",
+    "--config.train.warmup_steps=5",
+    "--config.eval_every=0",
+    "--config.checkpoint.every=20",
+    "--config.sample_prompt=the",
+    "--config.sample_tokens=12",
+  ]
+  result = run_local(
+    train, num_processes=1, devices_per_process=1, timeout_s=240, grace_s=10, echo=False,
+    cwd=str(ROOT), env=env,
+  )  # fmt: skip
+  assert result.ok, result.report()
+  assert (workdir / "tokenizer.json").exists()
+  # The run's own end-of-run sample (the Llama task's, with the cache), as it printed it.
+  output = result.processes[0].output
+  assert "sample (greedy, prompt 'the', text through the tokenizer" in output, output[-2000:]
+  sample = subprocess.run(
+    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the",
+     "--num_tokens=12"],
+    capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
+  )  # fmt: skip
+  assert sample.returncode == 0, sample.stderr
+  # The checkpoint restored on one device continues the prompt as the run's model did.
+  assert sample.stdout.startswith("the") and f":\n{sample.stdout}" in output, (
+    sample.stdout,
+    output[-1000:],
+  )
+  assert "step 20, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
+  drawn = subprocess.run(
+    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the model",
+     "--num_tokens=8", "--temperature=1.0", "--top_k=5", "--seed=2", "--step=20"],
+    capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
+  )  # fmt: skip
+  assert drawn.returncode == 0 and drawn.stdout.startswith("the model"), drawn.stderr
