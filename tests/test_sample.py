@@ -62,11 +62,6 @@ def test_cached_greedy_equals_the_full_forward_pass_token_for_token(name):
   np.testing.assert_allclose(logits, model(PROMPT), atol=1e-5)
 
 
-def test_the_transformers_own_greedy_generate_agrees():
-  model = _transformer()
-  np.testing.assert_array_equal(decode.generate(model, PROMPT, 6), lm.generate(model, PROMPT, 6))
-
-
 def test_top_k_one_is_greedy_and_a_key_gives_the_same_tokens_twice():
   model = _llama()
   greedy = decode.generate(model, PROMPT, 10)

@@ -67,7 +67,6 @@ same values on any mesh (tests/test_models.py does it):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -472,57 +471,6 @@ class TransformerLM(nnx.Module):
     x = self.final_norm(x)
     # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
     return _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
-
-
-def generate(model: TransformerLM, prompt: jax.Array, num_tokens: int) -> jax.Array:
-  """Greedy decoding: the prompt followed by `num_tokens` argmax tokens.
-
-  Each step reruns the whole forward pass on a fixed-length buffer (one
-  compiled program, no KV cache): fine for samples from small models.
-
-  Args:
-    model: the language model.
-    prompt: int [B, P] with P >= 1.
-    num_tokens: how many tokens to add; P + num_tokens <= `config.seq_len`.
-
-  Returns:
-    int32 [B, P + num_tokens], starting with `prompt`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> config = TransformerConfig(seq_len=16, num_layers=1, d_model=32, num_heads=2, d_ff=64)
-    >>> out = generate(TransformerLM(config, rngs=nnx.Rngs(0)), jnp.array([[1, 2]]), 4)
-    >>> out.shape, out.dtype, out[0, :2].tolist()
-    ((1, 6), dtype('int32'), [1, 2])
-  """
-  prompt = jnp.asarray(prompt)
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be [batch, length >= 1], got {prompt.shape=}")
-  if num_tokens < 0:
-    raise ValueError(f"{num_tokens=} must be >= 0")
-  total, seq_len = prompt.shape[1] + num_tokens, model.config.seq_len
-  if total > seq_len:
-    raise ValueError(
-      f"prompt length {prompt.shape[1]} + {num_tokens=} = {total} exceeds {seq_len=}"
-    )
-  graphdef, state = nnx.split(model)
-  return _greedy(graphdef, state, prompt.astype(jnp.int32), num_tokens)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _greedy(graphdef, state, prompt: jax.Array, num_tokens: int) -> jax.Array:
-  model = nnx.merge(graphdef, state)
-  batch, start = prompt.shape
-  tokens = jnp.zeros((batch, start + num_tokens), jnp.int32).at[:, :start].set(prompt)
-
-  def step(i, tokens):
-    # Causality makes the zeros after position start + i - 1 harmless.
-    logits = jax.lax.dynamic_index_in_dim(model(tokens), start + i - 1, axis=1, keepdims=False)
-    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.dynamic_update_index_in_dim(tokens, nxt, start + i, axis=1)
-
-  return jax.lax.fori_loop(0, num_tokens, step, tokens)
 
 
 def param_count(config: TransformerConfig) -> int:
