@@ -16,13 +16,12 @@ from flax import nnx
 from configs import lm_tiny_bytes
 from spmd import rules
 from spmd.mesh import create_mesh
-from trainers.models import logical_axes, param
+from trainers.models import decode, logical_axes, param
 from trainers.models.mlp import MLPClassifier, MLPConfig
 from trainers.models.transformer import (
   TransformerConfig,
   TransformerLM,
   flops_per_token,
-  generate,
   param_count,
 )
 from trainers.state import make_state
@@ -304,7 +303,7 @@ def test_scanned_and_unrolled_models_are_the_same_model():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   # Greedy decoding reads the model only through its forward pass, in either layout.
   samples = [
-    generate(
+    decode.generate(
       TransformerLM(dataclasses.replace(TWO_LAYERS, scan_layers=scan), rngs=nnx.Rngs(0)),
       tokens[:, :3],
       num_tokens=5,
@@ -420,20 +419,20 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small, forward):
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
 
 
-def test_generate_is_greedy_and_deterministic(small, forward):
+def test_cached_generate_is_greedy_and_deterministic(small, forward):
   graphdef, state = small
   model = nnx.merge(graphdef, state)
   prompt = _windows(2, 4)
-  out = generate(model, prompt, num_tokens=SMALL.seq_len - 4)
+  out = decode.generate(model, prompt, num_tokens=SMALL.seq_len - 4)
   assert out.shape == (2, SMALL.seq_len) and out.dtype == jnp.int32
   np.testing.assert_array_equal(out[:, :4], prompt)
-  np.testing.assert_array_equal(out, generate(model, prompt, num_tokens=SMALL.seq_len - 4))
+  np.testing.assert_array_equal(out, decode.generate(model, prompt, num_tokens=SMALL.seq_len - 4))
   # Every added token is the argmax after the tokens before it (a host round
   # trip makes the input look like the other tests', so the forward is cached).
   logits = forward(graphdef, state, jnp.asarray(np.asarray(out)))
   np.testing.assert_array_equal(jnp.argmax(logits[:, 3:-1], axis=-1), out[:, 4:])
-  with pytest.raises(ValueError, match="exceeds seq_len=32"):
-    generate(model, prompt, num_tokens=SMALL.seq_len)
+  with pytest.raises(ValueError, match=r"num_tokens=32 must be at most max_len=32"):
+    decode.generate(model, prompt, num_tokens=SMALL.seq_len)
 
 
 def test_same_seed_gives_identical_params_on_any_mesh(small, sharded_init):
