@@ -7,6 +7,23 @@ local spec back into this process's piece, and `agreement_record` describes
 a new signature so that `multihost.check_agreement` can compare it across
 processes before anything runs.
 
+Hosts must agree. The function `sharded_jit` hands to `jax.jit` runs
+only when JAX traces, i.e. on the first call of each new signature; when the
+computation spans processes it first compares (local shapes, global
+shapes, dtypes, specs, partition count, static arguments) across all
+processes through the distributed runtime's key-value store and a
+barrier, and every process raises the same `AgreementError` on a mismatch.
+Calls that hit the compiled-program cache pay nothing. An error at a new
+signature is raised at once, never retried (a retry would trace again:
+another agreement round, and the function's trace-time side effects twice).
+Limit: a host that changes its signature while the others reuse a cached
+program cannot be caught here without a per-call collective; it times out
+in the check (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever,
+naming what it changed since the last signature all agreed on, and the
+others, waiting for it in the program's collectives, are ended by JAX's
+distributed runtime when it exits. Callers that know the expected local
+shape (the trainer) check it locally every step.
+
 Example (one process: the record of a call, as every process would send it):
   >>> import numpy as np
   >>> record = agreement_record("f", 2, "P(2)", "None", [], {}, (np.zeros((4, 3)),), None)

@@ -31,6 +31,7 @@ from spmd.partition import (
   assign_axes,
   assign_axes_with_local,
   count_specs,
+  infer_num_partitions,
   is_spec_leaf,
   spec_axis_names,
 )
@@ -238,3 +239,33 @@ def _check_local_count(local_n: int | None, pairs: Any, user_mesh: bool) -> None
       f"sharded_jit across processes uses every local device: "
       f"local_num_partitions={local_n} but this process has {local} devices"
     )
+
+
+def fixed_num_partitions(in_parts, out_parts, num_partitions, mesh) -> int | None:
+  """The count the specs, `num_partitions` or the mesh fix; None if discovered."""
+  n = infer_num_partitions(in_parts=in_parts, out_parts=out_parts)
+  for name, value in (
+    ("num_partitions", num_partitions),
+    ("mesh size", None if mesh is None else mesh.size),
+  ):
+    if value is not None and n not in (None, value):
+      raise ValueError(
+        f"{name}={value} conflicts with in_parts={in_parts!r} "
+        f"and out_parts={out_parts!r}, whose specs split {n} ways"
+      )
+    if value is not None:
+      n = value
+  return n
+
+
+def moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
+  """`x` on `sharding` if it is (or, under `jax.grad`, traces) a committed array sharded otherwise."""
+  concrete = x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
+  if (
+    isinstance(concrete, jax.Array)
+    and not isinstance(concrete, jax.core.Tracer)
+    and concrete.committed
+    and not concrete.sharding.is_equivalent_to(sharding, concrete.ndim)
+  ):
+    return jax.device_put(x, sharding)
+  return x

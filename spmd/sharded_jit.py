@@ -17,22 +17,9 @@ Design:
     outputs come back as pieces (`local_out_parts`); see `spmd.cross_process`.
     Global `jax.Array`s, and tracers of them under `jax.grad`, `jax.vjp` and
     `jax.jit`, pass through without touching the host.
-  * Hosts must agree. The function handed to `jax.jit` runs only when JAX
-    traces, i.e. on the first call of each new signature; when the
-    computation spans processes it first compares (local shapes, global
-    shapes, dtypes, specs, partition count, static arguments) across all
-    processes through the distributed runtime's key-value store and a
-    barrier, and every process raises the same `AgreementError` on a mismatch.
-    Calls that hit the compiled-program cache pay nothing. An error at a new
-    signature is raised at once, never retried (a retry would trace again:
-    another agreement round, and the function's trace-time side effects twice).
-    Limit: a host that changes its signature while the others reuse a cached
-    program cannot be caught here without a per-call collective; it times out
-    in the check (`SPMD_AGREEMENT_TIMEOUT_S`) instead of hanging forever,
-    naming what it changed since the last signature all agreed on, and the
-    others, waiting for it in the program's collectives, are ended by JAX's
-    distributed runtime when it exits. Callers that know the expected local
-    shape (the trainer) check it locally every step.
+  * Hosts must agree: when a computation spans processes, every new
+    signature is compared across them before it runs, and an error at a new
+    signature is raised at once, never retried (see `spmd.cross_process`).
   * Partition counts come from the specs, from `num_partitions`, or, when
     everything is replicated, from `with_sharding_constraint` calls found by
     tracing the function once per signature (only in that case).
@@ -51,8 +38,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import functools
 import inspect
 import logging
@@ -62,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd import cross_process, multihost
+from spmd import cross_process, multihost, tracing
 from spmd.partition import (
   NamedSpec,
   PartitionSpec,
@@ -74,10 +59,14 @@ from spmd.partition import (
 from spmd.placement import (
   Plan,
   broadcast_prefix,
+  fixed_num_partitions,
   make_plan,
+  moved,
   pair_local,
-  sharding_for,
 )
+from spmd.tracing import with_sharding_constraint
+
+__all__ = ["PartitionSpec", "ShardedJitFunction", "sharded_jit", "with_sharding_constraint"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +133,7 @@ def sharded_jit(
     donate_argnums,
     mesh,
   )
-  tracing = _tracing.get
+  tracing_now = tracing.current.get
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -152,7 +141,7 @@ def sharded_jit(
     # sharded_jit's trace is the jax.jit call itself. Keywords and nested
     # calls take the full path.
     fast = impl.fast
-    if fast is None or kwargs or tracing() is not None:
+    if fast is None or kwargs or tracing_now() is not None:
       return impl.call(args, kwargs)
     try:
       return fast(*args)
@@ -169,72 +158,6 @@ def sharded_jit(
   wrapped.lower = impl.lower
   wrapped.sharded_jit = impl
   return wrapped
-
-
-def with_sharding_constraint(x: Any, partitions: Any) -> Any:
-  """Identity that pins how `x` is split, inside a `sharded_jit` function.
-
-  `partitions` is a count spec whose product matches the enclosing
-  computation, a named spec when `sharded_jit` was given a mesh, or None to
-  replicate. Under `jax.grad` the cotangent is constrained the same way.
-
-  Example:
-    >>> import numpy as np
-    >>> def f(x):
-    ...   return with_sharding_constraint(x + 1, PartitionSpec(1, 1)) * 2
-    >>> sharded_jit(f, in_parts=None, out_parts=None)(np.zeros((2, 2))).tolist()
-    [[2.0, 2.0], [2.0, 2.0]]
-  """
-  ctx = _tracing.get()
-  if ctx is None:
-    raise NotImplementedError(
-      "with_sharding_constraint() should only be called inside sharded_jit()"
-    )
-  check_spec_tree(partitions, "with_sharding_constraint partitions")
-  if ctx.mesh is None:  # discovering the partition count: just record
-    if isinstance(partitions, PartitionSpec):
-      ctx.recorded.append(("with_sharding_constraint", partitions))
-    return x
-  sharding = sharding_for(
-    partitions, ctx.mesh, ctx.num_partitions, "with_sharding_constraint partitions"
-  )
-  return jax.tree_util.tree_map(lambda leaf: jax.lax.with_sharding_constraint(leaf, sharding), x)
-
-
-# ---------------------------------------------------------------------------
-# What tracing needs to know.
-
-
-@dataclasses.dataclass
-class _Context:
-  """The sharded_jit computation being traced."""
-
-  name: str
-  mesh: jax.sharding.Mesh | None  # None while discovering the count
-  num_partitions: int | None
-  recorded: list[tuple[str, PartitionSpec]] = dataclasses.field(default_factory=list)
-
-
-# Set while a sharded_jit function is traced: with_sharding_constraint reads
-# it, and a sharded_jit called inside becomes constraints instead of a call.
-_tracing: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
-  "sharded_jit_tracing", default=None
-)
-# Set around a cross-process call that converted this process's pieces: the
-# agreement check at trace time compares their shapes, which the traced
-# global values no longer show. Holds (the ShardedJitFunction, its leaves).
-_pieces: contextvars.ContextVar[tuple[Any, list] | None] = contextvars.ContextVar(
-  "sharded_jit_pieces", default=None
-)
-
-
-@contextlib.contextmanager
-def _set(var: contextvars.ContextVar, value: Any):
-  token = var.set(value)
-  try:
-    yield
-  finally:
-    var.reset(token)
 
 
 # Set on an exception raised while JAX traced a sharded_jit function, so the
@@ -302,7 +225,7 @@ class ShardedJitFunction:
       (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     )
     self._user_mesh = mesh
-    self._num_partitions = _fixed_num_partitions(in_parts, out_parts, num_partitions, mesh)
+    self._num_partitions = fixed_num_partitions(in_parts, out_parts, num_partitions, mesh)
     named = any(
       isinstance(s, NamedSpec)
       for s in jax.tree_util.tree_leaves(
@@ -328,7 +251,7 @@ class ShardedJitFunction:
   def call(self, args: tuple, kwargs: dict):
     """The full call: checks, planning, conversions. See `sharded_jit`."""
     args, kwargs = self._checked(args, kwargs)
-    ctx = _tracing.get()
+    ctx = tracing.current.get()
     if ctx is not None:
       return self._call_inline(ctx, args, kwargs)
     plan = self._plan_for_call(args, kwargs)
@@ -340,7 +263,7 @@ class ShardedJitFunction:
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers for these arguments without running (ahead-of-time use)."""
     args, kwargs = self._checked(args, kwargs)
-    if _tracing.get() is not None:
+    if tracing.current.get() is not None:
       raise ValueError("lower() cannot be called while tracing another sharded_jit")
     plan = self._plan_for_call(args, kwargs)
     jitted = self._jitted(plan, kwargs, len(args))
@@ -356,7 +279,7 @@ class ShardedJitFunction:
     host values it places itself.
     """
     leaves, treedef, per_leaf = plan.per_input_leaf(self._dynamic(args))
-    placed = [_moved(x, leaf.sharding) for x, leaf in zip(leaves, per_leaf)]
+    placed = [moved(x, leaf.sharding) for x, leaf in zip(leaves, per_leaf)]
     if all(p is x for p, x in zip(placed, leaves)):
       return args
     return self._with_dynamic(args, jax.tree_util.tree_unflatten(treedef, placed))
@@ -369,11 +292,11 @@ class ShardedJitFunction:
     except ValueError as e:
       cross_process.report_failure(self._name, e)
       raise
-    with _set(_pieces, (self, pieces)):
+    with tracing.setting(tracing.pieces, (self, pieces)):
       out = jitted(*self._with_dynamic(args, dyn), *kw_values)
     return cross_process.to_local(plan, out)
 
-  def _call_inline(self, ctx: _Context, args: tuple, kwargs: dict):
+  def _call_inline(self, ctx: tracing.Context, args: tuple, kwargs: dict):
     """Called while tracing another sharded_jit: specs become constraints."""
     if ctx.mesh is None:
       for spec in count_specs((self._in_parts, self._out_parts)):
@@ -385,19 +308,10 @@ class ShardedJitFunction:
         f"sharded_jit({self._name}) splits {n} ways but is called inside "
         f"sharded_jit({ctx.name}), which has {ctx.num_partitions} partitions"
       )
-    mesh = self._user_mesh or ctx.mesh
-
-    def constrain(parts, values, what):
-      def one(spec, sub):
-        sharding = sharding_for(spec, mesh, ctx.num_partitions, what)
-        return jax.tree_util.tree_map(lambda v: jax.lax.with_sharding_constraint(v, sharding), sub)
-
-      broadcast_prefix(parts, values, what)  # a clear error if not a prefix
-      return jax.tree_util.tree_map(one, parts, values, is_leaf=is_spec_leaf)
-
-    dyn = constrain(self._in_parts, self._dynamic(args), "in_parts")
+    mesh, n = self._user_mesh or ctx.mesh, ctx.num_partitions
+    dyn = tracing.constrain(self._in_parts, self._dynamic(args), mesh, n, "in_parts")
     out = self._fun(*self._with_dynamic(args, dyn), **kwargs)
-    return constrain(self._out_parts, out, "out_parts")
+    return tracing.constrain(self._out_parts, out, mesh, n, "out_parts")
 
   # -- planning --------------------------------------------------------------
 
@@ -429,22 +343,12 @@ class ShardedJitFunction:
     )
 
   def _discover_num_partitions(self, args: tuple, kwargs: dict) -> int:
-    ctx = _Context(self._name, None, None)
     statics = {i: args[i] for i in self._static_argnums}
 
     def traced(dyn, kw):
       return self._fun(*self._with_dynamic([statics.get(i) for i in range(len(args))], dyn), **kw)
 
-    with _set(_tracing, ctx):
-      jax.eval_shape(traced, self._dynamic(args), kwargs)
-    counts = {}
-    for what, spec in ctx.recorded:
-      counts.setdefault(spec.num_partitions, []).append(f"{what} {spec}")
-    if len(counts) > 1:
-      raise ValueError(
-        f"sharded_jit({self._name}): constraints disagree on the partition count: {counts}"
-      )
-    return next(iter(counts), 1)
+    return tracing.discover_num_partitions(self._name, traced, self._dynamic(args), kwargs)
 
   def _jitted(self, plan: Plan, kwargs: dict, n_args: int) -> Callable:
     """The plan's `jax.jit` for calls with these keyword-only arguments (built once).
@@ -481,7 +385,9 @@ class ShardedJitFunction:
         kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
         self._check_arguments(args)
         self._on_trace(plan, args, kwargs)
-        with _set(_tracing, _Context(name, plan.mesh, plan.num_partitions)):
+        with tracing.setting(
+          tracing.current, tracing.Context(name, plan.mesh, plan.num_partitions)
+        ):
           out = fun(*args, **kwargs)
         broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
         return out
@@ -507,7 +413,7 @@ class ShardedJitFunction:
     )
     if not plan.cross_process:
       return
-    owner, pieces = _pieces.get() or (None, None)
+    owner, pieces = tracing.pieces.get() or (None, None)
     record = cross_process.agreement_record(
       self._name,
       plan.num_partitions,
@@ -559,33 +465,3 @@ class ShardedJitFunction:
   def _with_dynamic(self, args, dynamic) -> tuple:
     it = iter(dynamic)
     return tuple(a if i in self._static_argnums else next(it) for i, a in enumerate(args))
-
-
-def _fixed_num_partitions(in_parts, out_parts, num_partitions, mesh) -> int | None:
-  """The count the specs, `num_partitions` or the mesh fix; None if discovered."""
-  n = infer_num_partitions(in_parts=in_parts, out_parts=out_parts)
-  for name, value in (
-    ("num_partitions", num_partitions),
-    ("mesh size", None if mesh is None else mesh.size),
-  ):
-    if value is not None and n not in (None, value):
-      raise ValueError(
-        f"{name}={value} conflicts with in_parts={in_parts!r} "
-        f"and out_parts={out_parts!r}, whose specs split {n} ways"
-      )
-    if value is not None:
-      n = value
-  return n
-
-
-def _moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
-  """`x` on `sharding` if it is (or, under `jax.grad`, traces) a committed array sharded otherwise."""
-  concrete = multihost.concrete_value(x)
-  if (
-    isinstance(concrete, jax.Array)
-    and not isinstance(concrete, jax.core.Tracer)
-    and concrete.committed
-    and not concrete.sharding.is_equivalent_to(sharding, concrete.ndim)
-  ):
-    return jax.device_put(x, sharding)
-  return x
