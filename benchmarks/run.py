@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -13,6 +13,9 @@ counts and process layouts):
   P4, P5  benchmarks/training.py    input pipeline and async checkpoint costs
   P6, P8  benchmarks/launches.py    2 processes vs 1; warm vs cold compilation cache
   P7      benchmarks/memory.py      FSDP bytes per device from the compiled program
+  P10     benchmarks/llama.py       our Llama step vs a hand-written plain-JAX Llama
+                                    step at MaxText's small shape (1 CPU device),
+                                    and its model FLOP/s
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -47,6 +50,7 @@ BENCHMARKS = [
   ("training", ("P4", "P5"), {}),
   ("launches", ("P6", "P8"), {}),
   ("memory", ("P7",), {}),
+  ("llama", ("P10",), {}),
 ]
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")

@@ -285,6 +285,29 @@ def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
 
 
 @needs_libtpu
+def test_activations_the_compiler_refuses_are_measured_and_a_micro_batch_count_is_named():
+  # 8192-token rows, 8 to a v5e chip: libtpu refuses the step (its temporaries
+  # exceed HBM) and says by how much; the plan reports that as the verdict and
+  # compiles micro-batch counts until one fits.
+  done = _spmd_plan(
+    "--config=configs/llama_tiny.py",
+    "--topology=v5e-8",
+    "--config.model.seq_len=8192",
+    "--config.global_batch=64",
+    "--config.data.tokenizer=bytes",
+    "--config.data.pack=False",
+    "--config.model.vocab_size=256",
+    timeout=180,
+  )
+  assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+  out = done.stdout
+  assert "the compiler refused the step: out of memory" in out, out
+  assert "DOES NOT FIT: short by" in out and "RESOURCE_EXHAUSTED" in out, out
+  assert "--config.train.micro_batches=2 fits (compiled:" in out, out
+  assert "shard the state" not in out, out  # the state is a few MiB: more FSDP cannot help
+
+
+@needs_libtpu
 def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
   path = tmp_path / "step.xla"
   done = _spmd_plan(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -178,11 +180,23 @@ class Plan:
   fits: bool | None
   suggestions: list[str]
   kv_cache: KVCachePlan | None = None  # None: the model has no KV-cache decoder
+  compile_error: str | None = None  # the compiler's refusal, when it ran out of memory
 
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["memory"]["state_bytes"] = self.memory.state_bytes
     return out
+
+
+def _total_bytes(stats) -> int:
+  """Arguments + outputs - donated + temporaries + code, from `memory_analysis()`."""
+  return (
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+    + stats.generated_code_size_in_bytes
+  )
 
 
 def _per_device_bytes(tree: Any) -> int:
@@ -195,9 +209,21 @@ def _per_device_bytes(tree: Any) -> int:
 
 
 def _suggestions(
-  plan_memory: Memory, mesh: dict[str, int], rules: str, num_devices: int
+  plan_memory: Memory,
+  mesh: dict[str, int],
+  rules: str,
+  num_devices: int,
+  rows_per_device: int = 1,
+  micro_batches: int = 1,
+  compile_total: Callable[[int], int | None] | None = None,
 ) -> list[str]:
-  """Mesh and config changes that would make a plan that does not fit fit."""
+  """Mesh and config changes that would make a plan that does not fit fit.
+
+  Estimated from the plan's own figures: state scales with the devices that
+  split it, activations with the rows a device holds at once.
+  `compile_total(m)`, if given, compiles the step with `m` micro-batches and
+  returns its bytes per device (None when the compiler refuses it).
+  """
   usable = plan_memory.usable_bytes
   if usable is None:
     return []
@@ -210,29 +236,104 @@ def _suggestions(
   rest = (plan_memory.total_bytes or plan_memory.state_bytes) - plan_memory.state_bytes
   gib = 2**30
   out = []
-  size = 2
-  while size <= num_devices:
-    if size > fsdp and num_devices % size == 0 and replicated_state / size + rest <= usable:
+  # Only when the rest fits: activations alone over the limit need no more FSDP.
+  if rest < usable:
+    size = 2
+    while size <= num_devices:
+      if size > fsdp and num_devices % size == 0 and replicated_state / size + rest <= usable:
+        out.append(
+          f"shard the state over more devices: --config.mesh.rules=fsdp "
+          f"--config.mesh.ici=data=-1,fsdp={size},tensor=1 "
+          f"(state ~{replicated_state / size / gib:.2f} GiB per device)"
+        )
+        break
+      size *= 2
+    else:
+      needed = math.ceil(replicated_state / max(usable - rest, 1))
       out.append(
-        f"shard the state over more devices: --config.mesh.rules=fsdp "
-        f"--config.mesh.ici=data=-1,fsdp={size},tensor=1 "
-        f"(state ~{replicated_state / size / gib:.2f} GiB per device)"
+        f"even FSDP over all {num_devices} devices leaves {replicated_state / num_devices / gib:.1f} GiB "
+        f"of state per device; it needs at least {needed} devices of this kind "
+        f"({replicated_state / gib:.0f} GiB of parameters and optimizer state in all), or a smaller model"
       )
-      break
-    size *= 2
-  else:
-    needed = math.ceil(replicated_state / max(usable - rest, 1))
-    out.append(
-      f"even FSDP over all {num_devices} devices leaves {replicated_state / num_devices / gib:.1f} GiB "
-      f"of state per device; it needs at least {needed} devices of this kind "
-      f"({replicated_state / gib:.0f} GiB of parameters and optimizer state in all), or a smaller model"
-    )
-  if plan_memory.temp_bytes and plan_memory.temp_bytes > usable / 2:
-    out.append(
-      f"activations take {plan_memory.temp_bytes / gib:.1f} GiB: --config.train.micro_batches=2 "
-      "(or more) divides them roughly by that factor; a smaller global_batch does too"
-    )
+  temp = plan_memory.temp_bytes
+  if temp and temp > usable / 2:
+    room = usable - (plan_memory.total_bytes or 0) + temp  # what temporaries may take
+    split = _micro_batches_to_fit(temp, room, rows_per_device, micro_batches)
+    # Activations shrink less than in proportion (some do not depend on the
+    # rows), so an estimate may be short: where the plan can compile, it tries
+    # the estimate and larger counts, and names the first that fits.
+    checked = None
+    if split and compile_total is not None:
+      for m in range(split, rows_per_device + 1):
+        if rows_per_device % m == 0:
+          total = compile_total(m)
+          if total is not None and total <= usable:
+            checked = (m, total)
+            break
+      else:
+        split = None
+    if checked:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB: --config.train.micro_batches={checked[0]} "
+        f"fits (compiled: {checked[1] / gib:.2f} GiB in all per device), "
+        "as a smaller global_batch would"
+      )
+    elif split:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them: "
+        f"--config.train.micro_batches={split} divides them roughly by "
+        f"{split / micro_batches:g} (~{temp * micro_batches / split / gib:.1f} GiB), "
+        "as a smaller global_batch would"
+      )
+    else:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them, "
+        f"more than micro-batches of one row each save: a shorter seq_len, "
+        "--config.model.remat_policy=full, or more tensor parallelism"
+      )
   return out
+
+
+def _micro_batches_to_fit(
+  temp: float, room: float, rows_per_device: int, micro_batches: int
+) -> int | None:
+  """The fewest micro-batches (dividing the device's rows) whose activations fit in `room`.
+
+  `rows_per_device` is the device's share of the whole step's batch.
+  Activations grow with the rows a device holds at once, so `m` micro-batches
+  of the same rows take about `micro_batches / m` of today's temporaries.
+
+  Example:
+    >>> _micro_batches_to_fit(24.7, 13.9, rows_per_device=4, micro_batches=1)
+    2
+    >>> _micro_batches_to_fit(24.7, 5.0, rows_per_device=4, micro_batches=1) is None
+    True
+  """
+  for m in range(micro_batches + 1, rows_per_device + 1):
+    if rows_per_device % m == 0 and temp * micro_batches / m <= room:
+      return m
+  return None
+
+
+# libtpu refuses to compile a program whose temporaries exceed HBM, e.g.
+# "the total memory required for HLO temporaries (24.73G) exceeds available HBM (15.75G)"
+# (XLA's human-readable sizes: powers of 1024).
+_TEMPS_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM")
+
+
+def _out_of_memory_temps(error: Exception) -> float | None:
+  """The temporaries' bytes from a compiler's out-of-memory refusal, if it says.
+
+  Example:
+    >>> e = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+    ...   "required for HLO temporaries (24.73G) exceeds available HBM (15.75G).")
+    >>> round(_out_of_memory_temps(e) / 2**30, 2)
+    24.73
+  """
+  match = _TEMPS_OVER_HBM.search(str(error))
+  if not match:
+    return None
+  return float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " ")
 
 
 def make_plan(
@@ -243,6 +344,7 @@ def make_plan(
   compile_step: bool | None = None,
   keep_compiled: list | None = None,
   decode_batch: int | None = None,
+  verify_suggestions: bool = True,
 ) -> Plan:
   """Compiles `config`'s train step for `target` and reads what it needs.
 
@@ -256,6 +358,9 @@ def make_plan(
     keep_compiled: if given, the compiled executable is appended to it.
     decode_batch: sequences of the KV-cache row (a decode of decode_batch x
       seq_len on the training mesh); None: `config.global_batch`.
+    verify_suggestions: when activations do not fit, compile the suggested
+      micro-batch counts to name one that does (a refusal costs seconds, a
+      fit one more compile).
   """
   if not 0 < efficiency[0] <= efficiency[1] <= 1:
     raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
@@ -276,25 +381,29 @@ def make_plan(
   if compile_step is None:
     compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
   batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
-  compiled = None
-  if compile_step:
-    step = make_train_step(setup, task, config, mesh, batch_axes)
-    compiled = step.lower(state, batch).compile()
-    if keep_compiled is not None:
-      keep_compiled.append(compiled)
+  compiled = compile_error = None
   batch_bytes = _per_device_bytes(batch)
   temp = code = total = flops = None
+  if compile_step:
+    step = make_train_step(setup, task, config, mesh, batch_axes)
+    try:
+      compiled = step.lower(state, batch).compile()
+    except jax.errors.JaxRuntimeError as e:
+      # A TPU compiler that cannot fit the program refuses it, saying how much
+      # its temporaries need: that is the verdict, with the figure to act on.
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      compile_error = str(e).strip().splitlines()[0]
+      temp = _out_of_memory_temps(e)
+      if temp is not None:  # code size unknown: counted as none
+        total = params_bytes + optimizer_bytes + batch_bytes + temp
+    if keep_compiled is not None and compiled is not None:
+      keep_compiled.append(compiled)
   collectives: list[hlo.Collective] = []
   if compiled is not None:
     stats = compiled.memory_analysis()
     temp, code = stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
-    total = (
-      stats.argument_size_in_bytes
-      + stats.output_size_in_bytes
-      - stats.alias_size_in_bytes
-      + temp
-      + code
-    )
+    total = _total_bytes(stats)
     text = compiled.as_text()
     # Not XLA's cost analysis: it counts a loop body once, so with the layers
     # in a scan it would report about one layer's worth.
@@ -320,15 +429,37 @@ def make_plan(
     step_time = (work / (peak * efficiency[1]), work / (peak * efficiency[0]))
     achieved = (model_flops / (peak * step_time[1]), model_flops / (peak * step_time[0]))
   compute = Compute(flops, model_flops, peak, efficiency, step_time, achieved)
+
+  def compile_total(micro_batches: int) -> int | None:
+    changed = config.copy_and_resolve_references()
+    changed.train.micro_batches = micro_batches
+    step = make_train_step(setup, task, changed, mesh, batch_axes)
+    try:
+      return _total_bytes(step.lower(state, batch).compile().memory_analysis())
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      return None
+
   usable = memory.usable_bytes
   if usable is None:
     fits = None
+  elif compile_error is not None:
+    fits = False
   elif total is not None:
     fits = total <= usable
   else:  # not compiled: only a state too big for the device is a verdict
     fits = False if memory.state_bytes > usable else None
   suggestions = (
-    _suggestions(memory, dict(mesh.shape), config.mesh.rules, mesh.devices.size)
+    _suggestions(
+      memory,
+      dict(mesh.shape),
+      config.mesh.rules,
+      mesh.devices.size,
+      rows_per_device=max(1, config.global_batch // layout.data_parallel),
+      micro_batches=config.train.micro_batches,
+      compile_total=compile_total if compile_step and verify_suggestions else None,
+    )
     if fits is False
     else []
   )
@@ -354,6 +485,7 @@ def make_plan(
     fits=fits,
     suggestions=suggestions,
     kv_cache=kv_cache,
+    compile_error=compile_error,
   )
 
 

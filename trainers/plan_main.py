@@ -108,7 +108,14 @@ def format_plan(plan, config_name: str = "") -> str:
     f"{plan.unit} per step",
     f"data          {plan.hosts_feeding} distinct row blocks, {plan.rows_per_host} rows per host"
     + (" (estimate)" if plan.estimated else ""),
-    "memory per device" + ("" if plan.compiled else " (step not compiled: state alone)"),
+    "memory per device"
+    + (
+      ""
+      if plan.compiled
+      else " (the compiler refused the step: out of memory)"
+      if plan.compile_error
+      else " (step not compiled: state alone)"
+    ),
     f"  parameters       {_bytes(m.params_bytes)}",
     f"  optimizer state  {_bytes(m.optimizer_bytes)}",
     f"  batch            {_bytes(m.batch_bytes)}",
@@ -120,6 +127,8 @@ def format_plan(plan, config_name: str = "") -> str:
   ]
   if plan.fits is None:
     verdict = "unknown (device memory not in the table)" if m.device_bytes is None else "unknown"
+  elif plan.compile_error and m.total_bytes is None:
+    verdict = f"DOES NOT FIT: {plan.compile_error}"
   else:
     needed = m.total_bytes if m.total_bytes is not None else m.state_bytes
     spare = m.usable_bytes - needed
@@ -129,6 +138,8 @@ def format_plan(plan, config_name: str = "") -> str:
       else f"DOES NOT FIT: short by {_bytes(-spare)} (after a {m.margin:.0%} margin)"
     )
   lines.append(f"  verdict          {verdict}")
+  if plan.compile_error and m.total_bytes is not None:
+    lines.append(f"  compiler         {plan.compile_error}")
   lines.append("compute per device per step")
   if c.compiled_flops is not None:
     lines.append(

@@ -233,14 +233,20 @@ class Attention(nnx.Module):
     kv_heads, head_dim = k.shape[2], k.shape[3]
     # Query head i reads key/value head i // group: the heads axis splits as
     # (kv_heads, group), so no K/V copy per query head is materialised.
-    q = q.reshape(b, length, kv_heads, -1, head_dim)
+    # Plain multi-head attention (groups of one) keeps 4-D operands: a size-1
+    # group axis made XLA:CPU copy the scores and their gradients for layout.
+    if q.shape[2] == kv_heads:
+      q_axes, s_axes, mask = "bqhk", "bhqs", mask[:, None]
+    else:
+      q = q.reshape(b, length, kv_heads, -1, head_dim)
+      q_axes, s_axes, mask = "bqhgk", "bhgqs", mask[:, None, None]
     # Scores and softmax in float32 whatever the compute dtype.
-    logits = jnp.einsum("bqhgk,bshk->bhgqs", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(f"{q_axes},bshk->{s_axes}", q, k, preferred_element_type=jnp.float32)
     logits = logits * head_dim**-0.5
     # A finite minimum rather than -inf: no NaN even if a row were all masked.
-    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    y = jnp.einsum("bhgqs,bshk->bqhgk", probs, v).reshape(b, length, -1, head_dim)
+    y = jnp.einsum(f"{s_axes},bshk->{q_axes}", probs, v).reshape(b, length, -1, head_dim)
     y = constrain(y, ("batch", "length", "heads", "kv"))
     return _dense(y, self.out[...].astype(dt), contract=2)
 
