@@ -88,11 +88,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.nonfinite_guard = "auto"
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
-  # Fault injection for tests (tests/faults); empty = off.
-  config.train.inject_nonfinite_at = ()  # steps whose gradients become non-finite ...
-  config.train.inject_nonfinite_value = "nan"  # ... with this value: nan, inf or -inf
-  config.train.inject_stall = ()  # (process, step): that process hangs in Python there
-  config.train.inject_bad_batch = ()  # (process, step, kind): kind shape, dtype or step
   # The watchdog: no finished step for this long ends the job, naming the
   # process furthest behind (0 = off). The first step includes compilation.
   config.train.step_timeout_s = 600.0
@@ -125,5 +120,4 @@ def get_config() -> ml_collections.ConfigDict:
   # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
   config.compilation_cache_dir = ""
   config.transfer_guard = ""  # "disallow" makes implicit host<->device transfers errors
-  config.report_param_hash = False  # tests: a hash of the final parameters in the summary
   return config

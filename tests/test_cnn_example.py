@@ -33,9 +33,30 @@ OVERRIDES = (
   "--config.eval_every=0",
   "--config.eval_batches=2",
   "--config.checkpoint.every=3",
-  "--config.report_param_hash=True",
   "--config.transfer_guard=disallow",  # no implicit host transfer in the loop
 )
+
+
+# The example's own config plus the test-only `debug` section, for the param
+# hash in the summary (trainers/debug.py); beside config.py, so the task's
+# relative path and the run's copy of its folder are the same.
+DEBUG_CONFIG = """
+import importlib.util
+from pathlib import Path
+
+from trainers import debug
+
+_spec = importlib.util.spec_from_file_location("example_config", Path(__file__).with_name("config.py"))
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+
+def get_config():
+  config = example.get_config()
+  config.debug = debug.section()
+  config.debug.report_param_hash = True
+  return config
+"""
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +65,7 @@ def example(tmp_path_factory):
   shutil.copytree(
     ROOT / "examples" / "cnn_classifier", copy, ignore=shutil.ignore_patterns("__pycache__")
   )
+  (copy / "debug_config.py").write_text(DEBUG_CONFIG)
   return {
     "folder": copy,
     "data": tmp_path_factory.mktemp("cnn_data"),
@@ -52,10 +74,10 @@ def example(tmp_path_factory):
 
 
 def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0, extra=()):
-  """`spmd-launch local -- spmd-train --config=<copy>/config.py`, from the copy's folder."""
+  """`spmd-launch local -- spmd-train --config=<copy>/debug_config.py`, from the copy's folder."""
   train = [
     "trainers.main",
-    f"--config={example['folder'] / 'config.py'}",
+    f"--config={example['folder'] / 'debug_config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={example['data']}",
     *OVERRIDES,

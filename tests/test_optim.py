@@ -11,7 +11,7 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from trainers import optim
+from trainers import debug, optim
 from trainers.config import check_values
 from trainers.state import make_state
 from trainers.step import make_train_step
@@ -41,11 +41,14 @@ def _batch(mesh):
   }
 
 
-def _train(config, steps):
+def _train(config, steps, poison_at=()):
   mesh = create_mesh(config.mesh.ici)
   task = make_task(config)
   setup = make_state(task.model, config, mesh, AXES, task.optimizer)
   step = make_train_step(setup, task, config, mesh, AXES)
+  if poison_at:  # NaN gradients at these steps (trainers/debug.py)
+    poisoned = make_train_step(setup, debug.nonfinite_gradients(task, "nan"), config, mesh, AXES)
+    step = debug.PoisonedSteps(step, poisoned, poison_at)
   state, batch, out = setup.init(), _batch(mesh), []
   for _ in range(steps):
     state, metrics = step(state, batch)
@@ -57,9 +60,9 @@ def _train(config, steps):
   "name,lr", [("adamw", 1e-2), ("adafactor", 1e-2), ("lion", 1e-3), ("sgd", 0.5)]
 )
 def test_each_optimizer_by_name_trains_the_lm_with_accumulation(name, lr):
-  config = _config(optimizer=name, learning_rate=lr, micro_batches=2, inject_nonfinite_at=(3,))
+  config = _config(optimizer=name, learning_rate=lr, micro_batches=2)
   check_values(config)
-  _, state, metrics = _train(config, 12)
+  _, state, metrics = _train(config, 12, poison_at=(3,))
   losses = [float(m["loss"]) for m in metrics]
   # Step 3's gradients are poisoned: the guard keeps the state, and training goes on.
   assert not np.isfinite(metrics[3]["grad_norm"]) and int(metrics[3]["bad_steps"]) == 1

@@ -10,6 +10,7 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
+from trainers import debug
 from trainers.state import make_state
 from trainers.step import branch_on_nonfinite, flat_gradient_reduction, make_train_step
 from trainers.tasks import make_task
@@ -79,18 +80,20 @@ def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
 def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_otherwise():
   runs = {}
   for guard in ("branch", "select"):
-    config, mesh, setup, task = _setup(nonfinite_guard=guard, inject_nonfinite_at=(1,))
+    config, mesh, setup, task = _setup(nonfinite_guard=guard)
     axes = ("data", "fsdp")
     batch = _batch(mesh, axes)
     step = make_train_step(setup, task, config, mesh, axes)
+    poisoned = make_train_step(setup, debug.nonfinite_gradients(task, "nan"), config, mesh, axes)
     state = setup.init()
     text = step.lower(state, batch).compile().as_text()
     # The select copies every donated parameter and optimizer moment first.
     entry = text[text.index("ENTRY") :]
     copies = len(re.findall(r"= f32\[[\d,]+\]\S* copy\(", entry))
     runs[guard] = {"conditional": " conditional(" in text, "copies": copies, "states": []}
+    run = debug.PoisonedSteps(step, poisoned, at=(1,))
     for _ in range(3):  # step 0 good, step 1 poisoned, step 2 good
-      state, _ = step(state, batch)
+      state, _ = run(state, batch)
       runs[guard]["states"].append(jax.device_get(state))
   assert runs["branch"]["conditional"] and not runs["select"]["conditional"]
   assert runs["branch"]["copies"] == 0 < runs["select"]["copies"], runs

@@ -6,7 +6,9 @@ the config they loaded, before any data preparation or restore:
   1. every key set in the config file (or by an override) must exist in the
      defaults (`configs/default.py`) with a value of the same type; a
      misspelt key is an error naming it and the nearest valid key. The
-     task's own section, `config.model`, is the task's to check;
+     task's own section, `config.model`, is the task's to check. A test
+     config may add a `debug` section (fault injection, `trainers/debug.py`),
+     which the defaults lack: its keys are checked against that module's;
   2. keys the file leaves out take their default;
   3. `config.task` is resolved: a file task relative to the config file's
      folder, as an absolute path;
@@ -161,6 +163,10 @@ def check_values(config: ml_collections.ConfigDict) -> None:
       f"checkpoint.every={config.checkpoint.every} must be >= 0 and "
       f"checkpoint.keep={config.checkpoint.keep} >= 1"
     )
+  if "debug" in config:
+    from trainers import debug
+
+    debug.check(config.debug)
 
 
 def resolve(
@@ -168,6 +174,10 @@ def resolve(
 ) -> ml_collections.ConfigDict:
   """The complete, checked config, with `config.task` resolved (see the module docstring)."""
   reference = defaults()
+  if "debug" in config:  # a test config's fault injection: the only section not in the defaults
+    from trainers import debug
+
+    reference.debug = debug.section()
   check_keys(config, reference)
   resolved = _merged(config, reference)
   folder = Path(config_file).resolve().parent if config_file else None

@@ -185,10 +185,6 @@ def make_train_step(
   (`flat_gradient_reduction`); None decides it here.
   """
   micro = config.train.micro_batches
-  poisoned = tuple(int(s) for s in config.train.get("inject_nonfinite_at", ()))
-  poison = config.train.get("inject_nonfinite_value", "nan")
-  if poison not in ("nan", "inf", "-inf"):
-    raise ValueError(f"train.inject_nonfinite_value={poison!r} must be 'nan', 'inf' or '-inf'")
   value_and_grad = jax.value_and_grad(_loss_fn(setup, task, train=True), has_aux=True)
   branch = branch_on_nonfinite(config, mesh)
   if flat_reduce is None:
@@ -263,9 +259,6 @@ def make_train_step(
     count = jnp.maximum(weight, 1e-9)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss = loss_sum / count
-    if poisoned:  # fault injection for tests: non-finite gradients at these steps
-      bad = jnp.isin(state["step"], jnp.asarray(poisoned))
-      grads = jax.tree.map(lambda g: jnp.where(bad, float(poison), g), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 

@@ -14,9 +14,7 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,17 +56,6 @@ log = logging.getLogger(__name__)
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
   return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
-
-
-def state_hash(state: dict) -> str:
-  """SHA-256 of the parameters, model state and optimizer state, gathered to every host."""
-  from jax.experimental import multihost_utils
-
-  digest = hashlib.sha256()
-  kept = {k: state[k] for k in ("params", "model_state", "opt_state") if k in state}
-  for leaf in jax.tree.leaves(kept):
-    digest.update(np.asarray(multihost_utils.process_allgather(leaf, tiled=True)).tobytes())
-  return digest.hexdigest()
 
 
 def build_mesh(
@@ -250,76 +237,6 @@ def real_unit_share(task: Task, history: list[dict]) -> dict[str, float]:
   return {f"real_{unit}_share": share}
 
 
-class _AtStep:
-  """Fault injection for tests: wraps the `(step, batch)` iterator and lets
-  `act(item, batches)` replace the item of one step."""
-
-  def __init__(self, batches, step: int, act: Callable):
-    self._batches, self._step, self._act = batches, step, act
-
-  def __next__(self):
-    item = next(self._batches)
-    return self._act(item, self._batches) if item[0] == self._step else item
-
-  def close(self):
-    self._batches.close()
-
-
-def _stall(item, batches):
-  log.warning("spmd-train: injected stall at step %d (train.inject_stall)", item[0])
-  threading.Event().wait()  # alive, heartbeating, and never coming back
-
-
-def _skip(item, batches):
-  log.warning("spmd-train: injected skip of the batch of step %d", item[0])
-  return next(batches)
-
-
-def _batches_with_faults(
-  train_batches: pipeline.GlobalBatches, start: Callable[[], Any], config
-) -> Any:
-  """`start()`'s `(step, batch)` iterator, with the faults tests inject on this process.
-
-  `train.inject_stall=(process, step)` hangs that process in Python at that
-  step. `train.inject_bad_batch=(process, step, kind)` feeds a bad batch:
-  kind `shape` drops a row and `dtype` sends float inputs, at the source (the
-  per-step check must catch them); `step` skips a batch, so the process feeds
-  the next step's batch (the loop's step check must catch it).
-  """
-  me = jax.process_index()
-  stall, bad = config.train.inject_stall, config.train.inject_bad_batch
-  skip_at = None
-  if bad:
-    kind = str(bad[2])
-    if kind not in ("shape", "dtype", "step"):
-      raise ValueError(f"train.inject_bad_batch={bad!r}: kind {kind!r} is not shape, dtype or step")
-  if bad and int(bad[0]) == me:
-    bad_step = int(bad[1])
-    if kind == "step":
-      skip_at = bad_step
-    else:
-      host_batch = train_batches.host_batch
-
-      def bad_host_batch(step: int):
-        out = host_batch(step)
-        if step == bad_step:
-          log.warning("spmd-train: injected bad batch %s at step %d", kind, step)
-          if kind == "shape":
-            out = {k: v[:-1] for k, v in out.items()}
-          else:
-            out = dict(out, inputs=out["inputs"].astype(np.float32))
-        return out
-
-      # Before start(): the iterator's prefetch thread builds batches at once.
-      train_batches.host_batch = bad_host_batch
-  batches = start()
-  if skip_at is not None:
-    batches = _AtStep(batches, skip_at, _skip)
-  if stall and int(stall[0]) == me:
-    batches = _AtStep(batches, int(stall[1]), _stall)
-  return batches
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains, evaluates and summarises; returns the summary (all processes)."""
   spmd.initialize()
@@ -472,9 +389,22 @@ def _train_and_evaluate(
     annotate=annotate,
     last_fetch_step=start,
   )
-  batches = _batches_with_faults(
-    train_batches, lambda: train_batches.iterator(data_start, prefetch=config.data.prefetch), config
-  )
+  injected = None
+  if "debug" in config:  # only test configs have the section: fault injection
+    from trainers import debug
+
+    injected = debug.inject(
+      config.debug,
+      task=task,
+      train_step=train_step,
+      make_step=lambda t: make_train_step(setup, t, config, mesh, batch_axes, flat_reduce),
+      first_step=start,
+      train_batches=train_batches,
+      start_batches=lambda: train_batches.iterator(data_start, prefetch=config.data.prefetch),
+    )
+    train_step, batches = injected.train_step, injected.batches
+  else:
+    batches = train_batches.iterator(data_start, prefetch=config.data.prefetch)
   guard = config.get("transfer_guard", "") or "allow"
   first_step: dict[str, float] = {}
 
@@ -537,9 +467,8 @@ def _train_and_evaluate(
     "resumed_from": restored.source,
     "loss_history": [(h["step"], h["loss"]) for h in loop.history],
     **real_unit_share(task, loop.history),
+    **(injected.summary(loop.state) if injected else {}),  # the test configs' param hash
   }
-  if config.report_param_hash:
-    summary["param_hash"] = state_hash(loop.state)
   if chief:
     summary["loss_curve"] = str(
       metrics.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")

@@ -5,6 +5,7 @@
 """
 
 from configs import default
+from trainers import debug
 
 
 def get_config():
@@ -25,5 +26,7 @@ def get_config():
   config.checkpoint.every = 5
   config.sample_tokens = 8
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error
-  config.report_param_hash = True
+  # Fault injection, off, so tests can set it by override (--config.debug.inject_stall=...).
+  config.debug = debug.section()
+  config.debug.report_param_hash = True
   return config
