@@ -56,6 +56,7 @@ from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
+from trainers.models.layers import dense  # noqa: E402
 from trainers.step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
@@ -88,8 +89,8 @@ def _replaced(owner, name: str, value):
 def _attention_without_core(self, x, mask=None):
   del mask  # no scores to mask
   dt = x.dtype
-  q, k, v = (lm._dense(x, w[...].astype(dt)) for w in (self.query, self.key, self.value))
-  return lm._dense(v + 0 * q * k, self.out[...].astype(dt), contract=2)
+  q, k, v = (dense(x, w[...].astype(dt)) for w in (self.query, self.key, self.value))
+  return dense(v + 0 * q * k, self.out[...].astype(dt), contract=2)
 
 
 def _no_attention_core(config):

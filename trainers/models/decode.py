@@ -45,6 +45,7 @@ from spmd import rules as rules_lib
 from spmd.rules import constrain
 from trainers.models import llama
 from trainers.models import transformer as lm
+from trainers.models.layers import dense
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "kv")
 """Logical axes of the cache's keys and values [layers, batch, max_len, kv_heads, head_dim]."""
@@ -157,22 +158,22 @@ def _attend(q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Arr
 def _llama_layer(block: llama.Block, x, cache, layer, index, sin, cos):
   attn, dt = block.attn, x.dtype
   h = block.attn_norm(x)
-  q = constrain(llama._dense(h, attn.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
-  k = constrain(llama._dense(h, attn.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
-  v = constrain(llama._dense(h, attn.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+  q = constrain(dense(h, attn.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
+  k = constrain(dense(h, attn.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+  v = constrain(dense(h, attn.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
   q, k = llama.apply_rope(q, sin, cos), llama.apply_rope(k, sin, cos)
   cache = _write(cache, layer, index, k, v)
   y = _attend(q, cache, layer, index)
-  x = constrain(x + llama._dense(y, attn.out[...].astype(dt), contract=2), _RESIDUAL)
+  x = constrain(x + dense(y, attn.out[...].astype(dt), contract=2), _RESIDUAL)
   return constrain(x + block.mlp(block.mlp_norm(x)), _RESIDUAL), cache
 
 
 def _transformer_layer(block, x, cache, layer, index):
   attn, dt = block.attn, x.dtype
   h = block.attn_norm(x)
-  q, k, v = (lm._dense(h, w[...].astype(dt)) for w in (attn.query, attn.key, attn.value))
+  q, k, v = (dense(h, w[...].astype(dt)) for w in (attn.query, attn.key, attn.value))
   cache = _write(cache, layer, index, k, v)
-  x = x + lm._dense(_attend(q, cache, layer, index), attn.out[...].astype(dt), contract=2)
+  x = x + dense(_attend(q, cache, layer, index), attn.out[...].astype(dt), contract=2)
   return x + block.mlp(block.mlp_norm(x)), cache
 
 
@@ -205,7 +206,7 @@ def forward(model: nnx.Module, tokens: jax.Array, cache: KVCache, index: jax.Arr
     layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos)
   elif isinstance(model, lm.TransformerLM):
     one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
-    x = lm._dense(one_hot, model.token_embed[...].astype(dt))
+    x = dense(one_hot, model.token_embed[...].astype(dt))
     x = x + jnp.take(model.pos_embed[...], positions, axis=0).astype(dt)
     layer_fn = _transformer_layer
   else:
@@ -216,7 +217,7 @@ def forward(model: nnx.Module, tokens: jax.Array, cache: KVCache, index: jax.Arr
     logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
   else:
     w = model.unembed[...].astype(dt)
-    logits = lm._dense(x, w, preferred_element_type=jnp.float32)
+    logits = dense(x, w, preferred_element_type=jnp.float32)
   return constrain(logits, ("batch", "length", "vocab")), cache
 
 

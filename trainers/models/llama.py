@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -59,26 +58,10 @@ from flax import nnx
 
 from spmd.rules import constrain
 from trainers.models import param
+from trainers.models.layers import dense, fan_in_init, float_dtype
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 REMAT_POLICIES = ("minimal", "full", "none")
-
-
-def _fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
-  """LeCun normal (untruncated: it compiles faster) over the input dimensions."""
-  return nnx.initializers.variance_scaling(
-    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
-  )
-
-
-def _float_dtype(name: str, value: str) -> jnp.dtype:
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError:
-    raise ValueError(f"{name}={value!r} is not a dtype") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{name}={value!r} is not a floating point dtype")
-  return dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +122,8 @@ class LlamaConfig:
       raise ValueError(f"head_dim={self.head_dim} (d_model / num_heads) must be even for RoPE")
     if not self.rope_theta > 1:
       raise ValueError(f"rope_theta={self.rope_theta!r} must be > 1")
-    _float_dtype("dtype", self.dtype)
-    _float_dtype("param_dtype", self.param_dtype)
+    float_dtype("dtype", self.dtype)
+    float_dtype("param_dtype", self.param_dtype)
     for name in ("tie_embeddings", "scan_layers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -153,18 +136,6 @@ class LlamaConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
-
-
-def _dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
-  """Contracts x's last `contract` dims with w's first ones, as one 2-D matmul.
-
-  Flattened so that the weight gradient contracts one token axis, which
-  XLA:CPU's matmul kernels read in place (see the transformer's `_dense`).
-  """
-  lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
-  inner = math.prod(w.shape[:contract])
-  y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
-  return y.reshape(*lead, *features)
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -215,20 +186,20 @@ class Attention(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, h, g, k = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
     pdt = jnp.dtype(config.param_dtype)
-    init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+    init = fan_in_init(in_axis=0, out_axis=(1, 2))
     self.query = param(rngs, init, (d, h, k), ("embed", "heads", "kv"), pdt)
     self.key = param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), pdt)
     self.value = param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), pdt)
     self.out = param(
-      rngs, _fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
+      rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
 
   def __call__(self, x: jax.Array, mask: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     dt = x.dtype
     b, length, _ = x.shape
-    q = constrain(_dense(x, self.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
-    k = constrain(_dense(x, self.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
-    v = constrain(_dense(x, self.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+    q = constrain(dense(x, self.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
+    k = constrain(dense(x, self.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+    v = constrain(dense(x, self.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     kv_heads, head_dim = k.shape[2], k.shape[3]
     # Query head i reads key/value head i // group: the heads axis splits as
@@ -248,7 +219,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     y = jnp.einsum(f"{s_axes},bshk->{q_axes}", probs, v).reshape(b, length, -1, head_dim)
     y = constrain(y, ("batch", "length", "heads", "kv"))
-    return _dense(y, self.out[...].astype(dt), contract=2)
+    return dense(y, self.out[...].astype(dt), contract=2)
 
 
 class MLP(nnx.Module):
@@ -256,16 +227,16 @@ class MLP(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, f, pdt = config.d_model, config.d_ff, jnp.dtype(config.param_dtype)
-    self.gate = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
-    self.up = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
-    self.down = param(rngs, _fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
+    self.gate = param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.up = param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.down = param(rngs, fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
     names = ("batch", "length", "mlp")
-    gate = constrain(_dense(x, self.gate[...].astype(dt)), names)
-    up = constrain(_dense(x, self.up[...].astype(dt)), names)
-    return _dense(jax.nn.silu(gate) * up, self.down[...].astype(dt))
+    gate = constrain(dense(x, self.gate[...].astype(dt)), names)
+    up = constrain(dense(x, self.up[...].astype(dt)), names)
+    return dense(jax.nn.silu(gate) * up, self.down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -378,9 +349,7 @@ class Llama(nnx.Module):
       self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(d, config.norm_eps, pdt, rngs=rngs)
     if not config.tie_embeddings:
-      self.unembed = param(
-        rngs, _fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt
-      )
+      self.unembed = param(rngs, fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
 
   def __call__(
     self,
@@ -425,7 +394,7 @@ class Llama(nnx.Module):
     if config.tie_embeddings:
       logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
     else:
-      logits = _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+      logits = dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "length", "vocab"))
 
 

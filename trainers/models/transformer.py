@@ -67,7 +67,6 @@ same values on any mesh (tests/test_models.py does it):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -75,25 +74,9 @@ from flax import nnx
 
 from trainers.models import logical_axes as logical_axes
 from trainers.models import param
+from trainers.models.layers import dense, fan_in_init, float_dtype
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-
-
-def _fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
-  """LeCun normal (untruncated: it compiles faster) over the input dimensions."""
-  return nnx.initializers.variance_scaling(
-    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
-  )
-
-
-def _float_dtype(name: str, value: str) -> jnp.dtype:
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError:
-    raise ValueError(f"{name}={value!r} is not a dtype") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{name}={value!r} is not a floating point dtype")
-  return dtype
 
 
 REMAT_POLICIES = ("minimal", "none")
@@ -152,8 +135,8 @@ class TransformerConfig:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
-    _float_dtype("dtype", self.dtype)
-    _float_dtype("param_dtype", self.param_dtype)
+    float_dtype("dtype", self.dtype)
+    float_dtype("param_dtype", self.param_dtype)
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"scan_layers={self.scan_layers!r} must be True or False")
     unroll = self.scan_unroll
@@ -165,30 +148,6 @@ class TransformerConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
-
-
-def _dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
-  """Contracts x's last `contract` dims with w's first ones, as one 2-D matmul.
-
-  The leading (token) dims of x and the trailing (feature) dims of w are
-  flattened first. Why: the weight gradient then contracts one token axis,
-  a plain [tokens, in]^T @ [tokens, out] that XLA:CPU's matmul kernels read
-  in place. Written as an einsum over batch and length ("bld,blf->df"),
-  XLA:CPU instead transposes the [tokens, d_ff] activation gradient through
-  a strided copy fused with GELU's backward: a fifth of lm_tiny-width-512's
-  step (`python -m benchmarks.profile_step --top=20`). The reshapes are free
-  (bitcasts), and the SPMD partitioner keeps a sharded batch dim sharded
-  when it is merged with the length dim.
-
-  Example:
-    >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5, 6))
-    >>> _dense(x, w).shape
-    (2, 3, 5, 6)
-  """
-  lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
-  inner = math.prod(w.shape[:contract])
-  y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
-  return y.reshape(*lead, *features)
 
 
 class _LayerNorm(nnx.Module):
@@ -209,12 +168,12 @@ class _Attention(nnx.Module):
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     d, h, k = config.d_model, config.num_heads, config.head_dim
     pdt = jnp.dtype(config.param_dtype)
-    qkv_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+    qkv_init = fan_in_init(in_axis=0, out_axis=(1, 2))
     self.query = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
     self.key = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
     self.value = param(rngs, qkv_init, (d, h, k), ("embed", "heads", "kv"), pdt)
     self.out = param(
-      rngs, _fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
+      rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
 
   def probabilities(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -230,9 +189,9 @@ class _Attention(nnx.Module):
   def _attend(self, x: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     dt = x.dtype
     length, head_dim = x.shape[1], self.query.shape[-1]
-    q = _dense(x, self.query[...].astype(dt))  # [b, l, h, k]
-    k = _dense(x, self.key[...].astype(dt))
-    v = _dense(x, self.value[...].astype(dt))
+    q = dense(x, self.query[...].astype(dt))  # [b, l, h, k]
+    k = dense(x, self.key[...].astype(dt))
+    v = dense(x, self.value[...].astype(dt))
     # Scores and softmax in float32 whatever the compute dtype: bf16 scores
     # lose the small differences that decide which tokens get attention.
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
@@ -244,18 +203,18 @@ class _Attention(nnx.Module):
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    return _dense(y, self.out[...].astype(dt), contract=2), probs
+    return dense(y, self.out[...].astype(dt), contract=2), probs
 
 
 class _MLP(nnx.Module):
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     d, f, pdt = config.d_model, config.d_ff, jnp.dtype(config.param_dtype)
-    self.wi = param(rngs, _fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
-    self.wo = param(rngs, _fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
+    self.wi = param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"), pdt)
+    self.wo = param(rngs, fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = jax.nn.gelu(_dense(x, self.wi[...].astype(x.dtype)))
-    return _dense(h, self.wo[...].astype(x.dtype))
+    h = jax.nn.gelu(dense(x, self.wi[...].astype(x.dtype)))
+    return dense(h, self.wo[...].astype(x.dtype))
 
 
 class _Block(nnx.Module):
@@ -413,7 +372,7 @@ class TransformerLM(nnx.Module):
     else:
       self.blocks = nnx.List([_Block(config, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = _LayerNorm(d, pdt, rngs=rngs)
-    self.unembed = param(rngs, _fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
+    self.unembed = param(rngs, fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
 
   def __call__(
     self,
@@ -454,7 +413,7 @@ class TransformerLM(nnx.Module):
     # while a matmul partitions like the rest. For a byte vocabulary it costs
     # less than one MLP layer; revisit for vocabularies of tens of thousands.
     one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
-    x = _dense(one_hot, self.token_embed[...].astype(dt))
+    x = dense(one_hot, self.token_embed[...].astype(dt))
     if positions is None:
       x = x + self.pos_embed[:length].astype(dt)
     else:
@@ -470,7 +429,7 @@ class TransformerLM(nnx.Module):
         x = block(x, mask)
     x = self.final_norm(x)
     # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
-    return _dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+    return dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
 
 
 def param_count(config: TransformerConfig) -> int:
