@@ -19,9 +19,13 @@ on a task whose loss gives every gradient the injected value.
   report_param_hash       a hash of the final state (`param_hash`) in the summary
 
 Example (a test config):
+  >>> from configs import default
   >>> from trainers import debug
+  >>> config = default.get_config()
   >>> config.debug = debug.section()
   >>> config.debug.inject_stall = (1, 6)  # or --config.debug.inject_stall='(1, 6)'
+  >>> "debug" in default.get_config()  # the product's config has no such section
+  False
 """
 
 from __future__ import annotations
