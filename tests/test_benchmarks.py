@@ -1,7 +1,8 @@
-"""The benchmark harness: the README shows its latest run, and a figure runs end to end.
+"""The benchmark harness: the README and docs show its latest run, and a figure runs end to end.
 
 Timings are never asserted here (they belong in `make bench`); only that the
-tools work and the README's table is the committed latest run's.
+tools work and the table in the README and docs/performance.md is the
+committed latest run's.
 """
 
 import doctest
@@ -26,16 +27,18 @@ def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProc
   )
 
 
-def test_readme_shows_the_latest_run():
+def test_readme_and_performance_doc_show_the_latest_run():
   with open(run.LATEST) as f:
     rows = json.load(f)
   # Every registered figure, once `make bench` has run it (P10 came later).
   registered = {f for _, ids, _ in run.BENCHMARKS for f in ids}
   assert {f"P{i}" for i in range(1, 9)} <= {r["id"] for r in rows} <= registered
-  with open(run.README) as f:
-    readme = f.read()
   expected = f"<!-- bench:start -->\n{run.readme_block(rows)}<!-- bench:end -->"
-  assert expected in readme, "README is stale: run make bench BENCH_ARGS=--update-readme"
+  assert run.PERFORMANCE_DOC in run.TABLE_DOCS and run.README in run.TABLE_DOCS
+  for doc in run.TABLE_DOCS:
+    with open(doc) as f:
+      text = f.read()
+    assert expected in text, f"{doc} is stale: run make bench BENCH_ARGS=--update-readme"
 
 
 def test_alternate_takes_medians_of_rounds_in_both_orders():
