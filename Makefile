@@ -11,9 +11,13 @@ $(BIN)/.installed: setup.py pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,tpu]'
 	touch $@
 
+# DEMO_FLAGS are appended to spmd-train's (tests/test_demo.py runs a few steps in a
+# temporary DEMO_WORKDIR).
+DEMO_WORKDIR ?= workdir/lm_tiny
+DEMO_FLAGS ?=
 demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 900 -- \
-		$(BIN)/spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny
+		$(BIN)/spmd-train --config=configs/lm_tiny.py --workdir=$(DEMO_WORKDIR) $(DEMO_FLAGS)
 
 sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \

@@ -7,8 +7,8 @@ counts and process layouts):
 
   P1      benchmarks/trainer.py     trainer vs hand-written step (4 CPU devices)
   P3      benchmarks/trainer.py     FLOP/s vs matmul peak (1 CPU device: the
-                                    machine as JAX sees it by default; split
-                                    into 4 devices on 2 cores it loses ~15%)
+                                    machine as JAX sees it by default, not
+                                    split into devices that share its cores)
   P2      benchmarks/dispatch.py    sharded_jit vs jax.jit dispatch
   P4, P5  benchmarks/training.py    input pipeline and async checkpoint costs
   P6, P8  benchmarks/launches.py    2 processes vs 1; warm vs cold compilation cache

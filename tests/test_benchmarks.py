@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import common, process_layouts, run
+from benchmarks import common, run
 from tests.multiprocess import ROOT
 from trainers import peaks
 
@@ -61,10 +61,9 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
-  # devices when imported. These modules set up nothing, so their examples run here.
-  for module in (common, process_layouts):
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0, module.__name__
+  # devices when imported. This module sets up nothing, so its examples run here.
+  result = doctest.testmod(common)
+  assert result.attempted > 0 and result.failed == 0, common.__name__
 
 
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
@@ -111,67 +110,6 @@ def test_a_figure_without_a_goal_shows_a_dash():
   r = common.row("P3-gpu", "MFU", 0.41, None, False, "detail", "machine")
   assert r["meets_goal"] is None and r["goal"] == "—"
   assert "| P3-gpu | MFU | 0.410 | — | — | detail |" in common.markdown([r])
-
-
-def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
-  shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
-  names = [
-    "branch",
-    "select",
-    "stacked",
-    "no_attention_core",
-    "affine_norms",
-    "relu",
-    "onednn_dots",
-  ]
-  done = _run_module("benchmarks.step_variants", *shrunk, f"--variants={','.join(names)}")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert [c[0].strip() for c in cells] == ["variant", *names], done.stdout
-  gflop = {c[0].strip(): float(c[-1]) for c in cells[1:]}
-  # The ablation is in the compiled step: its attention dots are gone (the
-  # other variants multiply the same matrices).
-  assert gflop["no_attention_core"] < gflop["branch"] == gflop["select"] == gflop["relu"], gflop
-  # Compiled for oneDNN, the same step multiplies the same matrices.
-  assert gflop["onednn_dots"] == gflop["branch"], gflop
-
-
-def test_the_batched_matmul_comparison_runs_with_and_without_pinning():
-  done = _run_module("benchmarks.batched_matmul", "--rounds=1")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == [
-    "way",
-    "attention",
-    "attention (oneDNN)",
-    "32 items",
-    "one 2-D",
-    "square",
-    "square (oneDNN)",
-  ], done.stdout
-
-
-def test_the_input_cpu_comparison_checks_both_builders_agree_and_runs(tmp_path):
-  workdir = str(tmp_path / "training")
-  done = _run_module("benchmarks.input_cpu", "--rounds=2", "--batches=2", f"--workdir={workdir}")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["rows built", "to_batch", "row by row"], done.stdout
-
-
-def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
-  done = _run_module("benchmarks.profile_step", "--width=64", "--steps=1", "--top=3")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  kinds = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
-  assert "matmuls" in kinds and "optimizer, clipping, metrics" in kinds, done.stdout
-  assert "ms traced; some traced op ran for" in done.stdout, done.stdout
-
-
-def test_the_process_layouts_run_end_to_end_as_real_jobs():
-  done = _run_module("benchmarks.process_layouts", "--layouts=1x2,2x1", "--rounds=1", "--steps=3")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["layout", "1x2", "2x1"], done.stdout
 
 
 def test_the_onednn_options_hand_every_dot_to_onednn():

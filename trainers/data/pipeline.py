@@ -415,8 +415,8 @@ class GlobalBatches:
     valid = indices >= 0
     per = self.examples_per_record
     wanted = [int(i) for i in indices[valid]]
-    # One batched read of the distinct records: an ArrayRecord source reads a
-    # batch ~10x faster than the same records one by one.
+    # One batched read of the distinct records: an ArrayRecord source serves
+    # a batch in one call, where reading one by one pays that call per record.
     distinct = sorted({i // per for i in wanted})
     if self._cache is None:
       by_record = dict(zip(distinct, self._read(distinct)))

@@ -118,15 +118,15 @@ class TransformerConfig:
   parameters, checkpoints and remat, compile time growing with depth, and
   no loop machinery (per-layer weight slices, stacked residual buffers,
   no overlap between layers). For a shallow model that is the faster
-  choice: lm_tiny-width-512's step on one CPU device ran 7-10 % faster
-  fully unrolled (see README, Performance, P3)."""
+  choice: its compile time is small either way, and the loop machinery is
+  paid every step."""
   remat_policy: str = "minimal"
   """With scan_layers: what each layer keeps for the backward pass.
   "minimal" keeps only the weight matmuls' outputs and recomputes the rest
   (attention scores, softmax, norms, GELU): far less activation memory for
   a few percent more compute. "none" keeps everything and recomputes
-  nothing: faster where memory is plentiful (about 4 % for lm_tiny-width-512
-  on CPU), but in a rolled loop every intermediate becomes a stacked buffer."""
+  nothing: faster where memory is plentiful (no recomputation), but in a
+  rolled loop every intermediate becomes a stacked buffer."""
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff"):
@@ -276,10 +276,10 @@ def _scan_blocks(
   outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`,
   MaxText's "minimal"): without it the backward pass keeps every
   intermediate of every layer as a stacked loop output that XLA cannot fuse
-  away (f32 attention scores, bf16 probabilities, GELU's inputs...): 30 GB
-  per device for lm_small on v4-32 against 17.6 GB unrolled. With it,
-  7.4 GB, for recomputing the attention scores, softmax and elementwise ops
-  (about 6% more FLOPs). "none" keeps everything. `unroll` layers run per
+  away (f32 attention scores, bf16 probabilities, GELU's inputs...), more
+  than the same model keeps unrolled. With it, far less, for recomputing
+  the attention scores, softmax and elementwise ops (a small share of the
+  step's FLOPs beside its matmuls). "none" keeps everything. `unroll` layers run per
   loop iteration (`TransformerConfig.scan_unroll`). `mask` is
   `attention_mask`'s, the same for every layer: an input of each step, not
   an output of it, so the remat never recomputes it.
