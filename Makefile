@@ -34,7 +34,7 @@ faults: $(BIN)/.installed
 	SPMD_FAULTS=full $(BIN)/python -m pytest tests/faults -m faults
 	cat workdir/faults/report.md
 
-# Every performance figure (P1-P8) in one run; the table lands in
+# Every performance figure (P1-P10) in one run; the table lands in
 # workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README).
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
