@@ -35,7 +35,7 @@ faults: $(BIN)/.installed
 	cat workdir/faults/report.md
 
 # Every performance figure (P1-P10) in one run; the table lands in
-# workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README).
+# workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README and docs/performance.md).
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 

@@ -68,6 +68,11 @@ def readme_block(rows: list[dict]) -> str:
   return common.markdown(rows) + f"\nMeasured on:{where}\n"
 
 
+def figure_order(row: dict) -> int:
+  """Sorts rows by figure number, so P10 follows P8 rather than P1."""
+  return int(row["id"].lstrip("P"))
+
+
 def update_readme(rows: list[dict], readme: str = README) -> None:
   r"""Replace the table between `readme`'s `bench:start`/`bench:end` markers with `rows`'.
 
@@ -122,7 +127,7 @@ def main() -> None:
     print(f"  {time.perf_counter() - start:.0f} s", flush=True)
     with open(path) as f:
       rows += [r for r in json.load(f) if r["id"] in ids and (not wanted or r["id"] in wanted)]
-  rows.sort(key=lambda r: r["id"])
+  rows.sort(key=figure_order)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(rows, f, indent=1)
   with open(os.path.join(args.out, "results.md"), "w") as f:
@@ -131,9 +136,7 @@ def main() -> None:
   if args.update_readme:
     if wanted:  # replace those figures in the latest run, keep the others
       with open(LATEST) as f:
-        rows = sorted(
-          [r for r in json.load(f) if r["id"] not in wanted] + rows, key=lambda r: r["id"]
-        )
+        rows = sorted([r for r in json.load(f) if r["id"] not in wanted] + rows, key=figure_order)
     with open(LATEST, "w") as f:
       json.dump(rows, f, indent=1)
       f.write("\n")
