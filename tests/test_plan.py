@@ -204,7 +204,7 @@ def test_loop_bodies_count_once_per_iteration_without_a_known_trip_count():
 def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.run(
-    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_main", *args],
+    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_cli", *args],
     capture_output=True,
     text=True,
     env=env,
