@@ -26,11 +26,15 @@ import sys
 
 from absl import flags, logging
 
+from spmd.cli_help import parse_or_help
 from trainers.plan_report import format_plan, save_executable
 
 
-def _flags(argv: list[str]) -> flags.FlagValues:
-  """Parses `argv` into a fresh flag set (spmd-train's flags live in the global one)."""
+def _flags(argv: list[str]) -> flags.FlagValues | None:
+  """Parses `argv` into a fresh flag set (spmd-train's flags live in the global one).
+
+  None when `argv` asks for help, which has then been printed.
+  """
   from ml_collections import config_flags
 
   fv = flags.FlagValues()
@@ -71,8 +75,7 @@ def _flags(argv: list[str]) -> flags.FlagValues:
     "write the compiled step's serialized executable (and a .json beside)",
     flag_values=fv,
   )
-  fv(["spmd-plan", *argv])
-  return fv
+  return fv if parse_or_help(fv, "spmd-plan", argv, __doc__) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
   except flags.Error as e:
     print(f"spmd-plan: {e}", file=sys.stderr)
     return 2
+  if fv is None:
+    return 0
   if fv.config is None:
     print("spmd-plan: --config is required", file=sys.stderr)
     return 2
