@@ -592,7 +592,13 @@ def kv_cache_plan(
 
 
 def _units_per_step(task, global_batch: int) -> int:
-  """Units in a full batch of the record template's examples (the most a step holds)."""
+  """The most units a step holds: the task's own count, else a full batch of template examples.
+
+  A template example can be all padding (a packed window of zeros), so the
+  task's `units_per_batch`, when it gives one, is the answer.
+  """
+  if task.units_per_batch:
+    return int(task.units_per_batch)
   example = task.example()
   batch = {k: np.stack([np.asarray(v)] * global_batch) for k, v in example.items()}
   return int(task.units(batch))
