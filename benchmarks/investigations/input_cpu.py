@@ -1,4 +1,4 @@
-"""Found: building a batch's rows at once (`pipeline.lm_batch`) takes less host CPU than row by row, for equal batches.
+"""Found: building a batch's rows at once (`lm_examples.lm_batch`) takes less host CPU than row by row, for equal batches.
 
   python -m benchmarks.investigations.input_cpu [--config=configs/lm_tiny.py] [--rounds=40] [--batches=100]
 
@@ -7,7 +7,7 @@ One process, 4 CPU devices, as `benchmarks.training` runs lm_tiny. Times
 the devices: what the prefetch thread does for every step) in CPU seconds
 (`time.process_time`, so XLA's copy threads count too), in alternating
 rounds of `--batches` consecutive steps:
-  to_batch     the task's builder of all rows at once (`pipeline.lm_batch`),
+  to_batch     the task's builder of all rows at once (`lm_examples.lm_batch`),
                as `spmd-train` runs it
   row by row   the same pipeline without it: `to_example` for every row,
                then `np.stack`
