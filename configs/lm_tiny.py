@@ -1,4 +1,4 @@
-"""The README's main job: a tiny LM on subword tokens that learns in minutes on 2 CPU cores.
+"""The demo (`make demo`): a tiny LM on subword tokens that learns in minutes on 2 CPU cores.
 
   spmd-launch local --num-processes 2 --devices-per-process 2 -- \\
       spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny
