@@ -258,14 +258,21 @@ def fixed_num_partitions(in_parts, out_parts, num_partitions, mesh) -> int | Non
   return n
 
 
-def moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
-  """`x` on `sharding` if it is (or, under `jax.grad`, traces) a committed array sharded otherwise."""
+def needs_moving(x: Any, sharding: jax.sharding.Sharding) -> bool:
+  """Whether `x` is (or, under `jax.grad`, traces) a committed array sharded otherwise.
+
+  `jax.jit` refuses such an argument rather than moving it; uncommitted
+  arrays and host values it places itself.
+  """
   concrete = x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
-  if (
+  return (
     isinstance(concrete, jax.Array)
     and not isinstance(concrete, jax.core.Tracer)
     and concrete.committed
     and not concrete.sharding.is_equivalent_to(sharding, concrete.ndim)
-  ):
-    return jax.device_put(x, sharding)
-  return x
+  )
+
+
+def moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
+  """`x` on `sharding` if it is (or traces) a committed array sharded otherwise."""
+  return jax.device_put(x, sharding) if needs_moving(x, sharding) else x
