@@ -26,6 +26,7 @@ Example (the 8 CPU devices the tests configure):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 from jax._src.array import ArrayImpl
 
 from spmd.arguments import Arguments
-from spmd.placement import Leaf, Plan, broadcast_prefix, is_leaf_plan, needs_moving
+from spmd.placement import Plan, broadcast_prefix, is_leaf_plan, needs_moving
 
 # Host values that jax.jit places itself (a fully replicated one even across processes).
 _HOST_VALUES = (np.ndarray, np.generic, bool, int, float, complex)
@@ -64,10 +65,13 @@ def jit_takes_as_is(x: Any, sharding: jax.sharding.Sharding, across_processes: b
 class FastPath:
   """A plan's `jax.jit` for plain calls, and the test that admits a call to it.
 
-  The test costs a few attribute reads per argument when the arguments are
-  arrays, one per leaf for other pytrees; anything it cannot admit cheaply
-  (a wrong argument count, a tree that does not fit `in_parts`) takes the
-  full path, which raises the clear error.
+  The test is on every plain call, so its common case is one identity check
+  per argument: an array whose sharding is the very object the plan holds
+  (every output of the plan's programs, and anything placed with it) is
+  admitted at once. Other arrays are compared by value, other pytrees leaf
+  by leaf; anything it cannot admit cheaply (a wrong argument count, a tree
+  that does not fit `in_parts`) takes the full path, which raises the clear
+  error.
   """
 
   def __init__(self, jitted: Callable, plan: Plan, arguments: Arguments):
@@ -75,60 +79,70 @@ class FastPath:
     self._in_leaves = plan.in_leaves
     self._across = plan.cross_process
     self._arguments = arguments
-    # Per number of positional arguments: each one's Leaf or subtree of Leafs,
-    # None for a static one; None overall when the count is wrong.
-    self._by_count: dict[int, tuple | None] = {}
+    # Per number of positional arguments: for each one, the sharding of the
+    # whole argument, a _Subtree of Leafs, or None for a static one; False
+    # when the count is wrong.
+    self._by_count: dict[int, tuple | bool] = {}
     self._per_tree: dict[Any, list[jax.sharding.Sharding] | None] = {}
 
   def admits(self, args: tuple) -> bool:
     """True when `jax.jit` takes these positional arguments as they are."""
-    n = len(args)
-    expected = self._by_count[n] if n in self._by_count else self._expect(n)
+    expected = self._by_count.get(len(args))
     if expected is None:
+      expected = self._expect(len(args))
+    if expected is False:
       return False
-    across = self._across
-    for i, (x, leaf) in enumerate(zip(args, expected)):
-      if leaf is None:  # static
+    for x, want in zip(args, expected):
+      if want is None or (type(x) is ArrayImpl and x.sharding is want):
         continue
-      if type(x) is ArrayImpl and type(leaf) is Leaf:
-        sharding = leaf.sharding
-        if x._committed:
-          if x.sharding != sharding and not x.sharding.is_equivalent_to(sharding, x.ndim):
-            return False
-        elif across and not sharding.is_fully_replicated:
-          return False
-      elif not self._admits_tree(i, x, leaf):
+      if not self._admits_one(x, want):
         return False
     return True
 
-  def _expect(self, n: int) -> tuple | None:
+  def _admits_one(self, x: Any, want: Any) -> bool:
+    if type(want) is _Subtree:
+      return self._admits_tree(x, want, want.leaves)
+    if type(x) is ArrayImpl:
+      if x._committed:
+        return x.sharding == want or x.sharding.is_equivalent_to(want, x.ndim)
+      return not self._across or want.is_fully_replicated
+    return self._admits_tree(x, want, want)
+
+  def _expect(self, n: int) -> tuple | bool:
     arguments = self._arguments
     try:
       arguments.check((None,) * n)
     except ValueError:
-      expected = None
+      expected = False
     else:
-      static = arguments.static_argnums
-      n_dynamic = n - len(static)
+      n_dynamic = n - len(arguments.static_argnums)
       if is_leaf_plan(self._in_leaves):
         dynamic = [self._in_leaves] * n_dynamic
       elif type(self._in_leaves) is tuple and len(self._in_leaves) == n_dynamic:
         dynamic = list(self._in_leaves)
       else:
         dynamic = None
-      expected = None if dynamic is None else arguments.with_dynamic((None,) * n, dynamic)
+      if dynamic is None:
+        expected = False
+      else:
+        wants = [e.sharding if is_leaf_plan(e) else _Subtree(e) for e in dynamic]
+        expected = arguments.with_dynamic((None,) * n, wants)
     self._by_count[n] = expected
     return expected
 
-  def _admits_tree(self, i: int, x: Any, leaves: Any) -> bool:
-    """The test for argument `i` leaf by leaf, its shardings cached per tree structure."""
+  def _admits_tree(self, x: Any, want: Any, prefix: Any) -> bool:
+    """The test for `x` leaf by leaf, its shardings cached per tree structure.
+
+    `prefix` is one sharding for the whole argument, or a tree of Leafs;
+    `want` (held for the FastPath's life) names it in the cache.
+    """
     values, treedef = jax.tree_util.tree_flatten(x)
-    key = (i, treedef)
-    shardings = self._per_tree.get(key, False)
-    if shardings is False:
+    key = (id(want), treedef)
+    shardings = self._per_tree.get(key, _UNKNOWN)
+    if shardings is _UNKNOWN:
       try:
-        per_leaf = broadcast_prefix(leaves, x, "in_parts", is_leaf=is_leaf_plan)
-        shardings = [leaf.sharding for leaf in per_leaf]
+        per_leaf = broadcast_prefix(prefix, x, "in_parts", is_leaf=is_leaf_plan)
+        shardings = [p.sharding if is_leaf_plan(p) else p for p in per_leaf]
       except ValueError:  # not a prefix: the full path raises the clear error
         shardings = None
       self._per_tree[key] = shardings
@@ -136,3 +150,13 @@ class FastPath:
       return False
     across = self._across
     return all(jit_takes_as_is(v, s, across) for v, s in zip(values, shardings))
+
+
+_UNKNOWN = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Subtree:
+  """An argument whose parts in_parts splits differently: a tree of Leafs."""
+
+  leaves: Any

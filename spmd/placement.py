@@ -187,8 +187,15 @@ def make_plan(
   if cross:
     _check_local_count(local_num_partitions, (in_pairs, out_pairs), user_mesh is not None)
   host_axes, local_axes = mesh_lib.split_axes(mesh)
+  # Equal shardings are one object, so that a program's outputs carry the very
+  # sharding its inputs expect, and the fast path can admit them by identity.
+  interned: dict[jax.sharding.NamedSharding, jax.sharding.NamedSharding] = {}
 
   def resolve(pair, what):
+    leaf = resolve_one(pair, what)
+    return Leaf(interned.setdefault(leaf.sharding, leaf.sharding), leaf.mode)
+
+  def resolve_one(pair, what):
     spec, local = pair.spec, pair.local
     local_what = f"local_{what}"
     if not cross:
