@@ -39,6 +39,8 @@ from spmd.placement import Plan, broadcast_prefix, is_leaf_plan, needs_moving
 
 # Host values that jax.jit places itself (a fully replicated one even across processes).
 _HOST_VALUES = (np.ndarray, np.generic, bool, int, float, complex)
+# Not yet known; also a "sharding" that no array has.
+_UNKNOWN = object()
 
 
 def jit_takes_as_is(x: Any, sharding: jax.sharding.Sharding, across_processes: bool) -> bool:
@@ -84,6 +86,10 @@ class FastPath:
     # when the count is wrong.
     self._by_count: dict[int, tuple | bool] = {}
     self._per_tree: dict[Any, list[jax.sharding.Sharding] | None] = {}
+    # The sharding of a call's one argument, when it may have one and no
+    # static arguments; otherwise an object no array's sharding is.
+    one = self._expect(1)
+    self.one = one[0] if one and isinstance(one[0], jax.sharding.Sharding) else _UNKNOWN
 
   def admits(self, args: tuple) -> bool:
     """True when `jax.jit` takes these positional arguments as they are."""
@@ -150,9 +156,6 @@ class FastPath:
       return False
     across = self._across
     return all(jit_takes_as_is(v, s, across) for v, s in zip(values, shardings))
-
-
-_UNKNOWN = object()
 
 
 @dataclasses.dataclass(frozen=True)
