@@ -135,7 +135,8 @@ def sharded_jit(
     if fast is not None and not kwargs and tracing_now() is None:
       # The commonest call, one array already on the plan's sharding, is
       # tested here: a call into FastPath costs more than the test itself.
-      if len(args) == 1 and type(x := args[0]) is ArrayImpl and x.sharding is fast.one:
+      # `_sharding` is what the `sharding` property returns, without its frame.
+      if len(args) == 1 and type(x := args[0]) is ArrayImpl and x._sharding is fast.one:
         return fast.jitted(x)
       if fast.admits(args):
         return fast.jitted(*args)
