@@ -108,20 +108,27 @@ class Arguments:
 
   def check(self, args: tuple) -> None:
     """Clear errors for positional arguments that do not fit static_argnums or in_parts."""
-    if self.static_argnums and self.static_argnums[-1] >= len(args):
-      raise ValueError(
+    problem = self.count_problem(len(args))
+    if problem is not None:
+      raise ValueError(problem)
+
+  def count_problem(self, n: int) -> str | None:
+    """Why `n` positional arguments do not fit static_argnums or in_parts; None if they do."""
+    if self.static_argnums and self.static_argnums[-1] >= n:
+      return (
         f"jitted function has static_argnums={self.static_argnums}"
-        f" but was called with only {len(args)} positional "
-        f"argument{'s' if len(args) > 1 else ''}. "
+        f" but was called with only {n} positional "
+        f"argument{'s' if n > 1 else ''}. "
         "All static broadcasted arguments must be passed positionally."
       )
-    if self.in_len is not None and (len(args) - len(self.static_argnums) != self.in_len):
-      raise ValueError(
+    if self.in_len is not None and (n - len(self.static_argnums) != self.in_len):
+      return (
         f"in_parts={self.in_parts!r} has {self.in_len} entries but "
         f"{self.name} was called with "
-        f"{len(args) - len(self.static_argnums)} non-static positional "
+        f"{n - len(self.static_argnums)} non-static positional "
         "arguments; give one spec per argument, or a single spec for all"
       )
+    return None
 
   def dynamic(self, args: tuple) -> tuple:
     """The positional arguments that are not static: the ones in_parts describes."""

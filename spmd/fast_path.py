@@ -26,7 +26,6 @@ Example (the 8 CPU devices the tests configure):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ import numpy as np
 from jax._src.array import ArrayImpl
 
 from spmd.arguments import Arguments
-from spmd.placement import Plan, broadcast_prefix, is_leaf_plan, needs_moving
+from spmd.placement import Plan, is_leaf_plan, needs_moving
 
 # Host values that jax.jit places itself (a fully replicated one even across processes).
 _HOST_VALUES = (np.ndarray, np.generic, bool, int, float, complex)
@@ -70,26 +69,25 @@ class FastPath:
   The test is on every plain call, so its common case is one identity check
   per argument: an array whose sharding is the very object the plan holds
   (every output of the plan's programs, and anything placed with it) is
-  admitted at once. Other arrays are compared by value, other pytrees leaf
-  by leaf; anything it cannot admit cheaply (a wrong argument count, a tree
-  that does not fit `in_parts`) takes the full path, which raises the clear
-  error.
+  admitted at once. Other arguments are tested leaf by leaf against the
+  shardings the plan resolved for their tree structure. A structure the plan
+  has not resolved yet (a first call, a wrong argument count, a tree that
+  does not fit `in_parts`) takes the full path, which resolves it or raises
+  the clear error.
   """
 
   def __init__(self, jitted: Callable, plan: Plan, arguments: Arguments):
     self.jitted = jitted
-    self._in_leaves = plan.in_leaves
-    self._across = plan.cross_process
+    self._plan = plan
     self._arguments = arguments
-    # Per number of positional arguments: for each one, the sharding of the
-    # whole argument, a _Subtree of Leafs, or None for a static one; False
-    # when the count is wrong.
+    # Per number of positional arguments: each one's sharding when in_parts
+    # gives the whole argument one (otherwise _UNKNOWN), None for a static
+    # one; False when the count does not fit static_argnums and in_parts.
     self._by_count: dict[int, tuple | bool] = {}
-    self._per_tree: dict[Any, list[jax.sharding.Sharding] | None] = {}
     # The sharding of a call's one argument, when it may have one and no
     # static arguments; otherwise an object no array's sharding is.
     one = self._expect(1)
-    self.one = one[0] if one and isinstance(one[0], jax.sharding.Sharding) else _UNKNOWN
+    self.one = one[0] if one and one[0] is not None else _UNKNOWN
 
   def admits(self, args: tuple) -> bool:
     """True when `jax.jit` takes these positional arguments as they are."""
@@ -99,67 +97,39 @@ class FastPath:
     if expected is False:
       return False
     for x, want in zip(args, expected):
-      if want is None or (type(x) is ArrayImpl and x._sharding is want):
-        continue
-      if not self._admits_one(x, want):
+      if want is not None and not (type(x) is ArrayImpl and x._sharding is want):
+        return self._admits_leaf_by_leaf(args)
+    return True
+
+  def _admits_leaf_by_leaf(self, args: tuple) -> bool:
+    leaves, treedef = jax.tree_util.tree_flatten(self._arguments.dynamic(args))
+    per_leaf = self._plan.in_cache.get(treedef)  # filled by the full path
+    if per_leaf is None:
+      return False
+    across = self._plan.cross_process
+    for x, leaf in zip(leaves, per_leaf):
+      sharding = leaf.sharding
+      if type(x) is ArrayImpl and (x._sharding is sharding or x._sharding == sharding):
+        continue  # already on exactly the sharding the program takes
+      if not jit_takes_as_is(x, sharding, across):
         return False
     return True
 
-  def _admits_one(self, x: Any, want: Any) -> bool:
-    if type(want) is _Subtree:
-      return self._admits_tree(x, want, want.leaves)
-    if type(x) is ArrayImpl:
-      if x._committed:
-        return x.sharding == want or x.sharding.is_equivalent_to(want, x.ndim)
-      return not self._across or want.is_fully_replicated
-    return self._admits_tree(x, want, want)
-
   def _expect(self, n: int) -> tuple | bool:
-    arguments = self._arguments
-    try:
-      arguments.check((None,) * n)
-    except ValueError:
+    arguments, in_leaves = self._arguments, self._plan.in_leaves
+    n_dynamic = n - len(arguments.static_argnums)
+    if arguments.count_problem(n) is not None:
       expected = False
     else:
-      n_dynamic = n - len(arguments.static_argnums)
-      if is_leaf_plan(self._in_leaves):
-        dynamic = [self._in_leaves] * n_dynamic
-      elif type(self._in_leaves) is tuple and len(self._in_leaves) == n_dynamic:
-        dynamic = list(self._in_leaves)
+      # in_parts is one spec for every argument, or one entry per argument;
+      # any other tree is left to the leaf-by-leaf test.
+      if is_leaf_plan(in_leaves):
+        dynamic = [in_leaves] * n_dynamic
+      elif type(in_leaves) is tuple and len(in_leaves) == n_dynamic:
+        dynamic = list(in_leaves)
       else:
-        dynamic = None
-      if dynamic is None:
-        expected = False
-      else:
-        wants = [e.sharding if is_leaf_plan(e) else _Subtree(e) for e in dynamic]
-        expected = arguments.with_dynamic((None,) * n, wants)
+        dynamic = [None] * n_dynamic
+      wants = [e.sharding if is_leaf_plan(e) else _UNKNOWN for e in dynamic]
+      expected = arguments.with_dynamic((None,) * n, wants)
     self._by_count[n] = expected
     return expected
-
-  def _admits_tree(self, x: Any, want: Any, prefix: Any) -> bool:
-    """The test for `x` leaf by leaf, its shardings cached per tree structure.
-
-    `prefix` is one sharding for the whole argument, or a tree of Leafs;
-    `want` (held for the FastPath's life) names it in the cache.
-    """
-    values, treedef = jax.tree_util.tree_flatten(x)
-    key = (id(want), treedef)
-    shardings = self._per_tree.get(key, _UNKNOWN)
-    if shardings is _UNKNOWN:
-      try:
-        per_leaf = broadcast_prefix(prefix, x, "in_parts", is_leaf=is_leaf_plan)
-        shardings = [p.sharding if is_leaf_plan(p) else p for p in per_leaf]
-      except ValueError:  # not a prefix: the full path raises the clear error
-        shardings = None
-      self._per_tree[key] = shardings
-    if shardings is None:
-      return False
-    across = self._across
-    return all(jit_takes_as_is(v, s, across) for v, s in zip(values, shardings))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Subtree:
-  """An argument whose parts in_parts splits differently: a tree of Leafs."""
-
-  leaves: Any
