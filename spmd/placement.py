@@ -187,8 +187,15 @@ def make_plan(
   if cross:
     _check_local_count(local_num_partitions, (in_pairs, out_pairs), user_mesh is not None)
   host_axes, local_axes = mesh_lib.split_axes(mesh)
+  # Equal shardings are one object, so that a program's outputs carry the very
+  # sharding its inputs expect, and the fast path can admit them by identity.
+  interned: dict[jax.sharding.NamedSharding, jax.sharding.NamedSharding] = {}
 
   def resolve(pair, what):
+    leaf = resolve_one(pair, what)
+    return Leaf(interned.setdefault(leaf.sharding, leaf.sharding), leaf.mode)
+
+  def resolve_one(pair, what):
     spec, local = pair.spec, pair.local
     local_what = f"local_{what}"
     if not cross:
@@ -258,14 +265,21 @@ def fixed_num_partitions(in_parts, out_parts, num_partitions, mesh) -> int | Non
   return n
 
 
-def moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
-  """`x` on `sharding` if it is (or, under `jax.grad`, traces) a committed array sharded otherwise."""
+def needs_moving(x: Any, sharding: jax.sharding.Sharding) -> bool:
+  """Whether `x` is (or, under `jax.grad`, traces) a committed array sharded otherwise.
+
+  `jax.jit` refuses such an argument rather than moving it; uncommitted
+  arrays and host values it places itself.
+  """
   concrete = x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
-  if (
+  return (
     isinstance(concrete, jax.Array)
     and not isinstance(concrete, jax.core.Tracer)
     and concrete.committed
     and not concrete.sharding.is_equivalent_to(sharding, concrete.ndim)
-  ):
-    return jax.device_put(x, sharding)
-  return x
+  )
+
+
+def moved(x: Any, sharding: jax.sharding.NamedSharding) -> Any:
+  """`x` on `sharding` if it is (or traces) a committed array sharded otherwise."""
+  return jax.device_put(x, sharding) if needs_moving(x, sharding) else x

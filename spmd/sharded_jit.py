@@ -6,12 +6,13 @@ runs it split across devices. Specs count pieces per dimension
 a `mesh` is given; `None` replicates.
 
 Design:
-  * Counts become `NamedSharding`s on one mesh per partition count (the plan,
+  * The options are checked once (`spmd.arguments`). Counts become
+    `NamedSharding`s on one mesh per partition count (the plan,
     `spmd.placement`), and the function becomes one `jax.jit` with those in/out
-    shardings, created once. A plain call on one process's devices is the
-    `jax.jit` call itself plus one Python frame: JAX's C++ cache decides when
-    to trace. The trainer's steps take this path across processes too: named
-    specs, global arrays in and out.
+    shardings, created once. A plain call whose arguments JAX takes as they
+    are (`spmd.fast_path` decides before the call) is the `jax.jit` call
+    itself: JAX's C++ cache decides when to trace. The trainer's steps take
+    this path across processes too: named specs, global arrays in and out.
   * Across processes, each process may pass its own piece (`local_in_parts`):
     pieces become global arrays with JAX's `multihost_utils` primitives and
     outputs come back as pieces (`local_out_parts`); see `spmd.cross_process`.
@@ -37,7 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -46,24 +46,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl
 
 from spmd import cross_process, multihost, tracing
-from spmd.partition import (
-  NamedSpec,
-  PartitionSpec,
-  check_spec_tree,
-  count_specs,
-  infer_num_partitions,
-  is_spec_leaf,
-)
-from spmd.placement import (
-  Plan,
-  broadcast_prefix,
-  fixed_num_partitions,
-  make_plan,
-  moved,
-  pair_local,
-)
+from spmd.arguments import Arguments
+from spmd.fast_path import FastPath
+from spmd.partition import NamedSpec, PartitionSpec, count_specs
+from spmd.placement import Plan, broadcast_prefix, make_plan, moved
 from spmd.tracing import with_sharding_constraint
 
 __all__ = ["PartitionSpec", "ShardedJitFunction", "sharded_jit", "with_sharding_constraint"]
@@ -121,8 +110,9 @@ def sharded_jit(
     >>> f(np.eye(2), np.ones((2, 2))).tolist()
     [[1.0, 1.0], [1.0, 1.0]]
   """
-  impl = ShardedJitFunction(
-    fun,
+  name = getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
+  arguments = Arguments.parse(
+    name,
     in_parts,
     out_parts,
     num_partitions,
@@ -133,26 +123,23 @@ def sharded_jit(
     donate_argnums,
     mesh,
   )
+  impl = ShardedJitFunction(fun, arguments)
   tracing_now = tracing.current.get
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    # Fast path: once the plan allows it, a plain call outside another
-    # sharded_jit's trace is the jax.jit call itself. Keywords and nested
-    # calls take the full path.
+    # A plain call outside another sharded_jit's trace, with arguments JAX
+    # takes as they are, is the jax.jit call itself. Keywords, nested calls
+    # and arguments to move or convert first take the full path.
     fast = impl.fast
-    if fast is None or kwargs or tracing_now() is not None:
-      return impl.call(args, kwargs)
-    try:
-      return fast(*args)
-    except (TypeError, ValueError) as e:
-      if _raised_in_trace(e):
-        raise  # from the user's function or our checks: never traced twice
-      # JAX refused arguments it will not move itself (a committed array
-      # sharded another way, a process-local value where a global one is
-      # expected). Checking every leaf first would cost each good call more
-      # than jax.jit's own dispatch is worth, so the full path places them,
-      # or explains why not, only when JAX has refused.
+    if fast is not None and not kwargs and tracing_now() is None:
+      # The commonest call, one array already on the plan's sharding, is
+      # tested here: a call into FastPath costs more than the test itself.
+      # `_sharding` is what the `sharding` property returns, without its frame.
+      if len(args) == 1 and type(x := args[0]) is ArrayImpl and x._sharding is fast.one:
+        return fast.jitted(x)
+      if fast.admits(args):
+        return fast.jitted(*args)
     return impl.call(args, kwargs)
 
   wrapped.lower = impl.lower
@@ -160,91 +147,28 @@ def sharded_jit(
   return wrapped
 
 
-# Set on an exception raised while JAX traced a sharded_jit function, so the
-# fast path never sends it to the full path: that would trace again, running
-# the user's trace-time side effects twice and, across processes, making
-# every host wait a second agreement round.
-_RAISED_IN_TRACE = "_sharded_jit_raised_in_trace"
-
-
-def _raised_in_trace(e: BaseException) -> bool:
-  return getattr(e, _RAISED_IN_TRACE, False)
-
-
-def _mark_raised_in_trace(e: BaseException) -> None:
-  with contextlib.suppress(AttributeError, TypeError):  # some types take no attributes
-    setattr(e, _RAISED_IN_TRACE, True)
-
-
-# ---------------------------------------------------------------------------
-# The transform.
-
-
 class ShardedJitFunction:
   """What a `sharded_jit` function runs: plans, checks and conversions.
 
   The function `sharded_jit` returns keeps this as its `.sharded_jit`
   attribute; `.lower(*args)` lowers without running. `.fast` is the
-  `jax.jit` that plain calls use directly, once the plan allows it.
+  `FastPath` (a `jax.jit` and the test that admits a call to it) that plain
+  calls use directly, once the plan allows it.
   """
 
-  def __init__(
-    self,
-    fun,
-    in_parts,
-    out_parts,
-    num_partitions,
-    local_in_parts,
-    local_out_parts,
-    local_num_partitions,
-    static_argnums,
-    donate_argnums,
-    mesh,
-  ):
-    for name, tree in (
-      ("in_parts", in_parts),
-      ("out_parts", out_parts),
-      ("local_in_parts", local_in_parts),
-      ("local_out_parts", local_out_parts),
-    ):
-      check_spec_tree(tree, name)
-    if isinstance(in_parts, list):
-      in_parts = tuple(in_parts)
+  def __init__(self, fun: Callable, arguments: Arguments):
     self._fun = fun
-    self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
-    self._in_parts, self._out_parts = in_parts, out_parts
-    self._in_pairs = pair_local(in_parts, local_in_parts, "in_parts")
-    self._out_pairs = pair_local(out_parts, local_out_parts, "out_parts")
-    self._local_num_partitions = local_num_partitions or infer_num_partitions(
-      local_in_parts=local_in_parts, local_out_parts=local_out_parts
-    )
-    self._static_argnums = tuple(
-      sorted({static_argnums} if isinstance(static_argnums, int) else set(static_argnums))
-    )
-    self._donate_argnums = (
-      (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    )
-    self._user_mesh = mesh
-    self._num_partitions = fixed_num_partitions(in_parts, out_parts, num_partitions, mesh)
-    named = any(
-      isinstance(s, NamedSpec)
-      for s in jax.tree_util.tree_leaves(
-        (in_parts, out_parts, local_in_parts, local_out_parts), is_leaf=is_spec_leaf
-      )
-    )
-    if named and mesh is None:
-      raise ValueError(
-        "jax.sharding.PartitionSpec with axis names needs the mesh=... argument of sharded_jit"
-      )
-    self._in_len = len(in_parts) if type(in_parts) is tuple else None
+    self._args = arguments
+    self._name = arguments.name
     self._plan: Plan | None = None  # when the count is fixed: the one plan
     self._plans: dict[int, Plan] = {}  # when discovered: one per count
     self._signature_counts: dict[Any, int] = {}
     self._sig: inspect.Signature | None = None
-    self.fast: Callable | None = None
+    self.fast: FastPath | None = None
 
   def __repr__(self) -> str:
-    return f"sharded_jit({self._name}, in_parts={self._in_parts!r}, out_parts={self._out_parts!r})"
+    a = self._args
+    return f"sharded_jit({self._name}, in_parts={a.in_parts!r}, out_parts={a.out_parts!r})"
 
   # -- calling ---------------------------------------------------------------
 
@@ -299,28 +223,28 @@ class ShardedJitFunction:
   def _call_inline(self, ctx: tracing.Context, args: tuple, kwargs: dict):
     """Called while tracing another sharded_jit: specs become constraints."""
     if ctx.mesh is None:
-      for spec in count_specs((self._in_parts, self._out_parts)):
+      for spec in count_specs((self._args.in_parts, self._args.out_parts)):
         ctx.recorded.append((f"nested {self._name}", spec))
       return self._fun(*args, **kwargs)
-    n = self._num_partitions
-    if n is not None and n != ctx.num_partitions and self._user_mesh is None:
+    n = self._args.num_partitions
+    if n is not None and n != ctx.num_partitions and self._args.mesh is None:
       raise ValueError(
         f"sharded_jit({self._name}) splits {n} ways but is called inside "
         f"sharded_jit({ctx.name}), which has {ctx.num_partitions} partitions"
       )
-    mesh, n = self._user_mesh or ctx.mesh, ctx.num_partitions
-    dyn = tracing.constrain(self._in_parts, self._dynamic(args), mesh, n, "in_parts")
+    mesh, n = self._args.mesh or ctx.mesh, ctx.num_partitions
+    dyn = tracing.constrain(self._args.in_parts, self._dynamic(args), mesh, n, "in_parts")
     out = self._fun(*self._with_dynamic(args, dyn), **kwargs)
-    return tracing.constrain(self._out_parts, out, mesh, n, "out_parts")
+    return tracing.constrain(self._args.out_parts, out, mesh, n, "out_parts")
 
   # -- planning --------------------------------------------------------------
 
   def _plan_for_call(self, args: tuple, kwargs: dict) -> Plan:
-    if self._num_partitions is not None:
+    if self._args.num_partitions is not None:
       if self._plan is None:
-        self._plan = self._make_plan(self._num_partitions)
+        self._plan = self._make_plan(self._args.num_partitions)
         if self._plan.plain_calls_go_straight_to_jit:
-          self.fast = self._jitted(self._plan, {}, 0)
+          self.fast = FastPath(self._jitted(self._plan, {}, 0), self._plan, self._args)
       return self._plan
     # Everything replicated: the count comes from constraints inside `fun`,
     # found by tracing once per signature (shapes, dtypes, static args).
@@ -328,7 +252,7 @@ class ShardedJitFunction:
     key = (
       treedef,
       tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves),
-      tuple(cross_process.static_key(args[i]) for i in self._static_argnums),
+      tuple(cross_process.static_key(args[i]) for i in self._args.static_argnums),
     )
     n = self._signature_counts.get(key)
     if n is None:
@@ -338,12 +262,11 @@ class ShardedJitFunction:
     return self._plans[n]
 
   def _make_plan(self, n: int) -> Plan:
-    return make_plan(
-      n, self._in_pairs, self._out_pairs, self._user_mesh, self._local_num_partitions
-    )
+    a = self._args
+    return make_plan(n, a.in_pairs, a.out_pairs, a.mesh, a.local_num_partitions)
 
   def _discover_num_partitions(self, args: tuple, kwargs: dict) -> int:
-    statics = {i: args[i] for i in self._static_argnums}
+    statics = {i: args[i] for i in self._args.static_argnums}
 
     def traced(dyn, kw):
       return self._fun(*self._with_dynamic([statics.get(i) for i in range(len(args))], dyn), **kw)
@@ -363,15 +286,15 @@ class ShardedJitFunction:
     in_shardings = plan.shardings(plan.in_leaves)
     if kwnames:
       if not isinstance(in_shardings, tuple):  # one spec for every positional
-        in_shardings = (in_shardings,) * (n_args - len(self._static_argnums))
+        in_shardings = (in_shardings,) * (n_args - len(self._args.static_argnums))
       replicated = jax.sharding.NamedSharding(plan.mesh, NamedSpec())
       in_shardings = in_shardings + (replicated,) * len(kwnames)
     jitted = plan.jitted[key] = jax.jit(
       self._traced_body(plan, kwnames),
       in_shardings=in_shardings,
       out_shardings=plan.shardings(plan.out_leaves),
-      static_argnums=self._static_argnums,
-      donate_argnums=self._donate_argnums,
+      static_argnums=self._args.static_argnums,
+      donate_argnums=self._args.donate_argnums,
     )
     return jitted
 
@@ -380,20 +303,13 @@ class ShardedJitFunction:
     fun, name, n_kw = self._fun, self._name, len(kwnames)
 
     def body(*all_args):
-      try:
-        args = all_args[: len(all_args) - n_kw]
-        kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
-        self._check_arguments(args)
-        self._on_trace(plan, args, kwargs)
-        with tracing.setting(
-          tracing.current, tracing.Context(name, plan.mesh, plan.num_partitions)
-        ):
-          out = fun(*args, **kwargs)
-        broadcast_prefix(self._out_parts, out, "out_parts")  # a clear error
-        return out
-      except Exception as e:
-        _mark_raised_in_trace(e)
-        raise
+      args = all_args[: len(all_args) - n_kw]
+      kwargs = dict(zip(kwnames, all_args[len(all_args) - n_kw :]))
+      self._on_trace(plan, args, kwargs)
+      with tracing.setting(tracing.current, tracing.Context(name, plan.mesh, plan.num_partitions)):
+        out = fun(*args, **kwargs)
+      broadcast_prefix(self._args.out_parts, out, "out_parts")  # a clear error
+      return out
 
     body.__name__ = getattr(fun, "__name__", "sharded_jit_fun")
     body.__qualname__ = name
@@ -417,9 +333,9 @@ class ShardedJitFunction:
     record = cross_process.agreement_record(
       self._name,
       plan.num_partitions,
-      repr(self._in_parts),
-      repr(self._out_parts),
-      [args[i] for i in self._static_argnums],
+      repr(self._args.in_parts),
+      repr(self._args.out_parts),
+      [args[i] for i in self._args.static_argnums],
       kwargs,
       dyn,
       pieces if owner is self else None,
@@ -435,33 +351,11 @@ class ShardedJitFunction:
         self._sig = inspect.signature(self._fun)
       bound = self._sig.bind(*args, **kwargs)
       args, kwargs = bound.args, bound.kwargs
-    self._check_arguments(args)
+    self._args.check(args)
     return args, kwargs
 
-  def _check_arguments(self, args: tuple) -> None:
-    """Clear errors for positional arguments that do not fit static_argnums or in_parts.
-
-    Also run when JAX traces, so that a malformed call on the fast path
-    fails with these messages rather than with one from calling the function.
-    """
-    if self._static_argnums and self._static_argnums[-1] >= len(args):
-      raise ValueError(
-        f"jitted function has static_argnums={self._static_argnums}"
-        f" but was called with only {len(args)} positional "
-        f"argument{'s' if len(args) > 1 else ''}. "
-        "All static broadcasted arguments must be passed positionally."
-      )
-    if self._in_len is not None and (len(args) - len(self._static_argnums) != self._in_len):
-      raise ValueError(
-        f"in_parts={self._in_parts!r} has {self._in_len} entries but "
-        f"{self._name} was called with "
-        f"{len(args) - len(self._static_argnums)} non-static positional "
-        "arguments; give one spec per argument, or a single spec for all"
-      )
-
-  def _dynamic(self, args) -> tuple:
-    return tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
+  def _dynamic(self, args: tuple) -> tuple:
+    return self._args.dynamic(args)
 
   def _with_dynamic(self, args, dynamic) -> tuple:
-    it = iter(dynamic)
-    return tuple(a if i in self._static_argnums else next(it) for i, a in enumerate(args))
+    return self._args.with_dynamic(args, dynamic)
