@@ -248,8 +248,8 @@ def test_compiles_once_per_signature_and_logs(caplog):
 
 
 def test_an_error_while_tracing_is_raised_at_once_not_traced_again():
-  # The fast path retries JAX's refusals on the full path; an error from the
-  # traced function must not be retried, or its trace-time side effects run twice.
+  # An error from the traced function is raised as it is: nothing traces the
+  # function a second time, so its trace-time side effects run once.
   traces = []
 
   def body(a):
