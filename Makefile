@@ -11,9 +11,13 @@ $(BIN)/.installed: setup.py pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,tpu]'
 	touch $@
 
+# DEMO_FLAGS are appended to spmd-train's (tests/test_demo.py runs a few steps in a
+# temporary DEMO_WORKDIR).
+DEMO_WORKDIR ?= workdir/lm_tiny
+DEMO_FLAGS ?=
 demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 900 -- \
-		$(BIN)/spmd-train --config=configs/lm_tiny.py --workdir=workdir/lm_tiny
+		$(BIN)/spmd-train --config=configs/lm_tiny.py --workdir=$(DEMO_WORKDIR) $(DEMO_FLAGS)
 
 sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
@@ -30,8 +34,8 @@ faults: $(BIN)/.installed
 	SPMD_FAULTS=full $(BIN)/python -m pytest tests/faults -m faults
 	cat workdir/faults/report.md
 
-# Every performance figure (P1-P8) in one run; the table lands in
-# workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README).
+# Every performance figure (P1-P10) in one run; the table lands in
+# workdir/bench/results.md (BENCH_ARGS=--update-readme also updates the README and docs/performance.md).
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 

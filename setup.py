@@ -59,13 +59,18 @@ setup(
     "cuda": ["jax[cuda12]>=0.10.2"],
   },
   entry_points={
+    # One rule for commands: `spmd-NAME` is the `main()` of `<package>/NAME_cli.py`
+    # (also runnable as `python -m <package>.NAME_cli`). That module only parses
+    # arguments and calls library code, which lives in modules named for what
+    # they do (trainers/export.py, trainers/plan.py, launch/local.py, ...), so
+    # tests and notebooks call the library without going through flags.
     "console_scripts": [
-      "spmd-launch=launch.main:main",
+      "spmd-launch=launch.launch_cli:main",
       "spmd-mesh=spmd.mesh_cli:main",
-      "spmd-plan=trainers.plan_main:main",
-      "spmd-train=trainers.main:main",
-      "spmd-export=trainers.export:main",
-      "spmd-sample=trainers.sample:main",
+      "spmd-plan=trainers.plan_cli:main",
+      "spmd-train=trainers.train_cli:main",
+      "spmd-export=trainers.export_cli:main",
+      "spmd-sample=trainers.sample_cli:main",
     ]
   },
 )

@@ -50,7 +50,8 @@ def transformer_setup(config, mesh, batch_axes: tuple[str, ...] = ("data",)):
   The batch is one random token stream cut into inputs and the next tokens
   as targets, all positions counted: what the language-model task feeds,
   without reading data. The benchmarks that time the step of a config
-  (P1, P3, `profile_step`, `step_variants`) build their state here.
+  (P1, P3, `investigations.profile_step`, `investigations.step_variants`)
+  build their state here.
 
   Example:
     >>> from configs import lm_tiny_bytes

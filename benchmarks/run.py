@@ -7,8 +7,8 @@ counts and process layouts):
 
   P1      benchmarks/trainer.py     trainer vs hand-written step (4 CPU devices)
   P3      benchmarks/trainer.py     FLOP/s vs matmul peak (1 CPU device: the
-                                    machine as JAX sees it by default; split
-                                    into 4 devices on 2 cores it loses ~15%)
+                                    machine as JAX sees it by default, not
+                                    split into devices that share its cores)
   P2      benchmarks/dispatch.py    sharded_jit vs jax.jit dispatch
   P4, P5  benchmarks/training.py    input pipeline and async checkpoint costs
   P6, P8  benchmarks/launches.py    2 processes vs 1; warm vs cold compilation cache
@@ -22,10 +22,11 @@ Every module runs with TCMalloc preloaded where this machine has it, as
 says which allocator it had.
 
 The rows go to `OUT/results.json` and `OUT/results.md`. `--update-readme`
-also writes them to `benchmarks/latest.json` and into the README's
-performance table (between its `bench:start`/`bench:end` markers), so the
-README always shows the latest figures; a test checks the two agree. With
-`--only`, only those figures are replaced (each row keeps its own date).
+also writes them to `benchmarks/latest.json` and into the same table in the
+README and in docs/performance.md (between their `bench:start`/`bench:end`
+markers), so both always show the latest figures; a test checks that they
+agree with `latest.json`. With `--only`, only those figures are replaced
+(each row keeps its own date).
 """
 
 from __future__ import annotations
@@ -54,17 +55,35 @@ BENCHMARKS = [
 ]
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
+PERFORMANCE_DOC = os.path.join(ROOT, "docs", "performance.md")
+# Every document that shows the latest run's table.
+TABLE_DOCS = (README, PERFORMANCE_DOC)
 _BLOCK = re.compile(r"(<!-- bench:start -->\n)(.*?)(<!-- bench:end -->)", re.S)
 
 
 def readme_block(rows: list[dict]) -> str:
-  """What goes between the README's markers: the table and where it was measured."""
+  """What goes between a document's markers: the table and where it was measured."""
   machines = sorted({f"{r['machine']} ({r['date']})" for r in rows})
   where = "".join(f"\n- {m}" for m in machines)
   return common.markdown(rows) + f"\nMeasured on:{where}\n"
 
 
+def figure_order(row: dict) -> int:
+  """Sorts rows by figure number, so P10 follows P8 rather than P1."""
+  return int(row["id"].lstrip("P"))
+
+
 def update_readme(rows: list[dict], readme: str = README) -> None:
+  r"""Replace the table between `readme`'s `bench:start`/`bench:end` markers with `rows`'.
+
+  Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "doc.md")
+    >>> _ = open(path, "w").write("intro\n<!-- bench:start -->\nold\n<!-- bench:end -->\nend\n")
+    >>> update_readme([], path)
+    >>> open(path).read() == f"intro\n<!-- bench:start -->\n{readme_block([])}<!-- bench:end -->\nend\n"
+    True
+  """
   with open(readme) as f:
     text = f.read()
   if not _BLOCK.search(text):
@@ -72,6 +91,12 @@ def update_readme(rows: list[dict], readme: str = README) -> None:
   text = _BLOCK.sub(lambda m: m.group(1) + readme_block(rows) + m.group(3), text)
   with open(readme, "w") as f:
     f.write(text)
+
+
+def update_docs(rows: list[dict], paths: tuple[str, ...] = TABLE_DOCS) -> None:
+  """Write the latest run's table into every document that shows it (the README, docs/performance.md)."""
+  for path in paths:
+    update_readme(rows, path)
 
 
 def main() -> None:
@@ -102,7 +127,7 @@ def main() -> None:
     print(f"  {time.perf_counter() - start:.0f} s", flush=True)
     with open(path) as f:
       rows += [r for r in json.load(f) if r["id"] in ids and (not wanted or r["id"] in wanted)]
-  rows.sort(key=lambda r: r["id"])
+  rows.sort(key=figure_order)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(rows, f, indent=1)
   with open(os.path.join(args.out, "results.md"), "w") as f:
@@ -111,13 +136,11 @@ def main() -> None:
   if args.update_readme:
     if wanted:  # replace those figures in the latest run, keep the others
       with open(LATEST) as f:
-        rows = sorted(
-          [r for r in json.load(f) if r["id"] not in wanted] + rows, key=lambda r: r["id"]
-        )
+        rows = sorted([r for r in json.load(f) if r["id"] not in wanted] + rows, key=figure_order)
     with open(LATEST, "w") as f:
       json.dump(rows, f, indent=1)
       f.write("\n")
-    update_readme(rows)
+    update_docs(rows)
 
 
 if __name__ == "__main__":

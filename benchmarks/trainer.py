@@ -17,8 +17,8 @@ One process, in one run:
       of 3 square 2048 matmuls just before each round, and the round's step
       time against it; median of the per-round ratios. Goal >= 0.75.
       The peak is the better of XLA:CPU's default matmul and the same matmul
-      through oneDNN (`peaks.ONEDNN_DOTS`), which is faster on this machine;
-      the detail also gives the figure against the default's alone.
+      through oneDNN (`peaks.ONEDNN_DOTS`; which is faster depends on the
+      CPU); the detail also gives the figure against the default's alone.
       Beside it, the same estimate for a "step" of nothing but square 2048
       matmuls (as many FLOPs as lm_tiny's step, XLA's default matmul),
       timed in the same rounds: about the most a step can score here, since
@@ -143,9 +143,9 @@ def main() -> None:
   flops = lm.flops_per_token(model_config) * tokens
   devices = mesh.devices.size
   # On CPU the peak is sampled in every round, next to the steps it is
-  # compared with: on this shared machine the matmul peak itself moves by 30 %
-  # or more within a run (73-184 GFLOP/s on 2 cores), so a peak measured once,
-  # at another moment, makes P3 swing more than any change to the step does.
+  # compared with: on a shared machine the matmul peak itself moves within a
+  # run as much as the step does, so a peak measured once, at another moment,
+  # would make the ratio swing more than any change to the step does.
   # An accelerator's is the vendor's dense peak for the model's dtype.
   # CPU devices share the host's cores, so the host's peak is all of theirs.
   kind = jax.devices()[0].device_kind
@@ -153,10 +153,10 @@ def main() -> None:
   table = None if on_cpu else peaks.table_peak(kind, config.model.dtype)
   chips = 1 if on_cpu else devices
   if table is None:
-    # On CPU, XLA's default matmul is not the fastest float32 matmul this
-    # jaxlib has: the same square matmul through oneDNN ran 1.13x faster
-    # (2026-12-02). A peak is the best the machine does, so each round's is
-    # the better of the two (`peaks.peak_sampler`).
+    # On CPU, XLA's default matmul is not always the fastest float32 matmul
+    # this jaxlib has: through oneDNN the same square matmul can be faster,
+    # depending on the CPU. A peak is the best the machine does, so each
+    # round's is the better of the two (`peaks.peak_sampler`).
     sample_peak = peaks.peak_sampler("float32" if on_cpu else config.model.dtype)
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed

@@ -7,11 +7,10 @@ One process, 4 CPU devices, the real train step of `--config`:
       copied to the devices, `data.prefetch` batches ahead, as `spmd-train`
       runs it) ÷ step time on the same batch already on the devices.
       Alternating rounds, median of per-round ratios. Goal <= 1.03. The
-      pipeline costs about 1 ms of CPU a step against a ~90 ms step, an
-      effect of ~1 %, while one round's ratio swings by 5-15 % on this shared
-      machine. Short rounds (2 steps, each round next to its pair in time)
-      and many of them (120) gave medians of 1.010-1.015 in three runs; 10
-      rounds of 10 steps gave 1.009-1.045, 30 of 8 gave 1.016-1.045.
+      pipeline's CPU is a small fraction of a step, far smaller than one
+      round's ratio swings on a shared machine, so the rounds are short (2
+      steps, each round next to its pair in time) and many (120): few long
+      rounds leave the median at the mercy of whatever else ran during them.
   P5  time of the steps that start an asynchronous checkpoint (the step plus
       `checkpoint.Saver.save`, as the trainer's checkpoint hook calls it) ÷
       steps of rounds without checkpoints, alternating rounds. Every step
@@ -20,10 +19,9 @@ One process, 4 CPU devices, the real train step of `--config`:
       (rounds with saves, waiting for the last to be written, ÷ rounds
       without). On two cores orbax's background work competes with the
       following steps for the CPU; on an accelerator host it would not.
-      48 saves (16 pairs of rounds): resampling the rounds of one run of 24
-      pairs (ratio 1.089; 2026-12-02), 12 saves gave 0.997-1.196 (5-95 %),
-      over the goal in 16 % of the resamples, which is how P5 flipped
-      between runs before; 48 saves gave 1.038-1.139, over it in 2 %.
+      48 saves (16 pairs of rounds): a ratio from a dozen saves lands on
+      either side of the goal by chance, as resampling one run's rounds
+      shows; from 48 it rarely does.
 """
 
 from __future__ import annotations

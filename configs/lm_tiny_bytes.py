@@ -17,13 +17,11 @@ def get_config():
   config.model.d_model = 128
   config.model.num_heads = 4
   config.model.d_ff = 512
-  # Two small layers, run as a plain list of blocks: the scan's loop and the
-  # remat cost more than they save (compile time and activation memory are
-  # small either way). Unrolled, the step ran 7-10 % faster on CPU, without
-  # remat 4 % more, and unstacked (no per-layer slices of the stacked
-  # weights, no concatenation of their gradients) 0-5 % more
-  # (`python -m benchmarks.step_variants`). A seed gives the same weights in
-  # either layout.
+  # Two small layers, run as a plain list of blocks: at this size the scan's
+  # loop and the remat cost more than they save, since compile time and
+  # activation memory are small either way
+  # (`python -m benchmarks.investigations.step_variants` compares the layouts).
+  # A seed gives the same weights in either layout.
   config.model.scan_layers = False
   config.global_batch = 32
   config.train.steps = 300

@@ -1,10 +1,13 @@
 """Two simulated hosts feed their own rows of a matrix to one sharded_jit program.
 
-Run (the README's main job):
-  make demo
+Run:
+  make sharded-jit-demo
 which is:
-  spmd-launch local --num-processes 2 --devices-per-process 2 -- \
+  spmd-launch local --num-processes 2 --devices-per-process 2 -- \\
       python examples/sharded_jit_demo.py
+
+The `sharded_jit` API alone, without the trainer: a smaller companion to
+`make demo`, which trains a language model on the same kind of job.
 
 Each process builds the same global problem, keeps only its own rows, and
 calls the function with just those rows. The program runs once across all

@@ -3,11 +3,9 @@
 XLA:CPU allocates each step's temporary buffers and frees them at its end.
 glibc's malloc returns buffers over 32 MiB straight to the kernel (mmap and
 munmap), so every step page-faults its large buffers in again. TCMalloc
-keeps freed memory for the next step. On this project's 2-core machine the
-lm_tiny-width-512 train step on one CPU device took 924 ms with TCMalloc
-preloaded against 1091 ms without (3 runs each, alternating; see the
-README's Performance section). Preloading TCMalloc is also the usual advice
-for JAX on TPU VMs, whose host side sees the same pattern.
+keeps freed memory for the next step, so a process pays for its large
+buffers once rather than on every step. Preloading TCMalloc is also the
+usual advice for JAX on TPU VMs, whose host side sees the same pattern.
 
 Nothing is installed here: Debian and Ubuntu ship it as
 `libtcmalloc-minimal4` (the Docker images install it). Without it, or with

@@ -196,6 +196,27 @@ def jobset_manifest(
   """
   if not command:
     raise ValueError("the command to run is empty")
+  _check_accelerators(tpu_type, gpu_type, gpus_per_host)
+  tpu = tpu_slice(tpu_type) if tpu_type else None
+  num_hosts = _hosts_per_slice(tpu, tpu_type, num_hosts)
+  _check_job_shape(name, num_hosts, num_slices, max_restarts, port, megascale_port)
+  container_env = _launcher_env(name, num_hosts, num_slices, port, megascale_port, tpu)
+  container_env += _user_env(env, taken={e["name"] for e in container_env})
+  container = {
+    "name": "jax",
+    "image": image,
+    # sh -c SCRIPT NAME ARGS...: ARGS become the script's "$@", never shell source.
+    "command": ["/bin/sh", "-c", kubelet_escape(wrapper_script(num_hosts)), "spmd-k8s"],
+    "args": [kubelet_escape(a) for a in command],
+    "env": container_env,
+    "ports": [{"containerPort": port, "name": "coordinator"}],
+  }
+  pod_spec, annotations = _place_pods(container, tpu, gpu_type, gpus_per_host)
+  return _jobset(name, namespace, annotations, num_slices, num_hosts, max_restarts, pod_spec)
+
+
+def _check_accelerators(tpu_type: str | None, gpu_type: str | None, gpus_per_host: int) -> None:
+  """A TPU slice, or GPUs with a count per pod, or neither; never both."""
   if tpu_type and (gpu_type or gpus_per_host):
     raise ValueError(f"give a TPU or GPUs, not both: {tpu_type=}, {gpu_type=}, {gpus_per_host=}")
   if gpu_type and gpus_per_host < 1:
@@ -204,15 +225,25 @@ def jobset_manifest(
     )
   if gpus_per_host < 0:
     raise ValueError(f"{gpus_per_host=} must not be negative")
-  tpu = tpu_slice(tpu_type) if tpu_type else None
+
+
+def _hosts_per_slice(tpu: TpuSlice | None, tpu_type: str | None, num_hosts: int | None) -> int:
+  """Pods per slice: the TPU slice's hosts (checked against `num_hosts`), else `num_hosts`."""
   if tpu is not None:
     if num_hosts not in (None, tpu.hosts):
       raise ValueError(
         f"{tpu_type=} is {tpu.hosts} hosts of {tpu.chips_per_host} chips; got {num_hosts=}"
       )
-    num_hosts = tpu.hosts
+    return tpu.hosts
   if num_hosts is None:
     raise ValueError("give --num-hosts (pods per slice), or a --tpu-type to derive it from")
+  return num_hosts
+
+
+def _check_job_shape(
+  name: str, num_hosts: int, num_slices: int, max_restarts: int, port: int, megascale_port: int
+) -> None:
+  """Counts, ports and the JobSet's name are ones Kubernetes accepts."""
   if num_hosts < 1 or num_slices < 1:
     raise ValueError(f"{num_hosts=} and {num_slices=} must be at least 1")
   if max_restarts < 0:
@@ -228,6 +259,16 @@ def jobset_manifest(
       f"pod hostnames like {last_pod!r} within 63 characters"
     )
 
+
+def _launcher_env(
+  name: str,
+  num_hosts: int,
+  num_slices: int,
+  port: int,
+  megascale_port: int,
+  tpu: TpuSlice | None,
+) -> list[dict]:
+  """What every pod needs to find its place in the job and reach the coordinator."""
   coordinator = coordinator_host(name)
   container_env = [
     _annotation_env(ENV_JOB_INDEX, JOB_INDEX_ANNOTATION),
@@ -243,23 +284,25 @@ def jobset_manifest(
       {"name": "MEGASCALE_NUM_SLICES", "value": str(num_slices)},
       _annotation_env("MEGASCALE_SLICE_ID", JOB_INDEX_ANNOTATION),
     ]
-  ours = {e["name"] for e in container_env}
+  return container_env
+
+
+def _user_env(env: Mapping[str, str] | None, taken: set[str]) -> list[dict]:
+  """The user's variables, sorted and escaped; none may replace one the launcher sets."""
+  out = []
   for key, value in sorted((env or {}).items()):
-    if not ENV_NAME.fullmatch(key) or key in ours:
+    if not ENV_NAME.fullmatch(key) or key in taken:
       raise ValueError(
         f"environment variable {key!r} is not a valid name or is set by the launcher"
       )
-    container_env.append({"name": key, "value": kubelet_escape(value)})
+    out.append({"name": key, "value": kubelet_escape(value)})
+  return out
 
-  container: dict = {
-    "name": "jax",
-    "image": image,
-    # sh -c SCRIPT NAME ARGS...: ARGS become the script's "$@", never shell source.
-    "command": ["/bin/sh", "-c", kubelet_escape(wrapper_script(num_hosts)), "spmd-k8s"],
-    "args": [kubelet_escape(a) for a in command],
-    "env": container_env,
-    "ports": [{"containerPort": port, "name": "coordinator"}],
-  }
+
+def _place_pods(
+  container: dict, tpu: TpuSlice | None, gpu_type: str | None, gpus_per_host: int
+) -> tuple[dict, dict]:
+  """The pod spec with its accelerator requests and node selectors, and the JobSet's annotations."""
   pod_spec: dict = {"restartPolicy": "Never", "containers": [container]}
   annotations = {}
   if tpu is not None:
@@ -278,7 +321,19 @@ def jobset_manifest(
     container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_host}}
     if gpu_type:
       pod_spec["nodeSelector"] = {"cloud.google.com/gke-accelerator": gpu_type}
+  return pod_spec, annotations
 
+
+def _jobset(
+  name: str,
+  namespace: str | None,
+  annotations: dict,
+  num_slices: int,
+  num_hosts: int,
+  max_restarts: int,
+  pod_spec: dict,
+) -> dict:
+  """One replicated Indexed Job of `num_hosts` pods per slice, restarted together."""
   metadata: dict = {"name": name}
   if namespace:
     metadata["namespace"] = namespace

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from launch import allocator
 from launch.processes import (
   JobResult,
+  Outcome,
   OutputReader,
   ProcessResult,
   kill_group,
@@ -288,11 +289,11 @@ def run_local(
       works here (`taskset_works`). Unpinned, every process's XLA thread
       pool spans all CPUs, so N simulated hosts run N times as many compute
       threads as there are CPUs, and a process that falls behind holds up
-      the others at every collective: 2 processes x 1 device took
-      1.08-1.30x the step of 1 process x 2 devices unpinned and 0.95-1.11x
-      pinned (lm_tiny, 2 cores; README, P6).
+      the others at every collective; pinned, each host computes on its own
+      CPUs, as on separate machines, and none waits on another's threads.
     tcmalloc: preload TCMalloc into every process when this machine has it
-      (`launch.allocator`: XLA:CPU steps ran 15% faster with it here).
+      (`launch.allocator`: it keeps the step's large freed buffers for the
+      next step instead of returning them to the kernel).
     share_gpus: on CUDA GPUs, let processes share GPUs when there are fewer
       than `num_processes * devices_per_process` (otherwise a ValueError).
 
@@ -303,40 +304,83 @@ def run_local(
     raise ValueError(f"{num_processes=} must be at least 1")
   if timeout_s is not None and not timeout_s >= 0:
     raise ValueError(f"{timeout_s=} must be a number of seconds >= 0 (0 or None: no limit)")
+  envs = _environments(
+    env, tcmalloc, num_processes, devices_per_process, heartbeat_timeout_s, platform, share_gpus
+  )
+  backstop = _deadline_backstop(timeout_s, grace_s, term_grace_s)
+  if log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+  pins = _cpu_pins(num_processes, pin_cpus)
+  outputs: list[list[str]] = [[] for _ in range(num_processes)]
+  reader = OutputReader()
+  procs: list[subprocess.Popen] = []
+  for i in range(num_processes):
+    procs.append(popen(pins[i] + backstop + list(command), cwd=cwd, env=envs[i]))
+    log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
+    reader.add(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log)
+  killed = [False] * num_processes
+  outcome = _watch_until_done(procs, killed, reader, grace_s, timeout_s, stop, term_grace_s)
+  results = [
+    ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
+  ]
+  return LocalJobResult(results, outcome.first_failure, outcome.timed_out, outcome.stopped)
+
+
+def _environments(
+  env: Mapping[str, str] | None,
+  tcmalloc: bool,
+  num_processes: int,
+  devices_per_process: int,
+  heartbeat_timeout_s: float,
+  platform: str | None,
+  share_gpus: bool,
+) -> list[dict[str, str]]:
+  """Each process's environment: ours, the caller's `env`, TCMalloc, a fresh coordinator port."""
   port = free_port()
   base = dict(os.environ)
   base.update(env or {})
   if tcmalloc:
     base = allocator.with_tcmalloc(base)
-  envs = job_envs(
+  return job_envs(
     num_processes, port, devices_per_process, heartbeat_timeout_s, base, platform, share_gpus
   )
-  wrapper = []
-  if timeout_s and shutil.which("timeout"):
-    # A backstop for when this launcher itself dies: our own deadline fires first.
-    # Its -k also bounds how long a forwarded SIGTERM may take to save. Without a
-    # limit there is no deadline to back up: the launcher's own kill bounds the save.
-    backstop = timeout_s + 2 * grace_s + term_grace_s + 10
-    wrapper = ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
-  outputs: list[list[str]] = [[] for _ in range(num_processes)]
-  procs: list[subprocess.Popen] = []
-  reader = OutputReader()
-  if log_dir:
-    os.makedirs(log_dir, exist_ok=True)
+
+
+def _deadline_backstop(timeout_s: float | None, grace_s: float, term_grace_s: float) -> list[str]:
+  """A `timeout -k` prefix that ends each process if this launcher dies; [] without a limit."""
+  if not (timeout_s and shutil.which("timeout")):
+    return []
+  # A backstop for when this launcher itself dies: our own deadline fires first.
+  # Its -k also bounds how long a forwarded SIGTERM may take to save. Without a
+  # limit there is no deadline to back up: the launcher's own kill bounds the save.
+  backstop = timeout_s + 2 * grace_s + term_grace_s + 10
+  return ["timeout", "-k", str(max(1, round(term_grace_s))), str(round(backstop))]
+
+
+def _cpu_pins(num_processes: int, pin_cpus: bool | None) -> list[list[str]]:
+  """Each process's `taskset -c CPUS` prefix (`cpu_shares`), or [] for each when unpinned."""
   if pin_cpus is None:
     pin_cpus = num_processes > 1 and taskset_works()
   elif pin_cpus and not shutil.which("taskset"):
     raise ValueError("pin_cpus needs `taskset` (util-linux) on PATH")
-  shares = cpu_shares(num_processes) if pin_cpus else []
-  for i in range(num_processes):
-    pin = []
-    if pin_cpus:
-      pin = ["taskset", "-c", ",".join(map(str, shares[i]))]
-    procs.append(popen(pin + wrapper + list(command), cwd=cwd, env=envs[i]))
-    log = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
-    reader.add(procs[-1].stdout, outputs[i], f"[p{i}]", echo, log)
+  if not pin_cpus:
+    return [[] for _ in range(num_processes)]
+  return [["taskset", "-c", ",".join(map(str, cpus))] for cpus in cpu_shares(num_processes)]
 
-  killed = [False] * num_processes
+
+def _watch_until_done(
+  procs: list[subprocess.Popen],
+  killed: list[bool],
+  reader: OutputReader,
+  grace_s: float,
+  timeout_s: float | None,
+  stop: threading.Event | None,
+  term_grace_s: float,
+) -> Outcome:
+  """`watch`es the job to its end, then makes sure every process is gone and read.
+
+  Marks in `killed` each process this launcher had to SIGKILL.
+  """
 
   def forward_sigterm() -> float:
     for p in procs:
@@ -351,7 +395,7 @@ def run_local(
     return math.inf  # SIGKILL here always works: wait for them
 
   try:
-    outcome = watch(
+    return watch(
       procs,
       grace_s,
       timeout_s or math.inf,
@@ -365,10 +409,6 @@ def run_local(
     for p in procs:
       p.wait()
     reader.join(timeout=5)
-  results = [
-    ProcessResult(i, p.returncode, "".join(outputs[i]), killed[i]) for i, p in enumerate(procs)
-  ]
-  return LocalJobResult(results, outcome.first_failure, outcome.timed_out, outcome.stopped)
 
 
 def run_with_restarts(

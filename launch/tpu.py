@@ -239,6 +239,23 @@ def _mark_running(workers: list[WorkerResult], procs: list[subprocess.Popen]) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The flags of `spmd-launch tpu`."""
+  _slice_arguments(parser)
+  _code_arguments(parser)
+  _job_arguments(parser)
+  parser.add_argument(
+    "--dry-run", action="store_true", help="print every command it would run; run nothing"
+  )
+  parser.add_argument(
+    "--num-workers",
+    type=int,
+    default=0,
+    help="workers per slice, for --dry-run only (a dry run cannot describe the slice)",
+  )
+  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
+
+
+def _slice_arguments(parser: argparse.ArgumentParser) -> None:
+  """Which TPU VMs run the job, and creating their queued resource."""
   parser.add_argument("--tpu", required=True, help="TPU VM name; with --num-slices, the prefix")
   parser.add_argument("--zone", required=True)
   parser.add_argument("--project", default="", help="default: gcloud's configured project")
@@ -260,6 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--ready-timeout", type=float, default=3600, help="seconds to wait for the queued resource"
   )
   parser.add_argument("--poll-interval", type=float, default=30, help="seconds between its checks")
+
+
+def _code_arguments(parser: argparse.ArgumentParser) -> None:
+  """What reaches the workers: the copied code and folders, or an image, and its install."""
   parser.add_argument("--src", default=".", help="the local directory copied to every worker")
   parser.add_argument(
     "--remote-dir", default="spmd-harness", help="where the code lives on the workers (under ~)"
@@ -295,6 +316,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default="",
     help="a shell command to install with instead (implies --install)",
   )
+
+
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+  """The job's environment, ports, time limits and logs."""
   parser.add_argument(
     "--env",
     type=env_assignment,
@@ -324,16 +349,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="after Ctrl-C/SIGTERM: seconds the job may take to save, then SIGKILL",
   )
   parser.add_argument("--log-dir", default=None, help="also write process_N.log files here")
-  parser.add_argument(
-    "--dry-run", action="store_true", help="print every command it would run; run nothing"
-  )
-  parser.add_argument(
-    "--num-workers",
-    type=int,
-    default=0,
-    help="workers per slice, for --dry-run only (a dry run cannot describe the slice)",
-  )
-  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
 
 
 def job_from_args(args: argparse.Namespace) -> TpuJob:

@@ -107,9 +107,14 @@ def format_table(info: dict[str, Any], target: str) -> str:
 
 
 def _flags(argv: list[str]):
-  """Parses `argv` into a fresh flag set (so tests can call `main` repeatedly)."""
+  """Parses `argv` into a fresh flag set (so tests can call `main` repeatedly).
+
+  None when `argv` asks for help, which has then been printed.
+  """
   from absl import flags
   from ml_collections import config_flags
+
+  from spmd.cli_help import parse_or_help
 
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file(
@@ -135,12 +140,13 @@ def _flags(argv: list[str]):
   flags.DEFINE_integer("global_batch", None, "default: the config's", flag_values=fv)
   flags.DEFINE_string("batch_axes", None, "default: the config's, else data,fsdp", flag_values=fv)
   flags.DEFINE_boolean("json", False, "machine-readable output", flag_values=fv)
-  fv(["spmd-mesh", *argv])
-  return fv
+  return fv if parse_or_help(fv, "spmd-mesh", argv, __doc__) else None
 
 
 def main(argv: list[str] | None = None) -> int:
   fv = _flags(sys.argv[1:] if argv is None else argv)
+  if fv is None:
+    return 0
   config = fv.config
   mesh_cfg = config.mesh if config is not None and "mesh" in config else None
   ici = fv.mesh or (mesh_cfg.ici if mesh_cfg else "data=-1")

@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.multiprocess import ROOT
 
 FAKES = ROOT / "tests" / "fakes"
-LAUNCHER = (sys.executable, "-m", "launch.main", "tpu", "--tpu", "pod")
+LAUNCHER = (sys.executable, "-m", "launch.launch_cli", "tpu", "--tpu", "pod")
 ECHO_ARGV = (
   "import json, os, sys; print('ARGV', json.dumps(sys.argv[1:])); "
   "print('ENV', json.dumps(os.environ['RUN_NAME']))"

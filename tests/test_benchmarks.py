@@ -1,7 +1,8 @@
-"""The benchmark harness: the README shows its latest run, and a figure runs end to end.
+"""The benchmark harness: the README and docs show its latest run, and a figure runs end to end.
 
 Timings are never asserted here (they belong in `make bench`); only that the
-tools work and the README's table is the committed latest run's.
+tools work and the table in the README and docs/performance.md is the
+committed latest run's.
 """
 
 import doctest
@@ -10,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import common, process_layouts, run
+from benchmarks import common, run
 from tests.multiprocess import ROOT
 from trainers import peaks
 
@@ -26,16 +27,18 @@ def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProc
   )
 
 
-def test_readme_shows_the_latest_run():
+def test_readme_and_performance_doc_show_the_latest_run():
   with open(run.LATEST) as f:
     rows = json.load(f)
   # Every registered figure, once `make bench` has run it (P10 came later).
   registered = {f for _, ids, _ in run.BENCHMARKS for f in ids}
   assert {f"P{i}" for i in range(1, 9)} <= {r["id"] for r in rows} <= registered
-  with open(run.README) as f:
-    readme = f.read()
   expected = f"<!-- bench:start -->\n{run.readme_block(rows)}<!-- bench:end -->"
-  assert expected in readme, "README is stale: run make bench BENCH_ARGS=--update-readme"
+  assert run.PERFORMANCE_DOC in run.TABLE_DOCS and run.README in run.TABLE_DOCS
+  for doc in run.TABLE_DOCS:
+    with open(doc) as f:
+      text = f.read()
+    assert expected in text, f"{doc} is stale: run make bench BENCH_ARGS=--update-readme"
 
 
 def test_alternate_takes_medians_of_rounds_in_both_orders():
@@ -58,10 +61,9 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
-  # devices when imported. These modules set up nothing, so their examples run here.
-  for module in (common, process_layouts):
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0, module.__name__
+  # devices when imported. This module sets up nothing, so its examples run here.
+  result = doctest.testmod(common)
+  assert result.attempted > 0 and result.failed == 0, common.__name__
 
 
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
@@ -108,67 +110,6 @@ def test_a_figure_without_a_goal_shows_a_dash():
   r = common.row("P3-gpu", "MFU", 0.41, None, False, "detail", "machine")
   assert r["meets_goal"] is None and r["goal"] == "—"
   assert "| P3-gpu | MFU | 0.410 | — | — | detail |" in common.markdown([r])
-
-
-def test_the_step_variants_run_end_to_end_on_a_shrunken_model():
-  shrunk = ["--global-batch=2", "--seq-len=16", "--num-layers=1", "--rounds=2", "--steps=1"]
-  names = [
-    "branch",
-    "select",
-    "stacked",
-    "no_attention_core",
-    "affine_norms",
-    "relu",
-    "onednn_dots",
-  ]
-  done = _run_module("benchmarks.step_variants", *shrunk, f"--variants={','.join(names)}")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert [c[0].strip() for c in cells] == ["variant", *names], done.stdout
-  gflop = {c[0].strip(): float(c[-1]) for c in cells[1:]}
-  # The ablation is in the compiled step: its attention dots are gone (the
-  # other variants multiply the same matrices).
-  assert gflop["no_attention_core"] < gflop["branch"] == gflop["select"] == gflop["relu"], gflop
-  # Compiled for oneDNN, the same step multiplies the same matrices.
-  assert gflop["onednn_dots"] == gflop["branch"], gflop
-
-
-def test_the_batched_matmul_comparison_runs_with_and_without_pinning():
-  done = _run_module("benchmarks.batched_matmul", "--rounds=1")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == [
-    "way",
-    "attention",
-    "attention (oneDNN)",
-    "32 items",
-    "one 2-D",
-    "square",
-    "square (oneDNN)",
-  ], done.stdout
-
-
-def test_the_input_cpu_comparison_checks_both_builders_agree_and_runs(tmp_path):
-  workdir = str(tmp_path / "training")
-  done = _run_module("benchmarks.input_cpu", "--rounds=2", "--batches=2", f"--workdir={workdir}")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["rows built", "to_batch", "row by row"], done.stdout
-
-
-def test_the_step_profile_runs_end_to_end_on_a_narrow_model():
-  done = _run_module("benchmarks.profile_step", "--width=64", "--steps=1", "--top=3")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  kinds = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
-  assert "matmuls" in kinds and "optimizer, clipping, metrics" in kinds, done.stdout
-  assert "ms traced; some traced op ran for" in done.stdout, done.stdout
-
-
-def test_the_process_layouts_run_end_to_end_as_real_jobs():
-  done = _run_module("benchmarks.process_layouts", "--layouts=1x2,2x1", "--rounds=1", "--steps=3")
-  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-  assert rows == ["layout", "1x2", "2x1"], done.stdout
 
 
 def test_the_onednn_options_hand_every_dot_to_onednn():

@@ -99,7 +99,7 @@ def test_the_copy_trains_with_its_loss_optimizer_and_hook(tmp_path):
   shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("__pycache__"))
   workdir = tmp_path / "run"
   train = [
-    "trainers.main",
+    "trainers.train_cli",
     f"--config={copy / 'config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={tmp_path / 'data'}",

@@ -46,9 +46,9 @@ def _env(data) -> dict[str, str]:
 
 
 def launch(data, args: list[str], processes: int, devices: int, timeout_s: float = 240):
-  """`spmd-launch local -- python -m trainers.main ARGS` with hard limits."""
+  """`spmd-launch local -- python -m trainers.train_cli ARGS` with hard limits."""
   return run_local(
-    [sys.executable, "-m", "trainers.main", *args],
+    [sys.executable, "-m", "trainers.train_cli", *args],
     num_processes=processes,
     devices_per_process=devices,
     timeout_s=timeout_s,
@@ -143,7 +143,7 @@ def fresh_process(*args: str) -> dict:
 
 def test_export_then_a_fresh_process_gets_the_runs_eval_loss(data, trained, tmp_path):
   out = tmp_path / "weights.npz"
-  done = fresh_process("-m", "trainers.export", f"--workdir={trained}", f"--out={out}")
+  done = fresh_process("-m", "trainers.export_cli", f"--workdir={trained}", f"--out={out}")
   assert f"step {STEPS}," in done.stdout and str(out) in done.stdout, done.stdout
 
   # The run's final eval: its first 2 batches of 8 examples, in order.

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from launch import k8s, main
+from launch import k8s, launch_cli
 from launch.local import free_port
 from tests.multiprocess import ROOT, WORKERS
 
@@ -20,7 +20,7 @@ def write_manifest(tmp_path, *flags, command=(PY, "-c", "pass")):
   """Runs `spmd-launch k8s FLAGS --output FILE -- COMMAND` and parses FILE back."""
   path = tmp_path / "jobset.yaml"
   argv = ["k8s", "--name", "t", "--image", "img", *flags, "--output", str(path), "--", *command]
-  assert main.main(argv) == 0
+  assert launch_cli.main(argv) == 0
   return yaml.safe_load(path.read_text())
 
 
@@ -164,7 +164,7 @@ def test_tpu_multislice_manifest(tmp_path):
 def test_gpu_manifest_on_stdout(capsys):
   argv = ["k8s", "--name", "g", "--image", "img", "--gpu-type", "nvidia-h100-80gb"]
   argv += ["--gpus-per-host", "8", "--num-hosts", "4", "--", "spmd-train"]
-  assert main.main(argv) == 0
+  assert launch_cli.main(argv) == 0
   m = yaml.safe_load(capsys.readouterr().out)
   pod = job_spec(m)["template"]["spec"]
   assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
@@ -219,12 +219,12 @@ def test_apply_pipes_the_manifest_to_kubectl(tmp_path, monkeypatch, capsys):
   fake.chmod(0o755)
   monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
   argv = ["k8s", "--name", "t", "--image", "img", "--num-hosts", "2", "--apply", "--", "x"]
-  assert main.main(argv) == 0
+  assert launch_cli.main(argv) == 0
   assert (tmp_path / "argv").read_text().split() == ["apply", "-f", "-"]
   assert yaml.safe_load((tmp_path / "stdin").read_text())["kind"] == "JobSet"
   assert "jobset.jobset.x-k8s.io/t created" in capsys.readouterr().out
   monkeypatch.setenv("FAKE_KUBECTL_RC", "1")
-  assert main.main(argv) == 1
+  assert launch_cli.main(argv) == 1
   assert "kubectl apply failed (1)" in capsys.readouterr().err
 
 
@@ -244,7 +244,7 @@ def test_apply_pipes_the_manifest_to_kubectl(tmp_path, monkeypatch, capsys):
 )
 def test_bad_input_gets_clear_errors(flags, message, capsys):
   argv = ["k8s", "--name", "t", "--image", "img", *flags, "--", "x"]
-  assert main.main(argv) == 2
+  assert launch_cli.main(argv) == 2
   err = capsys.readouterr().err
   assert message in err, err
 
@@ -255,7 +255,7 @@ def test_a_task_folder_on_this_machine_gets_a_note_on_building_it_into_the_image
   (folder / "config.py").write_text("# a user's config\n")
   argv = ["k8s", "--name", "c", "--image", "harness:tpu", "--tpu-type", "v5p-8"]
   argv += ["--", "spmd-train", f"--config={folder / 'config.py'}", "--workdir=gs://b/run"]
-  assert main.main(argv) == 0
+  assert launch_cli.main(argv) == 0
   err = capsys.readouterr().err
   assert "the pods see only the image 'harness:tpu'" in err, err
   assert "'COPY my_cnn /home/spmd/my_cnn'" in err and "--config=/home/spmd/my_cnn/config.py" in err

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launch import allocator, local, main
+from launch import allocator, launch_cli, local
 from launch.processes import OutputReader, popen
 
 PY = sys.executable
@@ -77,11 +77,13 @@ def test_the_job_time_limit_kills_everything():
 def test_a_job_has_no_time_limit_unless_given_one(capsys):
   # Each process names its parent: `timeout` when it runs under the job's time limit.
   parent = ["sh", "-c", "cat /proc/$PPID/comm"]
-  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--", *parent]) == 0
+  assert launch_cli.main(["local", "-n", "2", "--no-pin-cpus", "--", *parent]) == 0
   out = capsys.readouterr().out
   lines = [line for line in out.splitlines() if line.startswith("[p")]
   assert len(lines) == 2 and not [line for line in lines if line.endswith(" timeout")], out
-  assert main.main(["local", "-n", "2", "--no-pin-cpus", "--timeout", "30", "--", *parent]) == 0
+  assert (
+    launch_cli.main(["local", "-n", "2", "--no-pin-cpus", "--timeout", "30", "--", *parent]) == 0
+  )
   out = capsys.readouterr().out
   assert "[p0] timeout\n" in out and "[p1] timeout\n" in out, out
   unlimited = local.run_local(parent, 1, echo=False)
@@ -135,26 +137,28 @@ def test_cuda_processes_get_their_own_gpus(tmp_path):
 def test_the_cli_gives_cuda_processes_their_gpus_or_says_there_are_too_few(capsys, monkeypatch):
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
   show = ["--no-pin-cpus", "--", "sh", "-c", "echo gpus $CUDA_VISIBLE_DEVICES"]
-  assert main.main(["local", "-n", "3", "--platform", "cuda", *show]) == 0
+  assert launch_cli.main(["local", "-n", "3", "--platform", "cuda", *show]) == 0
   out = capsys.readouterr().out
   assert all(f"[p{i}] gpus {g}\n" in out for i, g in enumerate("235")), out
   argv = ["local", "-n", "2", "--devices-per-process", "2", "--platform", "cuda", *show]
-  assert main.main(argv) == 2
+  assert launch_cli.main(argv) == 2
   assert "need 4 GPUs, but 3 are visible" in capsys.readouterr().err
-  assert main.main([*argv[:-5], "--share-gpus", *show]) == 0
+  assert launch_cli.main([*argv[:-5], "--share-gpus", *show]) == 0
   out = capsys.readouterr().out
   assert "[p0] gpus 2,3\n" in out and "[p1] gpus 5,2\n" in out, out
 
 
 def test_cli_exit_code_and_prefixed_output(capsys):
-  assert main.main(["local", "-n", "2", "--", PY, "-c", "print('hello')"]) == 0
+  assert launch_cli.main(["local", "-n", "2", "--", PY, "-c", "print('hello')"]) == 0
   out = capsys.readouterr().out
   assert "[p0] hello" in out and "[p1] hello" in out
   code = "import os, sys; sys.exit(int(os.environ['SPMD_PROCESS_ID']) * 7)"
-  assert main.main(["local", "--num-processes", "2", "--grace", "1", "--", PY, "-c", code]) == 1
+  assert (
+    launch_cli.main(["local", "--num-processes", "2", "--grace", "1", "--", PY, "-c", code]) == 1
+  )
   assert "process 1 failed first: exit code 7" in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    main.main(["nowhere"])
+    launch_cli.main(["nowhere"])
 
 
 def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):
@@ -176,7 +180,7 @@ def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):
 
 def _launcher(*args):
   return subprocess.Popen(
-    [PY, "-m", "launch.main", "local", *args],
+    [PY, "-m", "launch.launch_cli", "local", *args],
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,

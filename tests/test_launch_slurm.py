@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import main
+from launch import launch_cli
 from tests.multiprocess import ROOT, WORKERS
 
 pytestmark = pytest.mark.multiprocess
@@ -20,7 +20,7 @@ def test_generated_script_runs_a_multi_process_job_through_srun(tmp_path):
     pytest.skip("needs bash")
   script_path = tmp_path / "job.sbatch"
   assert (
-    main.main(
+    launch_cli.main(
       [
         "slurm",
         "--nodes",
@@ -71,7 +71,7 @@ def test_one_failed_task_ends_the_others_through_kill_on_bad_exit(tmp_path):
   )
   script_path = tmp_path / "job.sbatch"
   argv = ["slurm", "--nodes", "2", "--script", str(script_path), "--", sys.executable, "-c", code]
-  assert main.main(argv) == 0
+  assert launch_cli.main(argv) == 0
   script = script_path.read_text()
   srun = [line for line in script.splitlines() if line.startswith("srun ")]
   assert len(srun) == 1 and " --kill-on-bad-exit=1 " in srun[0], script

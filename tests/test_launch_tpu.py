@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import main
+from launch import launch_cli
 from launch.local import free_port
 from tests.fake_tpu import ECHO_ARGV, LAUNCHER, fake_tpu
 from tests.multiprocess import ROOT, WORKERS
@@ -185,10 +185,10 @@ def test_dry_run_prints_every_command_and_runs_none(fake, monkeypatch, capsys):
   for name in ("PATH", "FAKE_GCLOUD_LOG", "FAKE_TPU_ROOT"):
     monkeypatch.setenv(name, fake.env[name])
   args = ["tpu", "--tpu", "pod", "--zone", "z", "--project", "p", "--dry-run"]
-  assert main.main([*args, "--", "true"]) == 2
+  assert launch_cli.main([*args, "--", "true"]) == 2
   assert "give --num-workers" in capsys.readouterr().err
   evil = f"--name=x; touch {fake.root}/pwned"
-  assert main.main([*args, "--num-workers", "2", "--install", "--", "spmd-train", evil]) == 0
+  assert launch_cli.main([*args, "--num-workers", "2", "--install", "--", "spmd-train", evil]) == 0
   lines = capsys.readouterr().out.splitlines()
   commands = [line for line in lines if not line.startswith("#")]
   assert all(line.startswith("gcloud compute tpus ") for line in commands)
@@ -217,7 +217,7 @@ def test_dry_run_prints_every_command_and_runs_none(fake, monkeypatch, capsys):
   assert not list(fake.root.rglob("pwned"))
 
   image = ["--image", "gcr.io/p/spmd:1", "--num-workers", "1", "--install"]
-  assert main.main([*args, *image, "--", "spmd-train", "--workdir=/w"]) == 0
+  assert launch_cli.main([*args, *image, "--", "spmd-train", "--workdir=/w"]) == 0
   out = capsys.readouterr().out
   assert " tpu-vm scp " not in out and "tar -xzf" not in out  # nothing to copy
   assert "--command=sudo docker pull gcr.io/p/spmd:1'" in out
@@ -318,7 +318,7 @@ def test_a_128_worker_job_holds_few_threads_and_one_descriptor_per_running_worke
   sampler.start()
   start = time.monotonic()
   try:
-    code = main.main(
+    code = launch_cli.main(
       [
         *("tpu", "--tpu", "pod", "--zone", "z", "--no-copy", "--remote-dir", "."),
         *("--timeout", "90", "--log-dir", str(logs), "--", "echo", "hi"),

@@ -270,7 +270,7 @@ def _train_llama_tiny(data, workdir, *overrides):
   command = [
     sys.executable,
     "-m",
-    "trainers.main",
+    "trainers.train_cli",
     f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",

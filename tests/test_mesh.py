@@ -182,3 +182,14 @@ def test_spmd_mesh_cli_reads_a_config_and_its_overrides(capsys):
   assert "global batch 64 split over ('data', 'fsdp')" in out
   with pytest.raises(Exception, match="Did you mean .ici. instead of .icii."):
     mesh_cli.main(["--config=configs/default.py", "--config.mesh.icii=data=-1"])
+
+
+@pytest.mark.parametrize("module", ["spmd.mesh_cli", "trainers.plan_cli"])
+def test_help_prints_the_usage_and_the_flags_and_exits_0(module, capsys):
+  import importlib
+
+  cli = importlib.import_module(module)
+  assert cli.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(cli.__doc__.strip().splitlines()[0])
+  assert "--topology" in out and "--config" in out

@@ -14,8 +14,9 @@ from tests.configs import train_tiny
 from tests.data_fixtures import write_text_files, write_training_text
 from tests.multiprocess import assert_ok, run_worker
 from tests.test_pretokenized_lm import VOCAB, PretokenizedLm
-from trainers.data import packed, pipeline, text_corpus
+from trainers.data import lm_examples, packed, pipeline, text_corpus
 from trainers.data.datasets import open_source
+from trainers.data.records import RecordPlan
 from trainers.data.tokenizer import Tokenizer, read_text
 from trainers.tasks import make_task
 
@@ -176,8 +177,8 @@ def test_resume_on_data_of_another_tokenizer_is_refused():
   mesh = create_mesh("data=-1")
 
   def batches(identity):
-    plan = pipeline.RecordPlan(examples_per_record=1, total=8, in_examples=8, identity=identity)
-    return pipeline.GlobalBatches(records, pipeline.lm_example(4), 8, mesh, plan=plan)
+    plan = RecordPlan(examples_per_record=1, total=8, in_examples=8, identity=identity)
+    return pipeline.GlobalBatches(records, lm_examples.lm_example(4), 8, mesh, plan=plan)
 
   saved = batches("tokenizer sha256:aaa").state(3)
   with pytest.raises(ValueError) as error:

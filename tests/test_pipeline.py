@@ -8,8 +8,9 @@ import pytest
 
 from spmd.mesh import create_mesh
 from tests.data_fixtures import SEQ_LEN, build_corpus
-from trainers.data import pipeline
+from trainers.data import lm_examples, pipeline, record_order
 from trainers.data.datasets import open_source
+from trainers.data.records import RecordPlan
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def records(corpus):
 def make(records, global_batch=16, seed=3, train=True, mesh="data=-1", **options):
   return pipeline.GlobalBatches(
     records,
-    pipeline.lm_example(SEQ_LEN),
+    lm_examples.lm_example(SEQ_LEN),
     global_batch,
     create_mesh(mesh),
     seed=seed,
@@ -52,7 +53,7 @@ def test_every_record_once_per_epoch_and_epochs_differ(records):
 def test_host_batch_holds_exactly_those_records(records):
   b = make(records)
   batch = b.host_batch(5)
-  to_example = pipeline.lm_example(SEQ_LEN)
+  to_example = lm_examples.lm_example(SEQ_LEN)
   for row, index in enumerate(b.record_indices(5)):
     expected = to_example(records[int(index)])
     for key in ("inputs", "targets", "mask"):
@@ -66,7 +67,7 @@ def test_host_batch_holds_exactly_those_records(records):
 
 
 def test_lm_example_shifts_and_masks_short_records():
-  ex = pipeline.lm_example(4)({"tokens": np.array([10, 11, 12], np.uint8)})
+  ex = lm_examples.lm_example(4)({"tokens": np.array([10, 11, 12], np.uint8)})
   assert ex["inputs"].tolist() == [10, 11, 12, 0] and ex["targets"].tolist() == [11, 12, 0, 0]
   assert ex["mask"].tolist() == [1, 1, 0, 0]
 
@@ -77,8 +78,8 @@ def test_lm_batch_equals_lm_example_row_by_row(seq_len):
   lengths = [0, 1, 2, seq_len, seq_len + 1, seq_len + 2, 3 * (seq_len + 1) - 1]
   records = [{"tokens": np.arange(n, dtype=np.uint8) + 7} for n in lengths]
   rows = [(r, w) for r in records for w in range(3)]
-  batch = pipeline.lm_batch(seq_len)([r for r, _ in rows], np.array([w for _, w in rows]))
-  to_example = pipeline.lm_example(seq_len)
+  batch = lm_examples.lm_batch(seq_len)([r for r, _ in rows], np.array([w for _, w in rows]))
+  to_example = lm_examples.lm_example(seq_len)
   for key in ("inputs", "targets", "mask"):
     expected = np.stack([to_example(r, w)[key] for r, w in rows])
     assert batch[key].dtype == expected.dtype and batch[key].flags.c_contiguous
@@ -97,11 +98,11 @@ class CountingToBatch:
 @pytest.mark.parametrize("train", [True, False])
 def test_to_batch_gives_the_same_batches_and_eval_padding_uses_rows(records, train):
   per, seq_len = 2, SEQ_LEN // 2 - 1
-  to_batch = CountingToBatch(pipeline.lm_batch(seq_len))
+  to_batch = CountingToBatch(lm_examples.lm_batch(seq_len))
 
   def build(**kwargs):
     return pipeline.GlobalBatches(
-      records, pipeline.lm_example(seq_len), 24, create_mesh("data=-1"),
+      records, lm_examples.lm_example(seq_len), 24, create_mesh("data=-1"),
       train=train, examples_per_record=per, **kwargs,
     )  # fmt: skip
 
@@ -164,7 +165,10 @@ def test_errors_in_the_prefetch_thread_reach_the_caller(records):
       raise OSError("disk went away")
 
   b = pipeline.GlobalBatches(
-    Broken(records[i] for i in range(40)), pipeline.lm_example(SEQ_LEN), 16, create_mesh("data=-1")
+    Broken(records[i] for i in range(40)),
+    lm_examples.lm_example(SEQ_LEN),
+    16,
+    create_mesh("data=-1"),
   )
   with pytest.raises(OSError, match="disk went away"):
     next(b.iterator(0, prefetch=2))
@@ -187,17 +191,19 @@ def test_bad_seed_is_a_clear_error(records):
 def test_shuffled_positions_are_a_fixed_permutation_per_epoch():
   for length, seed in [(1, 0), (10, 3), (1000, 2**40)]:
     for epoch in range(3):
-      got = [pipeline.shuffled_position(epoch * length + i, length, seed) for i in range(length)]
+      got = [
+        record_order.shuffled_position(epoch * length + i, length, seed) for i in range(length)
+      ]
       assert sorted(got) == list(range(epoch * length, (epoch + 1) * length))
-  epoch0 = [pipeline.shuffled_position(i, 1000, 0) for i in range(1000)]
-  epoch1 = [pipeline.shuffled_position(1000 + i, 1000, 0) - 1000 for i in range(1000)]
-  seed1 = [pipeline.shuffled_position(i, 1000, 1) for i in range(1000)]
+  epoch0 = [record_order.shuffled_position(i, 1000, 0) for i in range(1000)]
+  epoch1 = [record_order.shuffled_position(1000 + i, 1000, 0) - 1000 for i in range(1000)]
+  seed1 = [record_order.shuffled_position(i, 1000, 1) for i in range(1000)]
   assert epoch0 != epoch1 and epoch0 != seed1 and epoch1 != seed1
   # Pinned: this project's own record of the order. A user's resume does not
   # depend on it: the saved position carries the order's digest by value
-  # (`pipeline.order_digest`). If this fails, grain's index_shuffle or our
+  # (`record_order.order_digest`). If this fails, grain's index_shuffle or our
   # seeding changed; positions saved before refuse to resume, as they must.
-  assert [pipeline.shuffled_position(p, 10, 3) for p in range(12)] == PINNED_ORDER
+  assert [record_order.shuffled_position(p, 10, 3) for p in range(12)] == PINNED_ORDER
 
 
 PINNED_ORDER = [3, 7, 8, 4, 0, 5, 9, 1, 6, 2, 12, 11]
@@ -207,21 +213,21 @@ PINNED_ORDER = [3, 7, 8, 4, 0, 5, 9, 1, 6, 2, 12, 11]
 def test_a_position_saved_under_another_bijection_does_not_resume(records, monkeypatch, which):
   """A grain whose index_shuffle changed would reorder a resumed run: it refuses instead."""
   saved = make(records, examples_per_record=4, shuffle_block=2).state(5)
-  original = pipeline.index_shuffle
+  original = record_order.index_shuffle
 
   def changed(index, max_index, seed, rounds):
     # Another bijection: the same permutation, reversed, for one of the two uses.
-    window_seed = seed == pipeline._seed_of(pipeline._WINDOW_ORDER, 3, 0, 0)
+    window_seed = seed == record_order._seed_of(record_order._WINDOW_ORDER, 3, 0, 0)
     if (which == "windows") == window_seed:
       return max_index - original(index, max_index, seed, rounds)
     return original(index, max_index, seed, rounds)
 
-  monkeypatch.setattr(pipeline, "index_shuffle", changed)
+  monkeypatch.setattr(record_order, "index_shuffle", changed)
   now = make(records, examples_per_record=4, shuffle_block=2)
   assert now.state(5).fingerprint == saved.fingerprint  # only the order tells them apart
   with pytest.raises(ValueError, match="the shuffle order is not the one the saved position"):
     now.check_resumable(saved)
-  monkeypatch.setattr(pipeline, "index_shuffle", original)
+  monkeypatch.setattr(record_order, "index_shuffle", original)
   make(records, examples_per_record=4, shuffle_block=2).check_resumable(saved)  # unchanged: fine
 
 
@@ -231,7 +237,7 @@ def test_missing_data_is_a_clear_error(tmp_path):
       "text_corpus",
       "train",
       str(tmp_path),
-      pipeline.lm_example(SEQ_LEN),
+      lm_examples.lm_example(SEQ_LEN),
       16,
       create_mesh("data=-1"),
     )
@@ -241,7 +247,7 @@ def test_windows_split_long_records_into_examples(records):
   per = 2  # records hold SEQ_LEN + 1 tokens, so window 1 is empty (all masked)
   b = pipeline.GlobalBatches(
     records,
-    pipeline.lm_example(SEQ_LEN // 2 - 1),
+    lm_examples.lm_example(SEQ_LEN // 2 - 1),
     16,
     create_mesh("data=-1"),
     examples_per_record=per,
@@ -250,7 +256,7 @@ def test_windows_split_long_records_into_examples(records):
   seen = np.concatenate([b.record_indices(s) for s in range(b.steps_per_epoch)])
   assert len(set(seen.tolist())) == len(seen)
   batch = b.host_batch(0)
-  to_example = pipeline.lm_example(SEQ_LEN // 2 - 1)
+  to_example = lm_examples.lm_example(SEQ_LEN // 2 - 1)
   for row, e in enumerate(b.record_indices(0)):
     expected = to_example(records[int(e) // per], int(e) % per)
     np.testing.assert_array_equal(batch["targets"][row], expected["targets"])
@@ -282,7 +288,7 @@ def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_e
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
 
   def build():
-    example = pipeline.lm_example(seq_len)
+    example = lm_examples.lm_example(seq_len)
     return pipeline.GlobalBatches(
       source, example, 8, mesh, seed=1, examples_per_record=per, shuffle_block=block
     )
@@ -298,12 +304,12 @@ def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_e
     for s in steps:
       batch = b.host_batch(s)
       for row, e in enumerate(b.record_indices(s)):  # the rows hold those windows
-        expected = pipeline.lm_example(seq_len)(source._records[int(e) // per], int(e) % per)
+        expected = lm_examples.lm_example(seq_len)(source._records[int(e) // per], int(e) % per)
         np.testing.assert_array_equal(batch["targets"][row], expected["targets"])
     # Each record read once an epoch at most (fewer when still cached from the last).
     assert source.reads <= n and (epoch or source.reads == n), f"{source.reads} reads, {n} records"
     if 8 <= block * per < n * per:  # a batch's rows come from two consecutive blocks at most
-      order = [pipeline.shuffled_position(epoch * n + i, n, seed=1) % n for i in range(n)]
+      order = [record_order.shuffled_position(epoch * n + i, n, seed=1) % n for i in range(n)]
       block_of = {r: i // block for i, r in enumerate(order)}
       for s in steps:
         blocks = {block_of[int(e) // per] for e in b.record_indices(s)}
@@ -318,10 +324,10 @@ def test_a_short_last_record_gives_only_its_windows_each_once_per_epoch(block):
   """Packed data: the last record holds 2 of 5 windows; the other 3 are never rows."""
   per, seq_len, n, examples = 5, 7, 48, 47 * 5 + 2
   source = CountingRecords(n, per * (seq_len + 1))
-  plan = pipeline.RecordPlan(examples_per_record=per, examples=examples, total=1, in_examples=1)
+  plan = RecordPlan(examples_per_record=per, examples=examples, total=1, in_examples=1)
   b = pipeline.GlobalBatches(
     source,
-    pipeline.lm_example(seq_len),
+    lm_examples.lm_example(seq_len),
     8,
     create_mesh("data=-1"),
     seed=1,
@@ -338,7 +344,7 @@ def test_a_short_last_record_gives_only_its_windows_each_once_per_epoch(block):
   with pytest.raises(ValueError, match=r"RecordPlan.examples=235 must leave out fewer"):
     pipeline.GlobalBatches(
       source,
-      pipeline.lm_example(seq_len),
+      lm_examples.lm_example(seq_len),
       8,
       create_mesh("data=-1"),
       plan=dataclasses.replace(plan, examples=n * per - per),

@@ -204,7 +204,7 @@ def test_loop_bodies_count_once_per_iteration_without_a_known_trip_count():
 def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.run(
-    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_main", *args],
+    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_cli", *args],
     capture_output=True,
     text=True,
     env=env,
@@ -343,3 +343,17 @@ def test_spmd_plan_takes_a_users_task_folder_and_counts_its_compiled_flops(tmp_p
   assert plan["compute"]["model_flops"] == plan["compute"]["compiled_flops"]
   # FSDP over 8 devices splits the larger convolution kernels.
   assert plan["memory"]["params_bytes"] < 4 * plan["num_params"]
+
+
+def test_a_packed_lm_plan_counts_the_tokens_a_step_holds():
+  """Packed windows' template is all padding; the plan counts the batch's tokens, not zero."""
+  done = _spmd_plan(
+    "--config=configs/lm_tiny.py", "--gpu=h100", "--num_gpus=8", "--compile=never", "--json"
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  plan = json.loads(done.stdout)
+  from configs import lm_tiny
+
+  config = lm_tiny.get_config()
+  assert plan["unit"] == "tokens", plan
+  assert plan["units_per_step"] == config.global_batch * config.model.seq_len, plan

@@ -126,7 +126,7 @@ def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers)
 def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   from configs import llama_tiny
   from trainers import plan as plan_lib
-  from trainers.plan_main import format_plan
+  from trainers.plan_report import format_plan
 
   config = llama_tiny.get_config()
   config.mesh.ici, config.mesh.rules = "data=-1,tensor=2", "fsdp_tp"
@@ -176,7 +176,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   train = [
     sys.executable,
     "-m",
-    "trainers.main",
+    "trainers.train_cli",
     f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",
@@ -200,7 +200,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   output = result.processes[0].output
   assert "sample (greedy, prompt 'the', text through the tokenizer" in output, output[-2000:]
   sample = subprocess.run(
-    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the",
+    [sys.executable, "-m", "trainers.sample_cli", f"--workdir={workdir}", "--prompt=the",
      "--num_tokens=12"],
     capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
   )  # fmt: skip
@@ -212,7 +212,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   )
   assert "step 20, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
   drawn = subprocess.run(
-    [sys.executable, "-m", "trainers.sample", f"--workdir={workdir}", "--prompt=the model",
+    [sys.executable, "-m", "trainers.sample_cli", f"--workdir={workdir}", "--prompt=the model",
      "--num_tokens=8", "--temperature=1.0", "--top_k=5", "--seed=2", "--step=20"],
     capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
   )  # fmt: skip

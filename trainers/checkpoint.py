@@ -89,14 +89,13 @@ def _register_array_handler() -> None:
       # across its replicas. The snapshot leaves it nothing to split (above:
       # the large arrays have no replicas, the small ones would be under its
       # threshold), so it is off rather than asked about every array of every
-      # save. (What it cost was within the noise on lm_tiny: 1.02x the CPU
-      # per save, 16 alternating rounds of 5 saves in one process.)
+      # save.
       use_replica_parallel=False,
       # orbax's `_sharding` file records each array's saved sharding, for
       # restores that give none. Ours always give the target's (any mesh and
-      # process count), so it is never read; serializing it cost a quarter of
-      # a save's CPU (lm_tiny: ~200 -> ~150 ms per save, competing with the
-      # step on a CPU host; `python -m benchmarks.training`).
+      # process count), so it is never read, and serializing it is Python
+      # work per array that a CPU host takes from the step running beside
+      # the save.
       enable_write_sharding_file=False,
     ),
     override=True,
@@ -150,8 +149,8 @@ class Saver:
 
   orbax's own `save` blocks its caller until every array is copied off the
   devices and its Python bookkeeping per array is done (replica slices,
-  transfers, tensorstore specs: 20-40 ms for lm_tiny's 49 arrays, more for
-  deeper models), and only the file writes run in the background. Here
+  transfers, tensorstore specs: time that grows with the number of arrays),
+  and only the file writes run in the background. Here
   `save` only starts one batched, asynchronous copy of the state into host
   memory (`pinned_host`, so no device memory is held) and queues it; a
   worker thread waits for the copy and hands it to orbax, so the step after
@@ -256,11 +255,10 @@ class Saver:
       state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
     )
     try:
-      # orbax's Python work per array (~2 ms each on a CPU host) starts once
-      # the copy is in host memory, which is after the step it follows: begun
-      # at once it competes with the end of that step for the host's cores
-      # and the GIL (lm_tiny on 2 cores: the saving step 1.13x an ordinary
-      # one, 1.08x with this wait; see benchmarks/NOTES.md, P5).
+      # orbax's Python work per array starts once the copy is in host
+      # memory, which is after the step it follows: begun at once it would
+      # compete with the end of that step for the host's cores and the GIL,
+      # and make the saving step slower than the others.
       jax.block_until_ready(state)
       # force: the caller decided the step (orbax's interval check would
       # otherwise decide a second time, in another thread).

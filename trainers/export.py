@@ -1,8 +1,9 @@
-"""`spmd-export`: a run's trained weights as one plain-array file, usable with no mesh.
+"""A run's trained weights as one plain-array file, usable with no mesh.
 
   spmd-export --workdir=W [--step=N] [--checkpoint=DIR] [--out=FILE]
 
-writes `W/export/params_step_<N>.npz` (or `--out`): one array per parameter,
+(trainers/export_cli.py) calls `export`, which writes
+`W/export/params_step_<N>.npz` (or `--out`): one array per parameter,
 keyed by its path joined with '/' and prefixed with `params/` (and
 `model_state/...` for models with batch statistics or other variables), plus
 `__meta__`, a JSON string with the step, the checkpoint and the run's
@@ -27,11 +28,9 @@ Then, in any Python process (one CPU device, no `jax.distributed`):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -261,21 +260,3 @@ def load_model(
       raise ValueError(f"{path!r} holds no config (its run saved none): pass config=")
     config = saved_run.config_from_json(exported.config_json, workdir)
   return build_model(config, exported.params, exported.model_state)
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`spmd-export`: see the module docstring."""
-  parser = argparse.ArgumentParser(prog="spmd-export", description=__doc__.split("\n")[0])
-  parser.add_argument("--workdir", required=True, help="the run's workdir")
-  parser.add_argument("--step", type=int, default=None, help="default: the latest committed")
-  parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
-  parser.add_argument("--out", default=None, help="default: <workdir>/export/params_step_N.npz")
-  args = parser.parse_args(argv)
-  path = export(args.workdir, args.out, step=args.step, checkpoint=args.checkpoint)
-  exported = load_export(str(path))
-  count = sum(np.size(x) for x in flatten(exported.params).values())
-  print(f"spmd-export: step {exported.step}, {count:,} parameters -> {path}", flush=True)
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

@@ -235,7 +235,7 @@ def loss_figure(
   if not series:
     present = sorted({k for r in records for k in r} - set(_RESERVED))
     raise ValueError(f"none of {keys=} is in the records; they have {present}")
-  from matplotlib.figure import Figure  # here: importing matplotlib costs ~1 s at start-up
+  from matplotlib.figure import Figure  # here: a slow import that only the plot needs
 
   fig = Figure(figsize=(7, 4.5), layout="tight")
   ax = fig.subplots()

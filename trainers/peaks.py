@@ -208,8 +208,9 @@ def matmul_sampler(
   then times up to `repeats` runs, stopping early once `budget_s` seconds
   have been spent, and returns the fastest run's FLOP/s. `compiler_options`
   go to XLA for that matmul alone (e.g. another matmul library). `size` defaults to
-  2048 on CPU (about 0.15 s a run on two cores) and 8192 elsewhere (smaller
-  matmuls do not fill an accelerator). Runs no collectives, so one process
+  2048 on CPU (large enough for the CPU's full matmul rate, small enough to
+  sample between a benchmark's rounds) and 8192 elsewhere (smaller matmuls
+  do not fill an accelerator). Runs no collectives, so one process
   may call it alone. Benchmarks that compare a step with the peak sample it
   between their rounds: on a shared machine the peak moves as much as the
   step does.

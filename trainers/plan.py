@@ -362,10 +362,7 @@ def make_plan(
       micro-batch counts to name one that does (a refusal costs seconds, a
       fit one more compile).
   """
-  if not 0 < efficiency[0] <= efficiency[1] <= 1:
-    raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
-  if decode_batch is not None and (isinstance(decode_batch, bool) or decode_batch < 1):
-    raise ValueError(f"{decode_batch=} must be a positive integer (None: global_batch)")
+  _check_plan_options(efficiency, decode_batch)
   mesh, batch_axes = build_mesh(config, target.devices)
   task = make_task(config)
   kv_cache = kv_cache_plan(task, config, mesh, decode_batch or config.global_batch)
@@ -374,95 +371,38 @@ def make_plan(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )
   layout = data_layout(mesh, config.global_batch, batch_axes)
-  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract["params"]))
   params_bytes = _per_device_bytes(state["params"])
   optimizer_bytes = _per_device_bytes({k: v for k, v in state.items() if k != "params"})
   device_bytes = peaks.device_memory_bytes(target.device_kind)
   if compile_step is None:
     compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
   batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
-  compiled = compile_error = None
   batch_bytes = _per_device_bytes(batch)
-  temp = code = total = flops = None
+
+  def step_for(changed: ml_collections.ConfigDict) -> Any:
+    return make_train_step(setup, task, changed, mesh, batch_axes)
+
+  compiled = refusal = None
   if compile_step:
-    step = make_train_step(setup, task, config, mesh, batch_axes)
-    try:
-      compiled = step.lower(state, batch).compile()
-    except jax.errors.JaxRuntimeError as e:
-      # A TPU compiler that cannot fit the program refuses it, saying how much
-      # its temporaries need: that is the verdict, with the figure to act on.
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      compile_error = str(e).strip().splitlines()[0]
-      temp = _out_of_memory_temps(e)
-      if temp is not None:  # code size unknown: counted as none
-        total = params_bytes + optimizer_bytes + batch_bytes + temp
+    compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
     if keep_compiled is not None and compiled is not None:
       keep_compiled.append(compiled)
-  collectives: list[hlo.Collective] = []
-  if compiled is not None:
-    stats = compiled.memory_analysis()
-    temp, code = stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
-    total = _total_bytes(stats)
-    text = compiled.as_text()
-    # Not XLA's cost analysis: it counts a loop body once, so with the layers
-    # in a scan it would report about one layer's worth.
-    flops = hlo.matmul_flops(text) or None
-    slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
-    collectives = hlo.collectives(text, slices)
+  step = _read_step(compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes)
   memory = Memory(
     params_bytes,
     optimizer_bytes,
     batch_bytes,
-    temp,
-    code,
-    total,
+    step.temp_bytes,
+    step.code_bytes,
+    step.total_bytes,
     device_bytes,
     margin,
   )
-  peak = peaks.table_peak(target.device_kind, task.compute_dtype)
-  # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
-  model_flops = (task.flops_per_step or (flops or 0.0) * mesh.devices.size) / mesh.devices.size
-  step_time = achieved = None
-  if peak and (flops or model_flops):
-    work = flops or model_flops
-    step_time = (work / (peak * efficiency[1]), work / (peak * efficiency[0]))
-    achieved = (model_flops / (peak * step_time[1]), model_flops / (peak * step_time[0]))
-  compute = Compute(flops, model_flops, peak, efficiency, step_time, achieved)
-
-  def compile_total(micro_batches: int) -> int | None:
-    changed = config.copy_and_resolve_references()
-    changed.train.micro_batches = micro_batches
-    step = make_train_step(setup, task, changed, mesh, batch_axes)
-    try:
-      return _total_bytes(step.lower(state, batch).compile().memory_analysis())
-    except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      return None
-
-  usable = memory.usable_bytes
-  if usable is None:
-    fits = None
-  elif compile_error is not None:
-    fits = False
-  elif total is not None:
-    fits = total <= usable
-  else:  # not compiled: only a state too big for the device is a verdict
-    fits = False if memory.state_bytes > usable else None
-  suggestions = (
-    _suggestions(
-      memory,
-      dict(mesh.shape),
-      config.mesh.rules,
-      mesh.devices.size,
-      rows_per_device=max(1, config.global_batch // layout.data_parallel),
-      micro_batches=config.train.micro_batches,
-      compile_total=compile_total if compile_step and verify_suggestions else None,
-    )
-    if fits is False
-    else []
-  )
+  fits = _fits(memory, step.compile_error)
+  compile_total = None
+  if compile_step and verify_suggestions:
+    compile_total = _micro_batch_totals(config, step_for, state, batch)
+  suggestions = _advice(fits, memory, config, mesh, layout, compile_total)
   return Plan(
     target=target.name,
     device_kind=target.device_kind,
@@ -473,20 +413,147 @@ def make_plan(
     mesh=dict(mesh.shape),
     ici=config.mesh.ici,
     dcn=config.mesh.dcn,
-    num_params=num_params,
+    num_params=sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract["params"])),
     units_per_step=_units_per_step(task, config.global_batch),
     unit=task.unit,
     rows_per_host=_rows_per_host(layout, target),
     hosts_feeding=_hosts_feeding(layout, target),
     compiled=compiled is not None,
     memory=memory,
-    compute=compute,
-    collectives=collectives,
+    compute=_compute(task, target, mesh.devices.size, efficiency, step.flops),
+    collectives=step.collectives,
     fits=fits,
     suggestions=suggestions,
     kv_cache=kv_cache,
-    compile_error=compile_error,
+    compile_error=step.compile_error,
   )
+
+
+def _check_plan_options(efficiency: tuple[float, float], decode_batch: int | None) -> None:
+  """The assumed efficiency range and the decode batch are ones a plan can use."""
+  if not 0 < efficiency[0] <= efficiency[1] <= 1:
+    raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
+  if decode_batch is not None and (isinstance(decode_batch, bool) or decode_batch < 1):
+    raise ValueError(f"{decode_batch=} must be a positive integer (None: global_batch)")
+
+
+def _compile_or_refusal(step: Any, state: Any, batch: Any) -> tuple[Any, Exception | None]:
+  """The compiled step, or None and the compiler's out-of-memory refusal; other errors raise."""
+  try:
+    return step.lower(state, batch).compile(), None
+  except jax.errors.JaxRuntimeError as e:
+    # A TPU compiler that cannot fit the program refuses it, saying how much
+    # its temporaries need: that is the verdict, with the figure to act on.
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return None, e
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepReading:
+  """What the compiled step (or the compiler's refusal) says; None where it says nothing."""
+
+  temp_bytes: float | None = None
+  code_bytes: int | None = None
+  total_bytes: float | None = None
+  flops: float | None = None
+  collectives: list[hlo.Collective] = dataclasses.field(default_factory=list)
+  compile_error: str | None = None
+
+
+def _read_step(
+  compiled: Any, refusal: Exception | None, mesh: jax.sharding.Mesh, state_and_batch_bytes: int
+) -> _StepReading:
+  """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
+  if refusal is not None:
+    temp = _out_of_memory_temps(refusal)
+    return _StepReading(
+      temp_bytes=temp,
+      # Code size unknown: counted as none.
+      total_bytes=None if temp is None else state_and_batch_bytes + temp,
+      compile_error=str(refusal).strip().splitlines()[0],
+    )
+  if compiled is None:
+    return _StepReading()
+  stats = compiled.memory_analysis()
+  text = compiled.as_text()
+  slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+  return _StepReading(
+    temp_bytes=stats.temp_size_in_bytes,
+    code_bytes=stats.generated_code_size_in_bytes,
+    total_bytes=_total_bytes(stats),
+    # Not XLA's cost analysis: it counts a loop body once, so with the layers
+    # in a scan it would report about one layer's worth.
+    flops=hlo.matmul_flops(text) or None,
+    collectives=hlo.collectives(text, slices),
+  )
+
+
+def _compute(
+  task: Any, target: Target, num_devices: int, efficiency: tuple[float, float], flops: float | None
+) -> Compute:
+  """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak."""
+  peak = peaks.table_peak(target.device_kind, task.compute_dtype)
+  # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
+  model_flops = (task.flops_per_step or (flops or 0.0) * num_devices) / num_devices
+  step_time = achieved = None
+  if peak and (flops or model_flops):
+    work = flops or model_flops
+    step_time = (work / (peak * efficiency[1]), work / (peak * efficiency[0]))
+    achieved = (model_flops / (peak * step_time[1]), model_flops / (peak * step_time[0]))
+  return Compute(flops, model_flops, peak, efficiency, step_time, achieved)
+
+
+def _fits(memory: Memory, compile_error: str | None) -> bool | None:
+  """The verdict: None when the device's memory or (not compiled) the step's need is unknown."""
+  usable = memory.usable_bytes
+  if usable is None:
+    return None
+  if compile_error is not None:
+    return False
+  if memory.total_bytes is not None:
+    return memory.total_bytes <= usable
+  # Not compiled: only a state too big for the device is a verdict.
+  return False if memory.state_bytes > usable else None
+
+
+def _advice(
+  fits: bool | None,
+  memory: Memory,
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh,
+  layout: Any,
+  compile_total: Callable[[int], int | None] | None,
+) -> list[str]:
+  """`_suggestions` for a plan that does not fit; none for one that fits or may."""
+  if fits is not False:
+    return []
+  return _suggestions(
+    memory,
+    dict(mesh.shape),
+    config.mesh.rules,
+    mesh.devices.size,
+    rows_per_device=max(1, config.global_batch // layout.data_parallel),
+    micro_batches=config.train.micro_batches,
+    compile_total=compile_total,
+  )
+
+
+def _micro_batch_totals(
+  config: ml_collections.ConfigDict,
+  step_for: Callable[[ml_collections.ConfigDict], Any],
+  state: Any,
+  batch: Any,
+) -> Callable[[int], int | None]:
+  """Bytes per device of the step with N micro-batches; None when the compiler refuses it."""
+
+  def compile_total(micro_batches: int) -> int | None:
+    changed = config.copy_and_resolve_references()
+    changed.train.micro_batches = micro_batches
+    compiled, _ = _compile_or_refusal(step_for(changed), state, batch)
+    return None if compiled is None else _total_bytes(compiled.memory_analysis())
+
+  return compile_total
 
 
 def kv_cache_plan(
@@ -525,7 +592,13 @@ def kv_cache_plan(
 
 
 def _units_per_step(task, global_batch: int) -> int:
-  """Units in a full batch of the record template's examples (the most a step holds)."""
+  """The most units a step holds: the task's own count, else a full batch of template examples.
+
+  A template example can be all padding (a packed window of zeros), so the
+  task's `units_per_batch`, when it gives one, is the answer.
+  """
+  if task.units_per_batch:
+    return int(task.units_per_batch)
   example = task.example()
   batch = {k: np.stack([np.asarray(v)] * global_batch) for k, v in example.items()}
   return int(task.units(batch))

@@ -1,19 +1,16 @@
-"""`spmd-sample`: text from a trained run, decoded with a KV cache.
+"""Text from a trained run, decoded with a KV cache (the library of `spmd-sample`).
 
-  spmd-sample --workdir=W --prompt=import
-  spmd-sample --workdir=W --prompt="def f(" --num_tokens=40 --temperature=0.8 --top_k=20 --seed=1
-  spmd-sample --workdir=W --prompt=import --step=200      # a named checkpoint step
-
-Reads the run's resolved config (`W/config.json`) and one checkpoint's
-parameters (the latest committed step, or `--step`; `--checkpoint` for
-another location), on this one host: orbax's numpy restore reads them
+`sample_text` reads the run's resolved config (`W/config.json`) and one
+checkpoint's parameters (the latest committed step, or `step`; `checkpoint`
+for another location), on this one host: orbax's numpy restore reads them
 whatever mesh and process count saved them, and they are placed on one CPU
 device as `spmd-export` places them (`trainers.export.build_model`); no
 optimizer state is read. The prompt is encoded through the run's tokenizer
 (the copy the run keeps in `W`, e.g. `W/tokenizer.json`), or as UTF-8 bytes
-for a byte-level run, and the tokens are decoded the same way and printed.
-Decoding is `trainers.models.decode.generate`: greedy by default, else
-drawn at `--temperature` from the `--top_k` largest logits.
+for a byte-level run, and the tokens are decoded the same way. Decoding is
+`trainers.models.decode.generate`: greedy by default, else drawn at
+`temperature` from the `top_k` largest logits. The command
+`spmd-sample --workdir=W --prompt=import` (trainers/sample_cli.py) prints it.
 
 Example:
   >>> sample_text("W", "import", num_tokens=16)  # doctest: +SKIP
@@ -22,9 +19,7 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 import time
 
 import jax
@@ -133,48 +128,3 @@ def sample_text(
     describe=codec.describe,
     seconds=time.perf_counter() - started,
   )
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`spmd-sample`: see the module docstring."""
-  parser = argparse.ArgumentParser(prog="spmd-sample", description=__doc__.split("\n")[0])
-  parser.add_argument("--workdir", required=True, help="the run's workdir")
-  parser.add_argument("--prompt", required=True, help="the text to continue")
-  parser.add_argument("--num_tokens", type=int, default=DEFAULT_TOKENS, help="tokens to add")
-  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-  parser.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest (0: all)")
-  parser.add_argument("--seed", type=int, default=0, help="the draws' jax.random key")
-  parser.add_argument("--step", type=int, default=None, help="default: the latest committed")
-  parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
-  args = parser.parse_args(argv)
-  from absl import logging
-
-  logging.set_verbosity(logging.ERROR)  # orbax's notes on a read-only checkpoint are expected
-  jax.config.update("jax_platforms", "cpu")  # one CPU device, as spmd-export's models
-  try:
-    found = sample_text(
-      args.workdir,
-      args.prompt,
-      args.num_tokens,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      seed=args.seed,
-      step=args.step,
-      checkpoint=args.checkpoint,
-    )
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"spmd-sample: {e}")
-  how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
-  if args.temperature and args.top_k:
-    how += f", top {args.top_k}"
-  print(
-    f"spmd-sample: step {found.step}, {found.prompt_tokens} prompt + {found.new_tokens} new "
-    f"tokens ({how}; {found.describe}), {found.seconds:.2f} s",
-    file=sys.stderr,
-    flush=True,
-  )
-  print(found.text, flush=True)
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

@@ -109,12 +109,11 @@ def flat_gradient_reduction(
   """Whether the train step sums its gradients across hosts as one flat buffer.
 
   XLA combines the gradient reductions into all-reduce instructions of many
-  operands, and XLA:CPU runs one gloo collective per operand. lm_tiny's step
-  has 28 of them; across 2 processes that costs 75-95 ms a step
-  (`python -m benchmarks.allreduce_operands`: 2 MiB in 1 array 4 ms, in 20
-  arrays 26 ms). So on CPU across processes, with parameters replicated (pure
-  data parallelism), each device's gradient sums are raveled into one vector
-  and reduced by one `psum`, as PyTorch DDP's buckets do. Elsewhere GSPMD's
+  operands, and XLA:CPU runs one gloo collective per operand, each with its
+  own fixed cost; a step with many gradient arrays pays that cost many times
+  over. So on CPU across processes, with parameters replicated (pure data
+  parallelism), each device's gradient sums are raveled into one vector and
+  reduced by one `psum`, as PyTorch DDP's buckets do. Elsewhere GSPMD's
   reductions stay: on TPU and GPU XLA overlaps each layer's all-reduce with
   the backward pass. `train.flat_grad_reduce` ("auto", "on", "off") overrides.
 
@@ -153,10 +152,7 @@ def branch_on_nonfinite(config: ml_collections.ConfigDict, mesh: jax.sharding.Me
 
   A select (`jnp.where(finite, new, old)` over every leaf) makes XLA:CPU copy
   each donated optimizer moment before updating it in place, since the
-  parameter update still reads the old moment: 31 copies a step for
-  lm_tiny, and the optimizer part of the width-512 step took 55-60 ms
-  against 38-43 with a branch (the whole step 0.94-1.0x: the copies partly
-  run beside the matmuls; `python -m benchmarks.step_variants`). A branch
+  parameter update still reads the old moment; a branch needs no copies and
   also skips a bad step's update. But XLA:GPU runs a conditional by copying
   its predicate to the host and blocking the host until the stream is done,
   every step, which stops the host from queueing the next step ahead; so on
@@ -184,71 +180,15 @@ def make_train_step(
   `flat_reduce` says whether gradients are summed as one flat vector
   (`flat_gradient_reduction`); None decides it here.
   """
-  micro = config.train.micro_batches
   value_and_grad = jax.value_and_grad(_loss_fn(setup, task, train=True), has_aux=True)
   branch = branch_on_nonfinite(config, mesh)
   if flat_reduce is None:
     blocker = per_device_blocker(setup, task, config.global_batch)
     flat_reduce = flat_gradient_reduction(setup, config, batch_axes, blocker)
-
-  def sums_and_grads(params, model_state, batch, key):
-    """(loss_sum, weight, metric_sums, model_state, grads) over the whole batch.
-
-    The units the batch holds are one more metric sum (`units`).
-    """
-    units = task.units(batch)
-    if micro == 1:
-      (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
-        params, model_state, batch, key
-      )
-      return loss_sum, weight, dict(sums, units=units), model_state, grads
-    # Gradient accumulation: add up the summed-loss gradients of the micro-
-    # batches, so the result equals one big batch (up to addition order).
-    # Model state (batch statistics) passes from one micro-batch to the next.
-    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
-
-    def body(carry, xs):
-      totals, model_state = carry
-      mb, index = xs
-      (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
-        params, model_state, mb, jax.random.fold_in(key, index)
-      )
-      return (jax.tree.map(jnp.add, totals, (loss_sum, weight, sums, grads)), model_state), None
-
-    first = jax.tree.map(lambda x: x[0], split)
-    shapes = jax.eval_shape(value_and_grad, params, model_state, first, key)
-    (loss_shape, (weight_shape, sums_shape, _)), grads_shape = shapes
-    zeros = jax.tree.map(
-      lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, weight_shape, sums_shape, grads_shape)
-    )
-    (totals, model_state), _ = jax.lax.scan(
-      body, (zeros, model_state), (split, jnp.arange(micro, dtype=jnp.uint32))
-    )
-    loss_sum, weight, sums, grads = totals
-    return loss_sum, weight, dict(sums, units=units), model_state, grads
-
+  sums_and_grads = _batch_sums_and_grads(value_and_grad, task, config.train.micro_batches)
   if flat_reduce:
-    device_sums_and_grads = sums_and_grads  # inside shard_map: over this device's rows
-
-    def local_sums(params, batch, key):
-      # This device's sums over its rows; then one all-reduce of one vector.
-      loss_sum, weight, sums, _, grads = device_sums_and_grads(params, None, batch, key)
-      flat, unravel = ravel_pytree((loss_sum, weight, sums, grads))
-      return unravel(jax.lax.psum(flat, batch_axes))
-
-    replicated, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(batch_axes)
-    flat_sums = jax.shard_map(
-      local_sums,
-      mesh=mesh,
-      in_specs=(replicated, rows, replicated),
-      out_specs=replicated,
-      axis_names=set(batch_axes),
-      check_vma=False,
-    )
-
-    def sums_and_grads(params, model_state, batch, key):
-      loss_sum, weight, sums, grads = flat_sums(params, batch, key)
-      return loss_sum, weight, sums, model_state, grads
+    sums_and_grads = _summed_as_one_vector(sums_and_grads, mesh, batch_axes)
+  update_if_finite = _update_if_finite(setup.tx, branch)
 
   def train_step(state, batch):
     params, opt_state = state["params"], state["opt_state"]
@@ -261,25 +201,9 @@ def make_train_step(
     loss = loss_sum / count
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-    def update(operands):
-      grads, opt_state, params, new_model_state, _ = operands
-      updates, new_opt = setup.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_opt, new_model_state
-
-    def keep(operands):
-      _, opt_state, params, _, old_model_state = operands
-      return params, opt_state, old_model_state
-
-    operands = (grads, opt_state, params, model_state, state.get("model_state"))
-    if branch:  # see branch_on_nonfinite
-      new_params, new_opt, new_model_state = jax.lax.cond(finite, update, keep, operands)
-    else:
-      new = update(operands)
-      old = (params, opt_state, state.get("model_state"))
-      new_params, new_opt, new_model_state = jax.tree.map(
-        lambda n, o: jnp.where(finite, n, o), new, old
-      )
+    new_params, new_opt, new_model_state = update_if_finite(
+      finite, grads, opt_state, params, model_state, state.get("model_state")
+    )
     new_state = {
       "params": new_params,
       "opt_state": new_opt,
@@ -295,7 +219,7 @@ def make_train_step(
       "finite": finite,
       "bad_steps": new_state["bad_steps"],
       "weight": weight,
-      "units": sums.pop("units"),
+      "units": sums.pop("units"),  # a sum, not a mean: taken out before the division
       **{name: value / count for name, value in sums.items()},
     }
     return new_state, metrics
@@ -313,6 +237,119 @@ def make_train_step(
     mesh=mesh,
     donate_argnums=0,
   )
+
+
+def _batch_sums_and_grads(value_and_grad: Callable, task: Task, micro: int) -> Callable:
+  """`(params, model_state, batch, key) -> (loss_sum, weight, metric_sums, model_state, grads)`.
+
+  Sums over the whole batch, in `micro` micro-batches when it is above 1; the
+  units the batch holds are one more metric sum (`units`).
+  """
+
+  def sums_and_grads(params, model_state, batch, key):
+    units = task.units(batch)
+    if micro == 1:
+      (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
+        params, model_state, batch, key
+      )
+      return loss_sum, weight, dict(sums, units=units), model_state, grads
+    loss_sum, weight, sums, model_state, grads = _accumulated(
+      value_and_grad, micro, params, model_state, batch, key
+    )
+    return loss_sum, weight, dict(sums, units=units), model_state, grads
+
+  return sums_and_grads
+
+
+def _accumulated(value_and_grad: Callable, micro: int, params, model_state, batch, key) -> tuple:
+  """Gradient accumulation: `(loss_sum, weight, metric_sums, model_state, grads)`.
+
+  Adds up the summed-loss gradients of the micro-batches, so the result
+  equals one big batch (up to addition order). Model state (batch
+  statistics) passes from one micro-batch to the next.
+  """
+  split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+
+  def body(carry, xs):
+    totals, model_state = carry
+    mb, index = xs
+    (loss_sum, (weight, sums, model_state)), grads = value_and_grad(
+      params, model_state, mb, jax.random.fold_in(key, index)
+    )
+    return (jax.tree.map(jnp.add, totals, (loss_sum, weight, sums, grads)), model_state), None
+
+  first = jax.tree.map(lambda x: x[0], split)
+  shapes = jax.eval_shape(value_and_grad, params, model_state, first, key)
+  (loss_shape, (weight_shape, sums_shape, _)), grads_shape = shapes
+  zeros = jax.tree.map(
+    lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, weight_shape, sums_shape, grads_shape)
+  )
+  (totals, model_state), _ = jax.lax.scan(
+    body, (zeros, model_state), (split, jnp.arange(micro, dtype=jnp.uint32))
+  )
+  loss_sum, weight, sums, grads = totals
+  return loss_sum, weight, sums, model_state, grads
+
+
+def _summed_as_one_vector(
+  device_sums_and_grads: Callable, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...]
+) -> Callable:
+  """`device_sums_and_grads` over each device's rows, then one all-reduce of one vector.
+
+  The flat reduction of `flat_gradient_reduction`: inside `shard_map` each
+  device sums over its own rows; the sums and gradients are raveled and
+  reduced by one `psum`. The model has no state here (`per_device_blocker`),
+  so the one passed in comes back unchanged.
+  """
+
+  def local_sums(params, batch, key):
+    loss_sum, weight, sums, _, grads = device_sums_and_grads(params, None, batch, key)
+    flat, unravel = ravel_pytree((loss_sum, weight, sums, grads))
+    return unravel(jax.lax.psum(flat, batch_axes))
+
+  replicated, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(batch_axes)
+  flat_sums = jax.shard_map(
+    local_sums,
+    mesh=mesh,
+    in_specs=(replicated, rows, replicated),
+    out_specs=replicated,
+    axis_names=set(batch_axes),
+    check_vma=False,
+  )
+
+  def sums_and_grads(params, model_state, batch, key):
+    loss_sum, weight, sums, grads = flat_sums(params, batch, key)
+    return loss_sum, weight, sums, model_state, grads
+
+  return sums_and_grads
+
+
+def _update_if_finite(tx: optax.GradientTransformation, branch: bool) -> Callable:
+  """`(finite, grads, opt_state, params, new_model_state, old_model_state) -> (params, opt_state, model_state)`.
+
+  The optimizer's update when `finite`, else the old parameters, optimizer
+  state and model state: through `lax.cond` when `branch`, else a select
+  over every leaf (see `branch_on_nonfinite`).
+  """
+
+  def update(operands):
+    grads, opt_state, params, new_model_state, _ = operands
+    updates, new_opt = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt, new_model_state
+
+  def keep(operands):
+    _, opt_state, params, _, old_model_state = operands
+    return params, opt_state, old_model_state
+
+  def update_if_finite(finite, grads, opt_state, params, new_model_state, old_model_state):
+    operands = (grads, opt_state, params, new_model_state, old_model_state)
+    if branch:
+      return jax.lax.cond(finite, update, keep, operands)
+    new = update(operands)
+    old = (params, opt_state, old_model_state)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+  return update_if_finite
 
 
 def eval_inputs(state: dict) -> dict:

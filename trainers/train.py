@@ -6,15 +6,20 @@
 4. hosts check they agree (config, shapes, layout, step) before any step;
 5. the loop with its hooks; a preemption saves and stops cleanly;
 6. final eval, a greedy sample, the summary and the loss curve.
+
+Each step is a function below; what the run sets up besides data, state
+and steps is in `run_setup.py`, the throughput figures in `throughput.py`
+and the end of the run in `summary.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +30,7 @@ from etils import epath
 import spmd
 from spmd import multihost
 from spmd.mesh import create_mesh
-from trainers import checkpoint, metrics, paths, peaks
+from trainers import checkpoint, metrics, paths, run_setup, summary
 from trainers.data import pipeline
 from trainers.hooks import Hook, load_hooks
 from trainers.loop import (
@@ -38,19 +43,20 @@ from trainers.loop import (
   train_loop,
 )
 from trainers.preemption import PreemptionWatch
+from trainers.run_setup import save_run_files
 from trainers.state import StateSetup, build_model, make_state
 from trainers.step import (
-  abstract_batch,
   eval_inputs,
   flat_gradient_reduction,
   make_eval_step,
   make_train_step,
   per_device_blocker,
 )
-from trainers.tasks import Task, make_task, task_files
+from trainers.tasks import Task, make_task
+from trainers.throughput import Throughput, measure_throughput
 from trainers.watchdog import ProgressWatchdog
 
-__all__ = ["Preempted", "train_and_evaluate"]
+__all__ = ["Preempted", "save_run_files", "train_and_evaluate"]
 log = logging.getLogger(__name__)
 
 
@@ -146,95 +152,10 @@ def evaluate_batches(eval_step, batches: pipeline.GlobalBatches, state, max_batc
   return out
 
 
-def _report(task: Task, setup: StateSetup, state, step: int) -> str:
-  """The task's end-of-run report; a failure is logged, never fatal (the run is done)."""
-  if task.report is None:
-    return ""
-  try:
-    model = build_model(setup, state["params"], state.get("model_state"))
-    model.eval()
-    return task.report(model, step)
-  except Exception as e:  # the summary and loss curve are already written
-    log.warning("spmd-train: the task's report failed: %s: %s", type(e).__name__, e)
-    return ""
-
-
 # What common platforms allow between a preemption notice and the kill, for the log.
 PREEMPTION_GRACE = (
   "spot and preemptible TPU/GCE VMs 30 s, Kubernetes terminationGracePeriodSeconds 30 s by default"
 )
-_PLACEMENT_ROWS = 8  # variables without names listed by path; the rest are counted
-
-
-def _log_placement(setup: StateSetup) -> None:
-  """Which variables took which rule: a count per rule, and the ones without names."""
-  by_rule: dict[str, int] = {}
-  for _, _, why in setup.placement:
-    rule = why.split(" (")[0] if not why.startswith("names") else "by their names"
-    by_rule[rule] = by_rule.get(rule, 0) + 1
-  log.warning(
-    "spmd-train: variable placement: %s",
-    ", ".join(f"{n} {rule}" for rule, n in sorted(by_rule.items())),
-  )
-  unnamed = [row for row in setup.placement if not row[2].startswith("names")]
-  for path, spec, why in unnamed[:_PLACEMENT_ROWS]:
-    log.warning("spmd-train:   %s -> %s: %s", path, spec, why)
-  if len(unnamed) > _PLACEMENT_ROWS:
-    log.warning("spmd-train:   ... and %d more without names", len(unnamed) - _PLACEMENT_ROWS)
-
-
-def _compiled_flops(train_step, setup: StateSetup, task: Task, config, mesh, batch_axes) -> float:
-  """The compiled train step's matmul FLOPs over all devices (hardware FLOPs)."""
-  from spmd import hlo
-  from spmd.layout import batch_sharding
-
-  state = jax.tree.map(
-    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
-  )
-  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
-  text = train_step.lower(state, batch).compile().as_text()
-  return float(hlo.matmul_flops(text)) * mesh.devices.size
-
-
-def save_run_files(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
-  """The resolved config (JSON) and the task's own files, so the run stands alone.
-
-  A resume or eval needs no original folder: `--config=<workdir>/code/config.py`
-  (a copy of the config file, when it sat beside the task) runs the same task.
-  """
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=1, sort_keys=True))
-  files = sorted({f for spec in (config.task, *config.get("hooks", ())) for f in task_files(spec)})
-  if files:
-    code = workdir / "code"
-    code.mkdir(parents=True, exist_ok=True)
-    for path in files:
-      target = code / path.name
-      if paths.is_url(target) or not (target.exists() and os.path.samefile(path, target)):
-        target.write_bytes(path.read_bytes())  # not when a run starts from its own copy
-
-
-def save_task_files(task: Task, workdir: epath.Path) -> None:
-  """The files the task made while preparing data (`Task.run_files`), into the workdir."""
-  if task.run_files is None:
-    return
-  for name, path in task.run_files().items():
-    target = workdir / name
-    data = epath.Path(path).read_bytes()
-    if not (target.exists() and target.read_bytes() == data):
-      target.write_bytes(data)
-
-
-def real_unit_share(task: Task, history: list[dict]) -> dict[str, float]:
-  """`{"real_<unit>_share": mean units per step / Task.units_per_batch}`, when the task says.
-
-  The units are the step's own sum (already fetched with the metrics), so
-  this costs no transfer.
-  """
-  if not task.units_per_batch or not history:
-    return {}
-  unit = task.unit[:-1] if task.unit.endswith("s") else task.unit
-  share = float(np.mean([h.get("units", 0.0) for h in history])) / task.units_per_batch
-  return {f"real_{unit}_share": share}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -253,30 +174,78 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: epath.Path, watchdog: ProgressWatchdog, started
 ) -> dict[str, Any]:
+  """The steps of the module docstring, in order; `started` is when training began."""
   chief = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)  # local or a URL (gs://...): trainers/paths.py
-  # The config, else JAX's own variable (as documented in configs/default.py), else beside the run.
-  cache_dir = str(
-    paths.user_path(
-      config.get("compilation_cache_dir", "")
-      or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
-      or workdir.parent / ".jax_cache"
-    )
-  )
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  cache_dir = run_setup.use_compilation_cache(config, workdir)
 
   # 1-2. Mesh, task and data.
   mesh, batch_axes = build_mesh(config)
   task = make_task(config)
-  if chief:
-    save_run_files(config, workdir)
-  with watchdog.phase("data preparation", 0, "none"):  # as long as it takes, the first time
-    train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
-  if chief:
-    save_task_files(task, workdir)
+  train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
+  manager, restored = _restore(config, workdir, setup)
+  if chief:
+    _log_start(workdir, mesh, restored.source)
+
+  # 4. Hosts agree before the first step.
+  _check_hosts_agree(config, setup, train_batches, restored.step)
+
+  # 5. The steps, the hooks and the loop; a preemption saves and stops cleanly.
+  steps = _make_steps(setup, task, config, mesh, batch_axes)
+  throughput = measure_throughput(steps.train, setup, task, config, mesh, batch_axes, cache_dir)
+  run = _make_hooks(
+    config,
+    task,
+    workdir,
+    watchdog,
+    manager,
+    restored.step,
+    throughput,
+    steps,
+    train_batches,
+    eval_batches,
+  )
+  watch = PreemptionWatch()
+  loop = _loop_state(config, setup, restored.step, restored.state, mesh, workdir, throughput)
+  train_step, batches, injected = _step_and_batches(config, task, steps, restored, train_batches)
+  first_step = _run_loop(config, loop, train_step, batches, run, watch, watchdog, workdir, started)
+
+  # 6. Final eval, summary, loss curve, then the sample: the results are on
+  # disk before the task's report runs, whatever it does.
+  final_eval = _final_eval(loop, run)
+  results = summary.summarize(
+    loop,
+    final_eval,
+    throughput,
+    task=task,
+    workdir=workdir,
+    resumed_from=restored.source,
+    started=started,
+    first_step=first_step,
+    extra=lambda: injected.summary(loop.state) if injected else {},  # the test configs' param hash
+  )
+  return summary.publish(
+    results, workdir, chief, lambda: summary.task_report(task, setup, loop.state, loop.step)
+  )
+
+
+def _open_run_data(config, task: Task, workdir: epath.Path, mesh, batch_axes, watchdog):
+  """`open_data` under the watchdog, with the run's files saved around it (process 0)."""
+  chief = jax.process_index() == 0
+  if chief:
+    run_setup.save_run_files(config, workdir)
+  with watchdog.phase("data preparation", 0, "none"):  # as long as it takes, the first time
+    train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
+  if chief:
+    run_setup.save_task_files(task, workdir)
+  return train_batches, eval_batches
+
+
+def _restore(config, workdir: epath.Path, setup: StateSetup):
+  """(checkpoint manager, the restored or initialised state)."""
   manager = checkpoint.make_manager(
     workdir / "checkpoints",
     config.checkpoint.every,
@@ -286,48 +255,73 @@ def _train_and_evaluate(
   restored = checkpoint.restore_or_init(
     manager, setup.abstract, setup.shardings, setup.init, config.checkpoint.init_from
   )
-  start = restored.step
-  data_start: int | pipeline.PipelineState = start
-  if restored.data_state is not None:
-    data_start = pipeline.PipelineState.from_dict(restored.data_state)
-  if chief:
-    log.warning(
-      "spmd-train: %s on %d processes x %d devices, mesh %s; state from %s",
-      workdir.name,
-      jax.process_count(),
-      jax.local_device_count(),
-      dict(mesh.shape),
-      restored.source,
-    )
+  return manager, restored
 
-  # 4. Hosts agree before the first step.
-  _check_hosts_agree(config, setup, train_batches, start)
 
+def _log_start(workdir: epath.Path, mesh, source: str) -> None:
+  log.warning(
+    "spmd-train: %s on %d processes x %d devices, mesh %s; state from %s",
+    workdir.name,
+    jax.process_count(),
+    jax.local_device_count(),
+    dict(mesh.shape),
+    source,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  """The compiled steps, and how to build the train step for another task (fault injection)."""
+
+  train: Callable
+  eval: Callable
+  train_for: Callable[[Task], Callable]
+
+
+def _make_steps(setup: StateSetup, task: Task, config, mesh, batch_axes) -> _Steps:
+  """The train and eval steps; process 0 logs the variable placement and the flat reduction."""
   blocker = per_device_blocker(setup, task, config.global_batch)
   flat_reduce = flat_gradient_reduction(setup, config, batch_axes, blocker)
-  if chief:
-    _log_placement(setup)
+  if jax.process_index() == 0:
+    run_setup.log_placement(setup)
     if blocker and config.train.flat_grad_reduce == "auto":
       log.warning("spmd-train: train.flat_grad_reduce is off for this model: %s", blocker)
-  train_step = make_train_step(setup, task, config, mesh, batch_axes, flat_reduce)
-  eval_step = make_eval_step(setup, task, mesh, batch_axes)
-  # Only process 0 reports MFU; the others skip the (measured, on CPU) peak.
-  peak = (
-    peaks.peak_flops(jax.local_devices()[0], task.compute_dtype, cache_dir=cache_dir)
-    if chief
-    else peaks.PeakInfo(0.0, "not measured on this process")
-  )
-  # The others wait: a CPU peak measured while a peer compiles beside it on
-  # the same cores would come out low (once; it is cached after).
-  multihost.barrier("peak_measured", timeout_s=600)
-  flops_metric, flops_per_step = "mfu", task.flops_per_step
-  if flops_per_step is None:
-    # Every process lowers the same signature: a lowering checks that hosts agree.
-    flops_metric = "hfu"
-    flops_per_step = _compiled_flops(train_step, setup, task, config, mesh, batch_axes)
+
+  def train_for(t: Task) -> Callable:
+    return make_train_step(setup, t, config, mesh, batch_axes, flat_reduce)
+
+  return _Steps(train_for(task), make_eval_step(setup, task, mesh, batch_axes), train_for)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunHooks:
+  """The loop's hooks, and what the end of the run reads back from them."""
+
+  hooks: list[Hook]
+  writer: metrics.MetricsWriter
+  progress: metrics.Progress
+  saver: checkpoint.Saver
+  evaluations: Evaluations
+  saves: CheckpointSaves
+  evaluate: Callable[[Any], dict]
+
+
+def _make_hooks(
+  config,
+  task: Task,
+  workdir: epath.Path,
+  watchdog: ProgressWatchdog,
+  manager,
+  start: int,
+  throughput: Throughput,
+  steps: _Steps,
+  train_batches: pipeline.GlobalBatches,
+  eval_batches: pipeline.GlobalBatches,
+) -> _RunHooks:
+  """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's."""
+  chief = jax.process_index() == 0
   writer = metrics.MetricsWriter(workdir, enabled=chief)
   progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
-
   saver = checkpoint.Saver(manager)
   save_budget = (
     f"a checkpoint save to {workdir / 'checkpoints'}",
@@ -346,17 +340,9 @@ def _train_and_evaluate(
 
   def evaluate(state):
     with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
-      return evaluate_batches(eval_step, eval_batches, state, config.eval_batches)
+      return evaluate_batches(steps.eval, eval_batches, state, config.eval_batches)
 
-  rate = f"{task.unit}_per_s"
-  peak_total = peak.flops_per_s * jax.device_count()
-
-  def annotate(row: dict) -> None:
-    row[rate] = row.get("units", 0.0) / row["step_time_s"]  # real units, padding excluded
-    if flops_per_step and peak_total:
-      row[flops_metric] = flops_per_step / row["step_time_s"] / peak_total
-
-  # The built-in hooks, then the task's and the config's, all on the same footing.
+  rate = throughput.rate
   metrics_hook = MetricsHook(
     writer.write,
     lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
@@ -371,40 +357,78 @@ def _train_and_evaluate(
     Profile(config.profile.start_step, config.profile.num_steps, str(workdir / "profile")).hook(),
     *load_hooks(config, task.hooks),
   ]
+  return _RunHooks(hooks, writer, progress, saver, evaluations, saves, evaluate)
+
+
+def _loop_state(
+  config, setup: StateSetup, start: int, state, mesh, workdir: epath.Path, throughput: Throughput
+) -> LoopState:
+  """The loop's bookkeeping from `start` to `train.stop_at_step` (else `train.steps`)."""
 
   def eval_model(state):
     model = build_model(setup, state["params"], state.get("model_state"))
     model.eval()
     return model
 
-  watch = PreemptionWatch()
   stop = config.train.stop_at_step or config.train.steps
-  loop = LoopState(
-    restored.state,
+  return LoopState(
+    state,
     start,
     min(stop, config.train.steps),
     mesh=mesh,
     workdir=workdir,
     model=eval_model,
-    annotate=annotate,
+    annotate=throughput.annotate,
     last_fetch_step=start,
   )
-  injected = None
-  if "debug" in config:  # only test configs have the section: fault injection
-    from trainers import debug
 
-    injected = debug.inject(
-      config.debug,
-      task=task,
-      train_step=train_step,
-      make_step=lambda t: make_train_step(setup, t, config, mesh, batch_axes, flat_reduce),
-      first_step=start,
-      train_batches=train_batches,
-      start_batches=lambda: train_batches.iterator(data_start, prefetch=config.data.prefetch),
-    )
-    train_step, batches = injected.train_step, injected.batches
-  else:
-    batches = train_batches.iterator(data_start, prefetch=config.data.prefetch)
+
+def _step_and_batches(config, task: Task, steps: _Steps, restored, train_batches):
+  """(train step, `(step, batch)` iterator, the injected faults or None).
+
+  Only test configs have a `debug` section: then `trainers.debug` wraps the
+  step and the batches with the faults it asks for.
+  """
+  data_start: int | pipeline.PipelineState = restored.step
+  if restored.data_state is not None:
+    data_start = pipeline.PipelineState.from_dict(restored.data_state)
+
+  def start_batches():
+    return train_batches.iterator(data_start, prefetch=config.data.prefetch)
+
+  if "debug" not in config:
+    return steps.train, start_batches(), None
+  from trainers import debug
+
+  injected = debug.inject(
+    config.debug,
+    task=task,
+    train_step=steps.train,
+    make_step=steps.train_for,
+    first_step=restored.step,
+    train_batches=train_batches,
+    start_batches=start_batches,
+  )
+  return injected.train_step, injected.batches, injected
+
+
+def _run_loop(
+  config,
+  loop: LoopState,
+  train_step: Callable,
+  batches,
+  run: _RunHooks,
+  watch: PreemptionWatch,
+  watchdog: ProgressWatchdog,
+  workdir: epath.Path,
+  started: float,
+) -> dict[str, float]:
+  """Runs the loop to its end; returns when the first step finished (`at`, and `s` from `started`).
+
+  A preemption is logged (process 0) and raised again as `Preempted` naming
+  the checkpoint; the batches, the watches and the progress bar are closed
+  whatever happens.
+  """
   guard = config.get("transfer_guard", "") or "allow"
   first_step: dict[str, float] = {}
 
@@ -419,14 +443,14 @@ def _train_and_evaluate(
 
   try:
     with jax.transfer_guard(guard):
-      train_loop(loop, train_step, batches, hooks, watch.reached, on_progress)
+      train_loop(loop, train_step, batches, run.hooks, watch.reached, on_progress)
   except Preempted:
-    if chief:
+    if jax.process_index() == 0:
       log.warning(
         "spmd-train: preempted; checkpoint saved at step %d; the final save took %.1f s "
         "(time allowed after the notice: %s)",
         loop.step,
-        saves.final_save_s,
+        run.saves.final_save_s,
         PREEMPTION_GRACE,
       )
     raise Preempted(
@@ -436,47 +460,16 @@ def _train_and_evaluate(
     batches.close()
     watch.close()
     watchdog.close()
-    progress.close()
+    run.progress.close()
+  return first_step
 
-  # 6. Final eval, summary, loss curve, then the sample: the results are on
-  # disk before the task's report runs, whatever it does.
-  final_eval = evaluations.results.get(loop.step)  # the eval hook's, when it ran at the end
+
+def _final_eval(loop: LoopState, run: _RunHooks) -> dict:
+  """The eval at the last step (the eval hook's, when it ran there); closes writer and saver."""
+  final_eval = run.evaluations.results.get(loop.step)
   if final_eval is None:
-    final_eval = evaluate(loop.state)
-    writer.write(loop.step, final_eval)
-  writer.close()
-  saver.close()
-  last = loop.history[-1] if loop.history else {}
-  rates = [h[rate] for h in loop.history[1:]] or [last.get(rate, 0.0)]
-  summary = {
-    "steps": loop.step,
-    "train_loss": last.get("loss"),
-    "eval_loss": final_eval["eval_loss"],
-    "eval_accuracy": final_eval["eval_accuracy"],
-    rate: float(np.median(rates)) if rates else None,
-    flops_metric: (
-      float(np.median([h.get(flops_metric, 0.0) for h in loop.history])) if loop.history else None
-    ),
-    "peak_source": peak.source,
-    "wall_time_s": time.perf_counter() - started,
-    "first_step_s": first_step.get("s"),  # from the start of training (imports excluded)
-    "first_step_at": first_step.get("at"),  # Unix time, for timing from outside
-    "workdir": str(workdir),
-    "checkpoints": str(workdir / "checkpoints"),
-    "metrics": str(workdir / "metrics.jsonl"),
-    "resumed_from": restored.source,
-    "loss_history": [(h["step"], h["loss"]) for h in loop.history],
-    **real_unit_share(task, loop.history),
-    **(injected.summary(loop.state) if injected else {}),  # the test configs' param hash
-  }
-  if chief:
-    summary["loss_curve"] = str(
-      metrics.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
-    )
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-  summary["report"] = report = _report(task, setup, loop.state, loop.step)
-  if chief:
-    print(metrics.format_summary(summary), flush=True)
-    if report:
-      print(report, flush=True)
-  return summary
+    final_eval = run.evaluate(loop.state)
+    run.writer.write(loop.step, final_eval)
+  run.writer.close()
+  run.saver.close()
+  return final_eval

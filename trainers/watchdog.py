@@ -292,9 +292,9 @@ class ProgressWatchdog:
     peers = self._peers()
     if peers and self._step is not None:
       # This process's own record may be stale: its watchdog thread can be
-      # held up between a step and the next publish (seen once in
-      # tests/faults/test_stuck.py: process 0's record stayed at step 6 for
-      # 8 s while it was at step 7). What it knows of itself is current.
+      # held up between a step and the next publish (the GIL, a slow
+      # coordination service), so the record may lag a step behind. What it
+      # knows of itself is current.
       since_wall = time.time() - (time.monotonic() - self._since)
       peers[jax.process_index()] = {"step": self._step, "time": since_wall}
     if peers:

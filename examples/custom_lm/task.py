@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from trainers import optim
-from trainers.data import pipeline
+from trainers.data import lm_examples
 from trainers.hooks import Hook, StepInfo
 from trainers.tasks import Task, config_section, lm
 
@@ -127,8 +127,8 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     # targets; what a window lacks is masked).
     prepare_data=lm.prepare_data(config),
     record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
-    to_example=pipeline.lm_example(seq_len),
-    to_batch=pipeline.lm_batch(seq_len),
+    to_example=lm_examples.lm_example(seq_len),
+    to_batch=lm_examples.lm_batch(seq_len),
     plan_records=lm.lm_records(config, seq_len),
     unit="tokens",
     optimizer=lion_optimizer,

@@ -5,9 +5,12 @@ sets `SPMD_FAULTS=full` for the full counts. Each test adds a row to the
 report: the fault, injections, how many ended as promised, the worst time to
 detection and the steps lost beyond the last committed checkpoint. The
 report is written at the end of the session to `$SPMD_FAULT_REPORT` (default
-`workdir/faults/report.json`, and `report.md` beside it).
+`workdir/faults/report.json`, and `report.md` beside it); with
+`SPMD_FAULTS_UPDATE_DOCS=1` its table also goes into docs/faults.md
+(`tests.faults.report`).
 """
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.data_fixtures import training_data
+from tests.faults.report import markdown, update_docs
 from tests.multiprocess import ROOT
 
 FULL = os.environ.get("SPMD_FAULTS", "") == "full"
@@ -53,26 +57,15 @@ def record():
   return add
 
 
-def markdown(rows: list[dict]) -> str:
-  lines = [
-    "| fault | injected | ended as promised | worst detection | steps lost |",
-    "|---|---|---|---|---|",
-  ]
-  for r in rows:
-    worst = "-" if r["worst_detection_s"] is None else f"{r['worst_detection_s']:.1f} s"
-    lost = "-" if r["steps_lost"] is None else r["steps_lost"]
-    lines.append(
-      f"| {r['fault']} | {r['injected']} | {r['as_promised']}/{r['injected']} | {worst} | {lost} |"
-    )
-  return "\n".join(lines) + "\n"
-
-
 def pytest_sessionfinish(session, exitstatus):
   if not _ROWS:
     return
   path = Path(os.environ.get("SPMD_FAULT_REPORT", ROOT / "workdir" / "faults" / "report.json"))
   path.parent.mkdir(parents=True, exist_ok=True)
-  # By fault number (1-11), in the order run within one fault.
+  # By fault number, in the order run within one fault.
   rows = sorted(_ROWS, key=lambda r: int(r["fault"].split(".", 1)[0]))
-  path.write_text(json.dumps({"full": FULL, "rows": rows}, indent=1) + "\n")
+  report = {"full": FULL, "date": datetime.date.today().isoformat(), "rows": rows}
+  path.write_text(json.dumps(report, indent=1) + "\n")
   path.with_suffix(".md").write_text(markdown(rows))
+  if os.environ.get("SPMD_FAULTS_UPDATE_DOCS") == "1":
+    update_docs(report)

@@ -92,7 +92,7 @@ def start(
   devices: int = 2,
   max_restarts: int = 0,
   timeout_s: float = 600,
-  entry: str = "trainers.main",
+  entry: str = "trainers.train_cli",
   env: dict | None = None,
   cwd: Path | None = None,
 ) -> Job:
@@ -126,7 +126,7 @@ def launch(
   command = [
     sys.executable,
     "-m",
-    "launch.main",
+    "launch.launch_cli",
     "local",
     f"--num-processes={num_processes}",
     f"--devices-per-process={devices}",
@@ -159,7 +159,7 @@ def launch(
 
 
 # Modules a job may run as `spmd-train`: the real one, or a test's wrapper of it.
-ENTRIES = ("trainers.main", "tests.workers.slow_save_train")
+ENTRIES = ("trainers.train_cli", "tests.workers.slow_save_train")
 
 # After one process fails, the others' time to end on their own before the
 # launcher's SIGKILL. They rarely need it (JAX's heartbeat, or the watchdog

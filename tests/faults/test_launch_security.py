@@ -65,7 +65,7 @@ def test_spmd_launch_local_passes_arguments_paths_and_environment_as_text(tmp_pa
     [
       PY,
       "-m",
-      "launch.main",
+      "launch.launch_cli",
       "local",
       "-n",
       "2",

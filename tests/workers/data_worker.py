@@ -24,7 +24,7 @@ import jax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.data import pipeline  # noqa: E402
+from trainers.data import lm_examples, pipeline  # noqa: E402
 
 mode, dataset, data_dir, out_dir = sys.argv[1:5]
 opts = dict(a.split("=", 1) for a in sys.argv[5:])
@@ -49,7 +49,7 @@ try:
     dataset,
     "train",
     data_dir,
-    packed.packed_example(seq_len) if packing else pipeline.lm_example(seq_len),
+    packed.packed_example(seq_len) if packing else lm_examples.lm_example(seq_len),
     global_batch,
     mesh,
     seed=int(opts.get("seed", 7)),

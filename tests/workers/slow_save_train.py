@@ -10,7 +10,7 @@ faster than the test can react.
 import os
 import time
 
-from trainers import checkpoint, main, train
+from trainers import checkpoint, train, train_cli
 
 _DELAY_S = float(os.environ["SPMD_TEST_SAVE_DELAY_S"])
 _STEP_DELAY_S = float(os.environ.get("SPMD_TEST_STEP_DELAY_S", "0"))
@@ -36,4 +36,4 @@ if _STEP_DELAY_S:
   train.train_loop = _slow_loop
 
 if __name__ == "__main__":
-  main.main()
+  train_cli.main()

@@ -17,7 +17,7 @@ spmd.initialize()
 import jax  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.data import pipeline  # noqa: E402
+from trainers.data import lm_examples, pipeline  # noqa: E402
 
 SEQ_LEN = 16
 n_train, n_eval, global_batch = (int(a) for a in sys.argv[1:4])
@@ -28,7 +28,7 @@ def records(n):
   return [{"tokens": (np.arange(SEQ_LEN + 1) + i).astype(np.uint8)} for i in range(n)]
 
 
-example = pipeline.lm_example(SEQ_LEN)
+example = lm_examples.lm_example(SEQ_LEN)
 train = pipeline.GlobalBatches(records(n_train), example, global_batch, mesh, seed=3, train=True)
 evaluation = pipeline.GlobalBatches(records(n_eval), example, global_batch, mesh, train=False)
 total = jax.jit(lambda x: x.sum())  # over the global array: every host takes part

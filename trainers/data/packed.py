@@ -55,6 +55,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from trainers.data import text_corpus
+from trainers.data.records import RecordPlan
 from trainers.data.tokenizer import Tokenizer
 
 NAME = "packed_lm"
@@ -206,7 +207,6 @@ def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
   follow from the ends. `identity()` is the tokenizer's, for the saved
   position (a resume on other data is refused).
   """
-  from trainers.data.pipeline import RecordPlan
 
   def plan(records: Sequence[Any]) -> RecordPlan:
     first, last = records[0], records[len(records) - 1]

@@ -29,6 +29,7 @@ run can resume on any number of processes.
 Example:
   >>> import numpy as np, jax
   >>> from spmd.mesh import create_mesh
+  >>> from trainers.data.lm_examples import lm_example
   >>> records = [{"tokens": np.arange(i, i + 5, dtype=np.uint8)} for i in range(10)]
   >>> batches = GlobalBatches(records, lm_example(seq_len=4), global_batch=8,
   ...                         mesh=create_mesh("data=-1"), seed=0)
@@ -44,7 +45,6 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import queue
 import threading
@@ -53,192 +53,18 @@ from typing import Any
 
 import jax
 import numpy as np
-from grain.experimental import index_shuffle
 
 from spmd import layout as layout_lib
 from spmd import multihost
+from trainers.data.record_order import (
+  order_digest,
+  record_in_order,
+  shuffled_position,
+  window_in_block,
+)
+from trainers.data.records import Example, RecordPlan
 
 log = logging.getLogger(__name__)
-
-Example = dict[str, np.ndarray]
-
-
-def lm_example(seq_len: int) -> Callable[..., Example]:
-  """(record, window) -> next-token example: `inputs`, `targets` (int32), `mask`.
-
-  Window `w` of a record is its tokens `[w * (seq_len + 1), (w + 1) * (seq_len + 1))`,
-  so long records give several examples (see `GlobalBatches(examples_per_record=...)`).
-  A short window is padded with zeros and its padding masked out of the loss.
-  """
-
-  to_batch = lm_batch(seq_len)  # one rule for windows, padding and mask
-
-  def to_example(record: dict[str, Any], window: int = 0) -> Example:
-    return {k: v[0] for k, v in to_batch([record], np.array([window])).items()}
-
-  return to_example
-
-
-def lm_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], Example]:
-  """(records, windows) -> the rows of `lm_example`, all at once.
-
-  Equal to stacking `lm_example(seq_len)(record, window)` row by row (which
-  calls this for one row), at a fraction of the CPU: one token array and one
-  mask for the batch, not three small arrays and a dict for every row. The
-  input pipeline builds a batch in a background thread, and on a host with
-  few cores that CPU comes out of the step's compute threads.
-
-  Example:
-    >>> records = [{"tokens": np.arange(10, dtype=np.uint8)}] * 2
-    >>> rows = lm_batch(seq_len=4)(records, np.array([0, 1]))
-    >>> rows["inputs"].tolist(), rows["mask"].tolist()
-    ([[0, 1, 2, 3], [5, 6, 7, 8]], [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-  """
-
-  def to_batch(records: Sequence[Any], windows: np.ndarray) -> Example:
-    padded = np.zeros((len(records), seq_len + 1), np.int32)
-    lengths = np.zeros(len(records), np.int64)
-    for row, (record, window) in enumerate(zip(records, windows)):
-      start = int(window) * (seq_len + 1)
-      tokens = np.asarray(record["tokens"])[start : start + seq_len + 1]
-      padded[row, : len(tokens)] = tokens
-      lengths[row] = len(tokens)
-    mask = (np.arange(seq_len) < lengths[:, None] - 1).astype(np.float32)
-    return {
-      "inputs": np.ascontiguousarray(padded[:, :-1]),
-      "targets": np.ascontiguousarray(padded[:, 1:]),
-      "mask": mask,
-    }
-
-  return to_batch
-
-
-def windows_per_record(record_tokens: int, seq_len: int) -> int:
-  """How many `seq_len` examples fit in a record of `record_tokens` tokens."""
-  return max(1, record_tokens // (seq_len + 1))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RecordPlan:
-  """How a split's records become examples, and what an epoch of them uses.
-
-  A task's `plan_records` returns one for the records it is given; the
-  pipeline adds what it skips itself (the examples that would not fill a
-  global batch) and logs the whole account once, on process 0.
-
-  Attributes:
-    examples_per_record: examples each record holds (example `e` is window
-      `e % n` of record `e // n`); the same for every record.
-    unit: what `total` and `in_examples` count, e.g. "tokens".
-    total: units in all the records.
-    in_examples: units the examples hold; the other `total - in_examples`
-      are cut, for the reason `cut` gives.
-    cut: why units are cut, e.g. "past each record's last whole window".
-    empty: examples that hold nothing to learn from (rows the task masks).
-    example: what one example is, e.g. "windows of 129 tokens".
-    detail: more about the examples for the logged line, e.g. "1200
-      documents packed, 17 padding tokens in the last window".
-    identity: what the examples were made with (e.g. a tokenizer's sha256),
-      saved with the data position: a run refuses to resume on data made
-      with another (`GlobalBatches.check_resumable`). "" = nothing to check.
-    examples: how many examples there are when the last record holds fewer
-      than `examples_per_record` (its missing windows do not exist: packed
-      windows); None = every record holds them all.
-
-  Example:
-    >>> plan = RecordPlan(examples_per_record=1, total=10, in_examples=10)
-    >>> plan.unit, plan.example
-    ('examples', 'examples')
-  """
-
-  examples_per_record: int
-  unit: str = "examples"
-  total: int
-  in_examples: int
-  cut: str = ""
-  empty: int = 0
-  example: str = "examples"
-  detail: str = ""
-  identity: str = ""
-  examples: int | None = None
-
-  def __post_init__(self):
-    if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:
-      raise ValueError(f"RecordPlan.examples_per_record={self.examples_per_record!r} must be >= 1")
-    if self.examples is not None and self.examples < 1:
-      raise ValueError(f"RecordPlan.examples={self.examples!r} must be >= 1 or None")
-    if not 0 <= self.in_examples <= self.total:
-      raise ValueError(
-        f"RecordPlan.in_examples={self.in_examples} must be between 0 and total={self.total}"
-      )
-
-
-_LENGTH_READ_BATCH = 1024  # records per batched read when a feature's length varies
-
-
-def record_lengths(records: Sequence[Any], feature: str) -> np.ndarray:
-  """The length of `feature` (elements) in every record, in record order.
-
-  A feature whose shape the dataset fixes (`records.info.features`, as a
-  `RecordSource` has) is not read at all. A variable-length one is read
-  once, in order, in batches: the same files give every host the same
-  lengths, and the hosts compare what they derive from them (the stream's
-  fingerprint) before any step.
-
-  Example:
-    >>> record_lengths([{"tokens": np.zeros(3)}, {"tokens": np.zeros(5)}], "tokens").tolist()
-    [3, 5]
-  """
-  info = getattr(records, "info", None)
-  spec = info.features[feature] if info is not None and feature in info.features else None
-  shape = getattr(spec, "shape", None)
-  if shape is not None and all(d is not None and d >= 0 for d in shape):
-    return np.full(len(records), int(np.prod(shape)), np.int64)
-  getitems = getattr(records, "__getitems__", None)
-  lengths = np.zeros(len(records), np.int64)
-  for start in range(0, len(records), _LENGTH_READ_BATCH):
-    indices = list(range(start, min(start + _LENGTH_READ_BATCH, len(records))))
-    batch = getitems(indices) if getitems else [records[i] for i in indices]
-    lengths[start : start + len(indices)] = [np.size(r[feature]) for r in batch]
-  return lengths
-
-
-def lm_windows(
-  seq_len: int, feature: str = "tokens", record_tokens: int | None = None
-) -> Callable[[Sequence[Any]], RecordPlan]:
-  """`records -> RecordPlan` for `lm_example`'s windows of `seq_len + 1` tokens.
-
-  Each record gives as many windows as the longest record holds whole
-  (`record_tokens` when the records' longest is known, else read from the
-  data: `record_lengths`). A shorter record's windows past its end are
-  masked out (counted as `empty`), so no token of a longer record is lost;
-  what follows a record's last whole window is cut and counted.
-
-  Example:
-    >>> records = [{"tokens": np.zeros(20, np.int32)}, {"tokens": np.zeros(7, np.int32)}]
-    >>> plan = lm_windows(seq_len=4)(records)  # windows of 5 tokens: 4 per record
-    >>> plan.examples_per_record, plan.total, plan.in_examples, plan.empty
-    (4, 27, 27, 2)
-  """
-  window = seq_len + 1
-
-  def plan(records: Sequence[Any]) -> RecordPlan:
-    lengths = record_lengths(records, feature)
-    longest = record_tokens if record_tokens is not None else int(lengths.max(initial=0))
-    per = windows_per_record(longest, seq_len)
-    # A window teaches something when it holds a target: two tokens or more.
-    learning = np.clip((lengths - 2) // window + 1, 0, per)
-    return RecordPlan(
-      examples_per_record=per,
-      unit="tokens",
-      total=int(lengths.sum()),
-      in_examples=int(np.minimum(lengths, per * window).sum()),
-      cut="past each record's last whole window",
-      empty=int(len(lengths) * per - learning.sum()),
-      example=f"windows of {window} tokens",
-    )
-
-  return plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +183,7 @@ class GlobalBatches:
     # come from its `shuffle_block` records: most lookups are repeats.
     count = len(records)
     self._record_at = functools.lru_cache(maxsize=2 * shuffle_block + global_batch)(
-      functools.partial(_record_in_order, count=count, seed=seed, short_last=self._missing > 0)
+      functools.partial(record_in_order, count=count, seed=seed, short_last=self._missing > 0)
     )
     self._cache = _RecordCache(shuffle_block + global_batch) if examples_per_record > 1 else None
     self._records = records
@@ -405,7 +231,7 @@ class GlobalBatches:
     size = min(block_records, count - first) * per
     if first + block_records >= count:  # the last block ends with the last record
       size -= self._missing
-    k = index_shuffle(j, size - 1, _seed_of(_WINDOW_ORDER, self.seed, epoch, block), _ROUNDS)
+    k = window_in_block(j, size, self.seed, epoch, block)
     record = self._record_at(epoch * count + first + k // per)
     return record * per + k % per
 
@@ -415,8 +241,8 @@ class GlobalBatches:
     valid = indices >= 0
     per = self.examples_per_record
     wanted = [int(i) for i in indices[valid]]
-    # One batched read of the distinct records: an ArrayRecord source reads a
-    # batch ~10x faster than the same records one by one.
+    # One batched read of the distinct records: an ArrayRecord source serves
+    # a batch in one call, where reading one by one pays that call per record.
     distinct = sorted({i // per for i in wanted})
     if self._cache is None:
       by_record = dict(zip(distinct, self._read(distinct)))
@@ -440,6 +266,7 @@ class GlobalBatches:
 
     Example:
       >>> from spmd.mesh import create_mesh
+      >>> from trainers.data.lm_examples import lm_example, lm_windows
       >>> records = [{"tokens": np.arange(20, dtype=np.int32)}] * 10
       >>> batches = GlobalBatches(records, lm_example(4), 8, create_mesh("data=-1"),
       ...                         plan=lm_windows(4)(records))
@@ -634,90 +461,6 @@ def open_global_batches(
   if jax.process_index() == 0:
     log.warning("spmd-train: data: %s split: %s", split, batches.usage())
   return batches
-
-
-# Rounds of grain's `index_shuffle` bijection per permutation (as its `MapDataset.shuffle`).
-_ROUNDS = 4
-ORDER_DIGEST_POSITIONS = 64  # first positions of each permutation in `order_digest`
-_RECORD_ORDER, _WINDOW_ORDER = 0, 1  # which permutation a seed is for
-
-
-def order_digest(
-  num_records: int, examples_per_record: int, shuffle_block: int, seed: int, missing: int = 0
-) -> str:
-  """A hash of the first positions of both permutations, for the run's seed.
-
-  Saved with the data position and compared on resume: if grain's
-  `index_shuffle` or our seeding ever orders the stream differently, a
-  resumed run refuses to start instead of silently feeding another order.
-  Both bijections are covered: the records', and the windows' within a block.
-
-  Example:
-    >>> order_digest(10, 1, 256, seed=0) == order_digest(10, 1, 256, seed=0)
-    True
-    >>> order_digest(10, 1, 256, seed=0) == order_digest(10, 1, 256, seed=1)
-    False
-  """
-  first = min(num_records, ORDER_DIGEST_POSITIONS)
-  records = [_record_in_order(p, num_records, seed, missing > 0) for p in range(first)]
-  windows: list[int] = []
-  if examples_per_record > 1:
-    size = min(shuffle_block, num_records) * examples_per_record
-    if shuffle_block >= num_records:
-      size -= missing
-    block_seed = _seed_of(_WINDOW_ORDER, seed, 0, 0)
-    windows = [
-      index_shuffle(j, size - 1, block_seed, _ROUNDS)
-      for j in range(min(size, ORDER_DIGEST_POSITIONS))
-    ]
-  return hashlib.sha256(json.dumps([records, windows]).encode()).hexdigest()[:16]
-
-
-def shuffled_position(position: int, length: int, seed: int) -> int:
-  """Position `position` of a stream of permutations of `range(length)`, one per epoch.
-
-  Each epoch is grain's `index_shuffle` bijection, seeded from (`seed`,
-  epoch) by our own rule, so the order does not change with grain's private
-  seed derivation (`MapDataset.seed(...).shuffle()` derives its seeds in a
-  way grain documents as not stable). It is also a quarter of the cost per
-  element of indexing a shuffled `MapDataset` (5 vs 20 µs here), which the
-  input pipeline pays for every row of every step.
-
-  Example:
-    >>> sorted(shuffled_position(p, 5, seed=0) for p in range(5))
-    [0, 1, 2, 3, 4]
-    >>> sorted(shuffled_position(p, 5, seed=0) for p in range(5, 10))  # epoch 1
-    [5, 6, 7, 8, 9]
-  """
-  epoch, within = divmod(position, length)
-  seed = _seed_of(_RECORD_ORDER, seed, epoch)
-  return epoch * length + index_shuffle(within, length - 1, seed, _ROUNDS)
-
-
-def _record_in_order(position: int, count: int, seed: int, short_last: bool) -> int:
-  """The record at `position` of the record order, epoch after epoch.
-
-  Each epoch is a permutation of the `count` records. With `short_last`
-  (the last record holds fewer examples than the others) it is a permutation
-  of the others followed by that record, so that only an epoch's last block
-  of the window shuffle is short and positions stay arithmetic.
-
-  Example:
-    >>> [_record_in_order(p, 4, seed=0, short_last=True) for p in range(4)][-1]
-    3
-  """
-  if not short_last or count == 1:
-    return shuffled_position(position, count, seed) % count
-  epoch, within = divmod(position, count)
-  if within == count - 1:
-    return count - 1
-  return shuffled_position(epoch * (count - 1) + within, count - 1, seed) % (count - 1)
-
-
-@functools.lru_cache(maxsize=16)  # a batch spans at most two epochs, two blocks
-def _seed_of(*key: int) -> int:
-  """The 32-bit seed of one permutation, e.g. `(_WINDOW_ORDER, seed, epoch, block)`."""
-  return int(np.random.SeedSequence(key).generate_state(1)[0])
 
 
 class _RecordCache:

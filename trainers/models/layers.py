@@ -91,9 +91,9 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Ar
   a plain [tokens, in]^T @ [tokens, out] that XLA:CPU's matmul kernels read
   in place. Written as an einsum over batch and length ("bld,blf->df"),
   XLA:CPU instead transposes the [tokens, d_ff] activation gradient through
-  a strided copy fused with the activation's backward, a large part of a
-  small model's step (`python -m benchmarks.profile_step --top=20` shows
-  it). The reshapes are free (bitcasts), and the SPMD partitioner keeps a
+  a strided copy fused with the activation's backward: a copy of the whole
+  activation gradient every step, which the flattened form never makes.
+  The reshapes are free (bitcasts), and the SPMD partitioner keeps a
   sharded batch dim sharded when it is merged with the length dim.
 
   Example:

@@ -118,15 +118,15 @@ class TransformerConfig:
   parameters, checkpoints and remat, compile time growing with depth, and
   no loop machinery (per-layer weight slices, stacked residual buffers,
   no overlap between layers). For a shallow model that is the faster
-  choice: lm_tiny-width-512's step on one CPU device ran 7-10 % faster
-  fully unrolled (see README, Performance, P3)."""
+  choice: its compile time is small either way, and the loop machinery is
+  paid every step."""
   remat_policy: str = "minimal"
   """With scan_layers: what each layer keeps for the backward pass.
   "minimal" keeps only the weight matmuls' outputs and recomputes the rest
   (attention scores, softmax, norms, GELU): far less activation memory for
   a few percent more compute. "none" keeps everything and recomputes
-  nothing: faster where memory is plentiful (about 4 % for lm_tiny-width-512
-  on CPU), but in a rolled loop every intermediate becomes a stacked buffer."""
+  nothing: faster where memory is plentiful (no recomputation), but in a
+  rolled loop every intermediate becomes a stacked buffer."""
 
   def __post_init__(self):
     sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff")

@@ -113,11 +113,11 @@ class Task:
       `to_example` but cheaper.
     examples_per_record: how many examples (windows) each record holds,
       when the task knows it without seeing the data.
-    plan_records: optional `records -> trainers.data.pipeline.RecordPlan`,
+    plan_records: optional `records -> trainers.data.records.RecordPlan`,
       called once per split on every host with the opened records: how many
       examples each record holds, derived from the data (it replaces
       `examples_per_record`), and what they use of it, in the task's units,
-      for the line the run logs (e.g. `pipeline.lm_windows`).
+      for the line the run logs (e.g. `lm_examples.lm_windows`).
 
   Training:
     optimizer: optional `(config.train, schedule) -> optax.GradientTransformation`,

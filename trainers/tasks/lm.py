@@ -6,7 +6,7 @@ feature (pre-tokenized, any integer dtype, fixed or variable length, ids
 below `config.model.vocab_size`): next-token cross-entropy over the unmasked
 targets, accuracy, tokens as the unit, PaLM's model FLOPs, and a greedy
 sample at the end (with a KV cache, `trainers.models.decode`). Each record gives every window of `seq_len + 1` tokens it
-holds (`pipeline.lm_windows`), and the run logs what is used and dropped.
+holds (`lm_examples.lm_windows`), and the run logs what is used and dropped.
 Its section, `config.model`, is `TransformerConfig`'s fields plus nothing.
 
 With `config.data.pack` the documents (the corpus's files, or a
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from trainers.data import pipeline
+from trainers.data import lm_examples
 from trainers.models import decode
 from trainers.models import transformer as lm
 from trainers.tasks import Task, config_section, cross_entropy_sums
@@ -374,7 +374,7 @@ def lm_records(config: ml_collections.ConfigDict, seq_len: int):
   # The corpus's chunks are at most CORPUS_RECORD_BYTES long, so its windows
   # are known without reading it; other datasets say it themselves.
   record_tokens = CORPUS_RECORD_BYTES if config.data.name == "text_corpus" else None
-  return pipeline.lm_windows(seq_len, "tokens", record_tokens)
+  return lm_examples.lm_windows(seq_len, "tokens", record_tokens)
 
 
 def real_tokens(batch) -> jax.Array:
@@ -431,8 +431,8 @@ def lm_data(
       prepare_data=prepare_data(config),
       # One window of int32 ids: the records' own length and dtype are the data's.
       record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
-      to_example=pipeline.lm_example(seq_len),
-      to_batch=pipeline.lm_batch(seq_len),
+      to_example=lm_examples.lm_example(seq_len),
+      to_batch=lm_examples.lm_batch(seq_len),
       plan_records=lm_records(config, seq_len),
       unit="tokens",
       units_per_batch=units,

@@ -1,15 +1,15 @@
-"""Why lm_tiny's attention core runs far below the matmul peak: XLA:CPU's batched dots of small items.
+"""Found: XLA:CPU's batched dots of small items (the attention core's) run far below a 2-D matmul and gain nothing from a second core.
 
-  python -m benchmarks.batched_matmul [--rounds=30]
+  python -m benchmarks.investigations.batched_matmul [--rounds=30]
 
 Times, on one CPU device, the same FLOPs multiplied four ways:
   attention     256 items of 64 x 64 x 64: the shape of each of the attention
-                core's six batched matmuls in P3's step (batch 32 x 8 heads,
-                seq_len 64, head_dim 64)
+                core's six batched matmuls in lm_tiny's step at width 512
+                (batch 32 x 8 heads, seq_len 64, head_dim 64)
   32 items      32 items of 512 x 64 x 64
   one 2-D       one [16384, 64] x [64, 64] matmul
-  square        square 2048 matmuls (what P3's peak samples), reported as
-                the best of 3 per round
+  square        square 2048 matmuls (what the matmul peak samples),
+                reported as the best of 3 per round
 and the attention shape and the square matmul again compiled with
 `peaks.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
 batched dot to Eigen one item at a time), rows "... (oneDNN)".
@@ -17,14 +17,11 @@ Once with every core and once in a child process pinned to one core
 (`os.sched_setaffinity` before JAX starts, so XLA:CPU sizes its thread pool
 to it). Prints GFLOP/s, the median over `--rounds` rounds of 5 calls.
 
-On 2026-12-02 (2 cores): the attention-shaped batched matmul ran at 52
-GFLOP/s on two cores and 57 on one, 32 larger items at 93 and 99, while the
-one 2-D matmul of the same FLOPs (146 against 106) and the square matmul
-(195 against 131) gained from the second core. A batched dot of small items
-gets nothing from XLA:CPU's second thread; handing each thread whole items
-would (`benchmarks/NOTES.md`, P3). Later that day, with the machine slow:
-the attention shape 45.3 GFLOP/s by default and 78.5 through oneDNN, the
-square matmul 166.6 and 190.7 (2 cores).
+What it showed: the one 2-D matmul of the same FLOPs and the square matmul
+gain from the second core, the small batched items do not (XLA:CPU hands a
+batched dot to Eigen one item at a time; handing each thread whole items
+would help), and oneDNN dots run the attention shape faster than the
+default. The runs are in docs/engineering-log.md.
 """
 
 from __future__ import annotations
@@ -84,7 +81,13 @@ def main() -> None:
     return
   cores = len(os.sched_getaffinity(0))
   one_core = subprocess.run(
-    [sys.executable, "-m", "benchmarks.batched_matmul", "--child", f"--rounds={args.rounds}"],
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.investigations.batched_matmul",
+      "--child",
+      f"--rounds={args.rounds}",
+    ],
     capture_output=True,
     text=True,
     check=True,

@@ -1,13 +1,13 @@
-"""What one design choice of the train step costs: the same step under config variants, alternating.
+"""Found: the branch guard and unstacked layers cost no more than their alternatives; the attention core costs more than its FLOPs.
 
-  python -m benchmarks.step_variants [--variants=branch,select,stacked] [--rounds=30]
-  # what the parts outside the weight matmuls cost (2026-12-02: README, P3)
-  python -m benchmarks.step_variants --variants=branch,no_attention_core,affine_norms,relu \
+  python -m benchmarks.investigations.step_variants [--variants=branch,select,stacked] [--rounds=30]
+  # what the parts outside the weight matmuls cost
+  python -m benchmarks.investigations.step_variants --variants=branch,no_attention_core,affine_norms,relu \\
       --rounds=16 --steps=3
 
-One process, `BENCH_DEVICES` CPU devices (default 1, as P3), lm_tiny at
-width 512 (P3's model). Each variant is the trainer's real step with one
-setting changed:
+One process, `BENCH_DEVICES` CPU devices (default 1), lm_tiny at width 512
+(`benchmarks.trainer`'s model for the FLOP/s figure). Each variant is the
+trainer's real step with one setting changed:
   branch   the default: a non-finite step keeps the old state through
            `lax.cond` (`train.nonfinite_guard="branch"`)
   select   `jnp.where(finite, new, old)` over every leaf instead, which makes
@@ -29,9 +29,9 @@ Rounds of `--steps` steps, each step timed alone (it waits for its result),
 the variants in turn and in reverse order every other round. Prints each
 variant's min, 10th percentile and median step time, and the median of its
 per-round ratios to the first variant, and the matmul FLOPs of its compiled
-step (`spmd.hlo.matmul_flops`). On this shared 2-core machine one
-round's ratio swings by 15 % or more; the min and 10th percentile are what
-interference cannot lower.
+step (`spmd.hlo.matmul_flops`). On a shared machine one round's ratio
+swings widely; the min and 10th percentile are what interference cannot
+lower. The runs are in docs/engineering-log.md.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import os
 import statistics
 import time
 
-# One device unless told: benchmarks.trainer (imported below for P3's model)
+# One device unless told: benchmarks.trainer (imported below for its model)
 # sets up `BENCH_DEVICES` CPU devices, 4 by default.
 os.environ.setdefault("BENCH_DEVICES", "1")
 

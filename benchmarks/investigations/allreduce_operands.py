@@ -1,14 +1,17 @@
-"""What one cross-process all-reduce costs per operand on XLA:CPU (gloo).
+"""Found: XLA:CPU runs one gloo collective per all-reduce operand, so the step reduces one flat vector.
 
-  python -m benchmarks.allreduce_operands [--mib=2] [--calls=30]
+  python -m benchmarks.investigations.allreduce_operands [--mib=2] [--calls=30]
 
 Starts 2 simulated hosts (`spmd-launch local`'s `run_local`), each with one
 CPU device. Each host all-reduces the same number of bytes, split into 1, 4
 or 20 arrays, in one jitted call. XLA combines the reductions into one
 all-reduce instruction with that many operands, and XLA:CPU runs one gloo
-collective per operand. This explains P6: lm_tiny's train step reduces 28
-gradient arrays a step (10 per scanned layer inside the backward loop, 8
-outside). Prints the median milliseconds per call for each split.
+collective per operand, so the cost grows with the number of arrays, not
+only with the bytes. That is why the train step, on CPU across processes,
+reduces its gradients as one raveled vector (`trainers/step.py`,
+`flat_gradient_reduction`) instead of one array per parameter. Prints the
+median milliseconds per call for each split; the runs are in
+docs/engineering-log.md.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ def main() -> None:
     return
   from launch import local
 
-  command = [sys.executable, "-m", "benchmarks.allreduce_operands", "--worker"]
+  command = [sys.executable, "-m", "benchmarks.investigations.allreduce_operands", "--worker"]
   command += [f"--mib={args.mib}", f"--calls={args.calls}"]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   result = local.run_local(command, num_processes=2, timeout_s=300, echo=False, cwd=root)
   print(result.processes[0].output.strip() if result.ok else result.report())
 

@@ -16,7 +16,23 @@ from launch.processes import stop_on_signals
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
   targets = parser.add_subparsers(dest="target", required=True)
-  loc = targets.add_parser("local", help="N simulated hosts on this machine")
+  _local_arguments(targets.add_parser("local", help="N simulated hosts on this machine"))
+  _slurm_arguments(targets.add_parser("slurm", help="write (and --submit) an sbatch script"))
+  from launch import tpu
+
+  tpu.add_arguments(
+    targets.add_parser("tpu", help="every worker of a Cloud TPU VM slice, over gcloud ssh")
+  )
+  from launch import k8s
+
+  k8s.add_arguments(
+    targets.add_parser("k8s", help="write (and --apply) a Kubernetes JobSet manifest")
+  )
+  return parser
+
+
+def _local_arguments(loc: argparse.ArgumentParser) -> None:
+  """The flags of `spmd-launch local` (`launch.local.run_with_restarts`)."""
   loc.add_argument("-n", "--num-processes", type=int, default=2)
   loc.add_argument("--devices-per-process", type=int, default=1)
   loc.add_argument(
@@ -70,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     help="do not preload TCMalloc into the processes (by default it is, where installed)",
   )
   loc.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
-  slurm = targets.add_parser("slurm", help="write (and --submit) an sbatch script")
+
+
+def _slurm_arguments(slurm: argparse.ArgumentParser) -> None:
+  """The flags of `spmd-launch slurm` (`launch.slurm.sbatch_script`)."""
   slurm.add_argument("--nodes", type=int, required=True)
   slurm.add_argument("--tasks-per-node", type=int, default=1)
   slurm.add_argument("--gpus-per-node", type=int, default=0)
@@ -80,17 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
   slurm.add_argument("--script", default="spmd_job.sbatch", help="where to write the script")
   slurm.add_argument("--submit", action="store_true", help="run sbatch on it")
   slurm.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
-  from launch import tpu
-
-  tpu.add_arguments(
-    targets.add_parser("tpu", help="every worker of a Cloud TPU VM slice, over gcloud ssh")
-  )
-  from launch import k8s
-
-  k8s.add_arguments(
-    targets.add_parser("k8s", help="write (and --apply) a Kubernetes JobSet manifest")
-  )
-  return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,19 +116,27 @@ def main(argv: list[str] | None = None) -> int:
 
     return tpu.main(args, command)
   if args.target == "slurm":
-    from launch import slurm
+    return _write_sbatch(args, command)
+  return _run_local(args, command)
 
-    script = slurm.sbatch_script(
-      command,
-      args.nodes,
-      args.tasks_per_node,
-      args.gpus_per_node,
-      args.time,
-      args.job_name,
-      args.partition,
-    )
-    print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
-    return 0
+
+def _write_sbatch(args: argparse.Namespace, command: list[str]) -> int:
+  from launch import slurm
+
+  script = slurm.sbatch_script(
+    command,
+    args.nodes,
+    args.tasks_per_node,
+    args.gpus_per_node,
+    args.time,
+    args.job_name,
+    args.partition,
+  )
+  print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
+  return 0
+
+
+def _run_local(args: argparse.Namespace, command: list[str]) -> int:
   # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
   saving = f"asking the job to save and stop (SIGKILL in {args.term_grace:g}s)"
   with stop_on_signals(saving) as stop:

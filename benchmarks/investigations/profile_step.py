@@ -1,6 +1,6 @@
-"""Where a train step's time goes, by kind of XLA operation.
+"""Found: matmuls take most of a CPU train step; the untraced gaps are Eigen's asynchronous weight-gradient matmuls.
 
-  python -m benchmarks.profile_step [--steps=3] [--width=512]
+  python -m benchmarks.investigations.profile_step [--steps=3] [--width=512]
 
 Traces `--steps` steps of the real train step (lm_tiny at `--width`, one
 process, `BENCH_DEVICES` CPU devices, default 1) with `jax.profiler`, reads the
@@ -8,8 +8,9 @@ Perfetto trace back and sums each executed HLO operation's time into:
 matmuls, layout copies (transposes XLA inserts so a dot gets the operand
 layout its kernel wants), collectives, the optimizer (with gradient clipping
 and metrics: every op outside the differentiated loss)
-and other elementwise work (of the loss's forward and backward). This is how the P3 figure is explained in the
-README and `benchmarks/NOTES.md`.
+and other elementwise work (of the loss's forward and backward): where a
+step's time goes beside its matmuls. The runs are in
+docs/engineering-log.md.
 
 Two columns per kind: the ops' summed durations, and the time at least one
 of them ran (XLA:CPU runs independent ops at once, so the sum can exceed

@@ -1,6 +1,6 @@
-"""The train step on a fixed batch under several process layouts: where P6's cost lies.
+"""Found: 2 processes cost more than 1 even without the input pipeline or loop: the cost is XLA:CPU's, not the harness's.
 
-  python -m benchmarks.process_layouts [--layouts=1x2,2x1,2x1u] [--rounds=2] [--steps=100]
+  python -m benchmarks.investigations.process_layouts [--layouts=1x2,2x1,2x1u] [--rounds=2] [--steps=100]
 
 Each layout is `PROCESSESxDEVICES` (devices per process), with a trailing `p`
 for `--pin-cpus` (a disjoint share of the CPUs per process) or `u` for
@@ -13,7 +13,9 @@ trainer loop. So a difference between layouts is the runtime's (XLA:CPU's
 collectives across processes, its thread pools sharing the cores), not
 the harness's. Rounds run the layouts in turn, reversed every other round.
 Prints each layout's median step time over the rounds (the median of each
-round's per-step median) and its ratio to the first layout.
+round's per-step median) and its ratio to the first layout. What is left
+between layouts is XLA:CPU's gloo all-reduce and the processes' thread
+pools sharing the cores; the runs are in docs/engineering-log.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LAYOUT = re.compile(r"^(\d+)x(\d+)([pu]?)$")
 
 
@@ -80,7 +82,7 @@ def run_layout(layout: str, config: str, steps: int) -> float:
   from launch import local
 
   processes, devices, pinned = parse_layout(layout)
-  command = [sys.executable, "-m", "benchmarks.process_layouts", "--worker"]
+  command = [sys.executable, "-m", "benchmarks.investigations.process_layouts", "--worker"]
   command += [f"--config={config}", f"--steps={steps}"]
   result = local.run_local(
     command,

@@ -1,19 +1,21 @@
-"""What the input pipeline costs the host's CPU per batch: the task's batch builder vs row by row.
+"""Found: building a batch's rows at once (`lm_examples.lm_batch`) takes less host CPU than row by row, for equal batches.
 
-  python -m benchmarks.input_cpu [--config=configs/lm_tiny.py] [--rounds=40] [--batches=100]
+  python -m benchmarks.investigations.input_cpu [--config=configs/lm_tiny.py] [--rounds=40] [--batches=100]
 
-One process, 4 CPU devices, as `benchmarks.training` (P4) runs lm_tiny. Times
+One process, 4 CPU devices, as `benchmarks.training` runs lm_tiny. Times
 `GlobalBatches.global_batch_arrays` (positions, records, rows, the copy to
 the devices: what the prefetch thread does for every step) in CPU seconds
 (`time.process_time`, so XLA's copy threads count too), in alternating
 rounds of `--batches` consecutive steps:
-  to_batch     the task's builder of all rows at once (`pipeline.lm_batch`),
+  to_batch     the task's builder of all rows at once (`lm_examples.lm_batch`),
                as `spmd-train` runs it
   row by row   the same pipeline without it: `to_example` for every row,
                then `np.stack`
 Prints the median CPU per batch of each and the median of per-round ratios.
-On a host with few cores this CPU comes out of the step's compute threads
-(README, Performance, P4); the batches are checked to be equal first.
+On a host with few cores this CPU comes out of the step's compute threads,
+which is why the pipeline's cost is counted in CPU, not wall time; the
+batches are checked to be equal first. The runs are in
+docs/engineering-log.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,34 @@
+"""`spmd-export`: a run's trained weights as one plain-array file, usable with no mesh.
+
+  spmd-export --workdir=W [--step=N] [--checkpoint=DIR] [--out=FILE]
+
+writes `W/export/params_step_<N>.npz` (or `--out`) with `trainers.export.export`;
+that module describes the file and loads it back (`load_params`, `load_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from trainers import export
+
+
+def main(argv: list[str] | None = None) -> None:
+  """`spmd-export`: see the module docstring."""
+  parser = argparse.ArgumentParser(prog="spmd-export", description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", required=True, help="the run's workdir")
+  parser.add_argument("--step", type=int, default=None, help="default: the latest committed")
+  parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
+  parser.add_argument("--out", default=None, help="default: <workdir>/export/params_step_N.npz")
+  args = parser.parse_args(argv)
+  path = export.export(args.workdir, args.out, step=args.step, checkpoint=args.checkpoint)
+  exported = export.load_export(str(path))
+  count = sum(np.size(x) for x in export.flatten(exported.params).values())
+  print(f"spmd-export: step {exported.step}, {count:,} parameters -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
