@@ -1,8 +1,15 @@
-"""Pieces the built-in decoders share: initializers, dtype checks and the dense matmul."""
+"""Pieces the built-in decoders share: config checks, initializers, the dense matmul, layer stacks.
+
+`trainers.models.transformer` and `trainers.models.llama` both validate the
+same sizes and layout fields, contract weights through `dense`, and can stack
+their blocks on a `layers` axis and scan over them (`stacked`, `scan_layers`).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +49,40 @@ def float_dtype(name: str, value: str) -> jnp.dtype:
   return dtype
 
 
+def check_decoder_fields(config: Any, sizes: tuple[str, ...], remat_policies: tuple[str, ...]):
+  """The checks every decoder config shares; a `ValueError` naming the field otherwise.
+
+  `sizes` must be positive integers and `d_model` a multiple of `num_heads`;
+  `dtype` and `param_dtype` floating dtypes; `scan_layers` a bool,
+  `scan_unroll` a positive integer and `remat_policy` one of `remat_policies`.
+
+  Example:
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(d_model=64, num_heads=3, dtype="float32",
+    ...                          param_dtype="float32", scan_layers=True, scan_unroll=1,
+    ...                          remat_policy="none")
+    >>> check_decoder_fields(config, ("d_model", "num_heads"), ("minimal", "none"))
+    Traceback (most recent call last):
+    ...
+    ValueError: d_model=64 is not divisible by num_heads=3
+  """
+  for name in sizes:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive integer")
+  if config.d_model % config.num_heads:
+    raise ValueError(f"d_model={config.d_model} is not divisible by num_heads={config.num_heads}")
+  float_dtype("dtype", config.dtype)
+  float_dtype("param_dtype", config.param_dtype)
+  if not isinstance(config.scan_layers, bool):
+    raise ValueError(f"scan_layers={config.scan_layers!r} must be True or False")
+  unroll = config.scan_unroll
+  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+    raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
+  if config.remat_policy not in remat_policies:
+    raise ValueError(f"remat_policy={config.remat_policy!r} is not one of {remat_policies}")
+
+
 def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
   """Contracts the last `contract` dims of `x` with the first `contract` dims of `w`.
 
@@ -64,3 +105,90 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Ar
   inner = math.prod(w.shape[:contract])
   y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
   return y.reshape(*lead, *features)
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+  """One module `make(rngs)` whose parameters have a leading `layers` axis of size `num_layers`.
+
+  Layer i draws the keys that the unrolled model's layer i draws from the
+  same stream (its counter advanced by i layers' worth of draws), so a seed
+  gives the same weights in either layout, on any mesh: `jax.vmap` over the
+  layer index traces one layer, and partitionable threefry makes each value
+  depend on its key and index only. Each parameter's logical axes gain a
+  leading "layers".
+
+  Example:
+    >>> from trainers.models import param
+    >>> class Layer(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.w = param(rngs, fan_in_init(0, 1), (4, 2), ("embed", "mlp"))
+    >>> stack = stacked(Layer, 3, nnx.Rngs(0))
+    >>> stack.w.shape, stack.w.get_metadata("out_sharding")
+    ((3, 4, 2), ('layers', 'embed', 'mlp'))
+    >>> bool((stack.w[0] == Layer(nnx.Rngs(0)).w[...]).all())  # the unrolled first layer's
+    True
+  """
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  draws = len(jax.tree.leaves(abstract))  # `param` draws one key per parameter
+  stream = rngs.params
+  key, start = stream.key.get_value(), stream.count.get_value()
+
+  def one(layer: jax.Array) -> nnx.State:
+    layer_rngs = nnx.Rngs(params=key)
+    layer_rngs.params.count.set_value(start + layer * draws)
+    return nnx.split(make(layer_rngs))[1]
+
+  # uint32 like the stream's counter, so the keys are the unrolled model's exactly.
+  state = jax.vmap(one)(jnp.arange(num_layers, dtype=start.dtype))
+  for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    var.set_metadata(out_sharding=("layers", *var.get_metadata("out_sharding")))
+  stream.count.set_value(start + num_layers * draws)
+  return nnx.merge(graphdef, state)
+
+
+CHECKPOINT_POLICIES = {
+  # MaxText's "minimal": keep the weight matmuls' outputs, recompute the rest
+  # (attention scores, softmax, norms, activations) in the backward pass.
+  "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  # Keep only each layer's input: least memory, one more forward pass.
+  "full": jax.checkpoint_policies.nothing_saveable,
+  # Keep everything: in a rolled loop every intermediate becomes a stacked buffer.
+  "none": None,
+}
+
+
+def scan_layers(
+  blocks: nnx.Module, x: jax.Array, *args: Any, unroll: int = 1, remat_policy: str = "minimal"
+) -> jax.Array:
+  """Applies `stacked` blocks in order, `blocks(x, *args)`, one `lax.scan` step per layer.
+
+  `args` are the same for every layer (a mask, RoPE's angles): inputs of
+  each step, not outputs, so the remat never recomputes them. Each step is
+  rematerialised as `remat_policy` (a key of `CHECKPOINT_POLICIES`) says; without
+  remat the backward pass keeps every intermediate of every layer as a
+  stacked loop output that XLA cannot fuse away. `unroll` layers run per
+  loop iteration.
+
+  Example:
+    >>> from trainers.models import param
+    >>> class Block(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.w = param(rngs, nnx.initializers.ones, (2, 2), ("embed", "mlp"))
+    ...   def __call__(self, x, scale):
+    ...     return x @ self.w[...] * scale
+    >>> scan_layers(stacked(Block, 3, nnx.Rngs(0)), jnp.ones((1, 2)), 0.5).tolist()
+    [[1.0, 1.0]]
+  """
+  graphdef, state = nnx.split(blocks)
+
+  def layer(x, params):
+    return nnx.merge(graphdef, params)(x, *args), None
+
+  policy = CHECKPOINT_POLICIES[remat_policy]
+  if policy is not None:
+    # prevent_cse only when unrolled: a rolled loop already keeps XLA from
+    # merging the recomputation into the forward pass (they are in different
+    # loops), and the barrier would only cost speed. Unrolled, forward and
+    # backward can end up in one computation, and only the barrier keeps the remat.
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=unroll > 1)
+  return jax.lax.scan(layer, x, state, unroll=unroll)[0]

@@ -20,8 +20,8 @@ Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
   unembed                      [d_model, vocab]  (untied only)       (embed, vocab)
 
 Layers are stacked and scanned, rematerialised by `remat_policy`, or
-unrolled, as in `trainers.models.transformer` (same seed, same weights in
-either layout).
+unrolled (`trainers.models.layers.stacked` and `scan_layers`: the same seed
+gives the same weights in either layout).
 
 Activations are constrained explicitly by logical names (MaxText's way):
 the residual stream is (batch, length, embed), queries (batch, length,
@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,7 @@ from flax import nnx
 
 from spmd.rules import constrain
 from trainers.models import param
-from trainers.models.layers import dense, fan_in_init, float_dtype
+from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 REMAT_POLICIES = ("minimal", "full", "none")
@@ -105,14 +104,8 @@ class LlamaConfig:
   more forward pass) or "none" (everything)."""
 
   def __post_init__(self):
-    for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "num_kv_heads"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    if self.d_ff < 1:
-      raise ValueError(f"d_ff={self.d_ff!r} must be a positive integer")
-    if self.d_model % self.num_heads:
-      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff")
+    check_decoder_fields(self, sizes, REMAT_POLICIES)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
@@ -122,16 +115,8 @@ class LlamaConfig:
       raise ValueError(f"head_dim={self.head_dim} (d_model / num_heads) must be even for RoPE")
     if not self.rope_theta > 1:
       raise ValueError(f"rope_theta={self.rope_theta!r} must be > 1")
-    float_dtype("dtype", self.dtype)
-    float_dtype("param_dtype", self.param_dtype)
-    for name in ("tie_embeddings", "scan_layers"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-    unroll = self.scan_unroll
-    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-      raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
+    if not isinstance(self.tie_embeddings, bool):
+      raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
 
   @property
   def head_dim(self) -> int:
@@ -253,64 +238,6 @@ class Block(nnx.Module):
     residual = ("batch", "length", "embed")
     x = constrain(x + self.attn(self.attn_norm(x), mask, sin, cos), residual)
     return constrain(x + self.mlp(self.mlp_norm(x)), residual)
-
-
-def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
-  """One module whose parameters have a leading `layers` axis of size `num_layers`.
-
-  Layer i draws the keys the unrolled model's layer i would draw from the
-  same stream (its counter advanced by i layers' worth of draws), so a seed
-  gives the same weights in either layout (as `transformer._stacked_blocks`).
-
-  Example:
-    >>> config = LlamaConfig(num_layers=3, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32)
-    >>> stack = stacked(lambda r: Block(config, rngs=r), 3, nnx.Rngs(0))
-    >>> stack.mlp.up.shape, stack.mlp.up.get_metadata("out_sharding")
-    ((3, 16, 32), ('layers', 'embed', 'mlp'))
-  """
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-  draws = len(jax.tree.leaves(abstract))  # `param` draws one key per parameter
-  stream = rngs.params
-  key, start = stream.key.get_value(), stream.count.get_value()
-
-  def one(layer: jax.Array) -> nnx.State:
-    layer_rngs = nnx.Rngs(params=key)
-    layer_rngs.params.count.set_value(start + layer * draws)
-    return nnx.split(make(layer_rngs))[1]
-
-  state = jax.vmap(one)(jnp.arange(num_layers, dtype=start.dtype))
-  for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-    var.set_metadata(out_sharding=("layers", *var.get_metadata("out_sharding")))
-  stream.count.set_value(start + num_layers * draws)
-  return nnx.merge(graphdef, state)
-
-
-_POLICIES = {
-  # MaxText's "minimal": keep the weight matmuls' outputs, recompute the rest
-  # (attention scores, softmax, elementwise ops) in the backward pass.
-  "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  "full": jax.checkpoint_policies.nothing_saveable,
-}
-
-
-def scan_layers(
-  blocks: nnx.Module, x: jax.Array, *args: jax.Array, unroll: int = 1, remat_policy: str = "minimal"
-) -> jax.Array:
-  """Applies stacked `blocks(x, *args)` in order, one `lax.scan` step per layer.
-
-  `args` are the same for every layer (mask, RoPE angles). Each step is
-  rematerialised as `remat_policy` says; "none" keeps every intermediate.
-  """
-  graphdef, state = nnx.split(blocks)
-
-  def layer(x, params):
-    return nnx.merge(graphdef, params)(x, *args), None
-
-  if remat_policy != "none":
-    # prevent_cse only when unrolled: a rolled loop already keeps the
-    # recomputation apart from the forward pass, and the barrier costs speed.
-    layer = jax.checkpoint(layer, policy=_POLICIES[remat_policy], prevent_cse=unroll > 1)
-  return jax.lax.scan(layer, x, state, unroll=unroll)[0]
 
 
 def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:

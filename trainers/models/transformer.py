@@ -31,14 +31,14 @@ The blocks' weights are stacked along a leading `layers` axis (size
 num_layers; the rules presets never split it) and the forward pass is one
 `jax.lax.scan` over them, so XLA compiles one block whatever the depth (as
 MaxText's `scan_layers`, T5X and Levanter's `Stacked` do). Each layer is
-rematerialised except for its matmul outputs (see `_scan_blocks`: less
+rematerialised except for its matmul outputs (see `layers.scan_layers`: less
 memory than unrolled, for a few percent more FLOPs); `remat_policy="none"`
 keeps everything instead, and `scan_unroll` runs several layers (or all of
 them) per loop iteration, for shallow models where the loop costs more
 than it saves. `scan_layers=False`
 builds the blocks unrolled instead, as `blocks/i/...` without the `layers`
 axis and without remat; block i's weights are then exactly the stack's row
-i for the same seed (see `_stacked_blocks`): only the checkpoint layout
+i for the same seed (see `layers.stacked`): only the checkpoint layout
 differs.
 
 Parameters are stored in `param_dtype` and cast to `dtype` for compute;
@@ -74,7 +74,7 @@ from flax import nnx
 
 from trainers.models import logical_axes as logical_axes
 from trainers.models import param
-from trainers.models.layers import dense, fan_in_init, float_dtype
+from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -129,21 +129,8 @@ class TransformerConfig:
   rolled loop every intermediate becomes a stacked buffer."""
 
   def __post_init__(self):
-    for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    if self.d_model % self.num_heads:
-      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
-    float_dtype("dtype", self.dtype)
-    float_dtype("param_dtype", self.param_dtype)
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"scan_layers={self.scan_layers!r} must be True or False")
-    unroll = self.scan_unroll
-    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-      raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
+    sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff")
+    check_decoder_fields(self, sizes, REMAT_POLICIES)
 
   @property
   def head_dim(self) -> int:
@@ -230,80 +217,6 @@ class _Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> _Block:
-  """One `_Block` whose parameters have a leading `layers` axis of size num_layers.
-
-  Layer i draws the keys that the unrolled model's block i draws from the
-  same stream (its counter advanced by i blocks' worth of draws), so a seed
-  gives the same weights in either layout, on any mesh: jax.vmap over the
-  layer index traces one block, and partitionable threefry makes each value
-  depend on its key and index only.
-
-  Example:
-    >>> config = TransformerConfig(seq_len=8, num_layers=3, d_model=16, num_heads=2, d_ff=32)
-    >>> stack = _stacked_blocks(config, nnx.Rngs(0))
-    >>> stack.mlp.wi.shape, stack.mlp.wi.get_metadata("out_sharding")
-    ((3, 16, 32), ('layers', 'embed', 'mlp'))
-  """
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _Block(config, rngs=nnx.Rngs(0))))
-  draws = len(jax.tree.leaves(abstract))  # `param` draws one key per parameter
-  stream = rngs.params
-  key, start = stream.key.get_value(), stream.count.get_value()
-
-  def make(layer: jax.Array) -> nnx.State:
-    layer_rngs = nnx.Rngs(params=key)
-    layer_rngs.params.count.set_value(start + layer * draws)
-    return nnx.split(_Block(config, rngs=layer_rngs))[1]
-
-  # uint32 like the stream's counter, so the keys are the unrolled model's exactly.
-  state = jax.vmap(make)(jnp.arange(config.num_layers, dtype=start.dtype))
-  for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-    var.set_metadata(out_sharding=("layers", *var.get_metadata("out_sharding")))
-  stream.count.set_value(start + config.num_layers * draws)
-  return nnx.merge(graphdef, state)
-
-
-def _scan_blocks(
-  blocks: _Block,
-  x: jax.Array,
-  unroll: int = 1,
-  remat_policy: str = "minimal",
-  mask: jax.Array | None = None,
-) -> jax.Array:
-  """Applies the stacked blocks in order, one `lax.scan` step per layer.
-
-  With remat_policy "minimal", each step is rematerialised, saving only the
-  outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`,
-  MaxText's "minimal"): without it the backward pass keeps every
-  intermediate of every layer as a stacked loop output that XLA cannot fuse
-  away (f32 attention scores, bf16 probabilities, GELU's inputs...), more
-  than the same model keeps unrolled. With it, far less, for recomputing
-  the attention scores, softmax and elementwise ops (a small share of the
-  step's FLOPs beside its matmuls). "none" keeps everything. `unroll` layers run per
-  loop iteration (`TransformerConfig.scan_unroll`). `mask` is
-  `attention_mask`'s, the same for every layer: an input of each step, not
-  an output of it, so the remat never recomputes it.
-  """
-  graphdef, state = nnx.split(blocks)
-
-  def layer(x, params):
-    # The slices keep the stack's ("layers", ...) annotations; nothing reads
-    # them here (parameters are placed by the trainer, not by the model).
-    return nnx.merge(graphdef, params)(x, mask), None
-
-  if remat_policy == "minimal":
-    # prevent_cse: a rolled loop already keeps XLA from merging the
-    # recomputation into the forward pass (they are in different loops), and
-    # the barrier would only cost speed. Unrolled, forward and backward can
-    # end up in one computation, and then only the barrier keeps the remat.
-    layer = jax.checkpoint(
-      layer,
-      policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-      prevent_cse=unroll > 1,
-    )
-  return jax.lax.scan(layer, x, state, unroll=unroll)[0]
-
-
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
   """Which keys each query may attend to in packed rows: bool [B, 1, L, L].
 
@@ -368,7 +281,7 @@ class TransformerLM(nnx.Module):
     self.pos_embed = param(rngs, _EMBED_INIT, (config.seq_len, d), ("length", "embed"), pdt)
     # Stacked: one `_Block` of [layers, ...] weights; unrolled: a list of blocks.
     if config.scan_layers:
-      self.blocks = _stacked_blocks(config, rngs)
+      self.blocks = stacked(lambda r: _Block(config, rngs=r), config.num_layers, rngs)
     else:
       self.blocks = nnx.List([_Block(config, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = _LayerNorm(d, pdt, rngs=rngs)
@@ -423,7 +336,9 @@ class TransformerLM(nnx.Module):
     # Built once for all layers; None keeps each layer's constant causal mask.
     mask = None if segment_ids is None else attention_mask(segment_ids)
     if config.scan_layers:
-      x = _scan_blocks(self.blocks, x, config.scan_unroll, config.remat_policy, mask)
+      x = scan_layers(
+        self.blocks, x, mask, unroll=config.scan_unroll, remat_policy=config.remat_policy
+      )
     else:
       for block in self.blocks:
         x = block(x, mask)
