@@ -126,11 +126,12 @@ def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers)
 def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   from configs import llama_tiny
   from trainers import plan as plan_lib
+  from trainers import plan_targets
   from trainers.plan_report import format_plan
 
   config = llama_tiny.get_config()
   config.mesh.ici, config.mesh.rules = "data=-1,tensor=2", "fsdp_tp"
-  target = plan_lib.gpu_target("h100", 4)
+  target = plan_targets.gpu_target("h100", 4)
   plan = plan_lib.make_plan(config, target, compile_step=False)
   m = config.model
   # k and v, layers, batch, length, kv heads, head dim, float32; batch over data=2, heads over tensor=2

@@ -20,6 +20,7 @@ well-tuned LM training reaches on TPUs and H100s).
 
 Example:
   >>> from configs import lm_tiny
+  >>> from trainers.plan_targets import gpu_target
   >>> plan = make_plan(lm_tiny.get_config(), gpu_target("h100", 8))   # 8 CPU devices
   >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4  # data parallel: replicated
   (True, True)
@@ -30,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,74 +40,14 @@ import numpy as np
 
 from spmd import hlo
 from spmd.layout import batch_sharding, data_layout
-from spmd.topology import topology_devices
-from trainers import peaks
+from trainers import peaks, plan_advice
+from trainers.plan_targets import Target
 from trainers.state import make_state
 from trainers.step import abstract_batch, make_train_step
 from trainers.tasks import make_task
 from trainers.train import build_mesh
 
 log = logging.getLogger(__name__)
-
-# `--gpu` names -> the device_kind JAX reports for that GPU (peaks and memory tables).
-GPU_KINDS = {
-  "h100": "NVIDIA H100 80GB HBM3",
-  "h100-pcie": "NVIDIA H100 PCIe",
-  "h200": "NVIDIA H200",
-  "a100-40gb": "NVIDIA A100-SXM4-40GB",
-  "a100-80gb": "NVIDIA A100-SXM4-80GB",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-  """What to plan for: devices to compile against and what they stand for."""
-
-  name: str  # e.g. "v5p-256", "2 x v5e-256", "16 x h100"
-  devices: tuple[Any, ...]
-  device_kind: str  # for the peak FLOP/s and memory tables
-  num_slices: int
-  hosts: int
-  devices_per_host: int
-  estimated: bool  # compiled for stand-in CPU devices: temporaries and FLOPs are estimates
-
-
-def tpu_target(topology: str, num_slices: int = 1) -> Target:
-  """A TPU slice (or several) from its name, e.g. `v5p-256`; needs libtpu."""
-  devices = topology_devices(topology, num_slices)
-  hosts = len({(getattr(d, "slice_index", 0) or 0, d.process_index) for d in devices})
-  name = topology if num_slices == 1 else f"{num_slices} x {topology}"
-  return Target(
-    name, devices, devices[0].device_kind, num_slices, hosts, len(devices) // hosts, False
-  )
-
-
-def gpu_target(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> Target:
-  """`num_gpus` GPUs of type `gpu` (see `GPU_KINDS`), `gpus_per_host` to a node.
-
-  Compiles for this process's CPU devices, so it needs `jax_num_cpu_devices`
-  (or `SPMD_CPU_DEVICES`) of at least `num_gpus` set before JAX starts.
-  """
-  if gpu not in GPU_KINDS:
-    raise ValueError(f"{gpu=} is not known; choose one of {sorted(GPU_KINDS)}")
-  if num_gpus < 1 or gpus_per_host < 1 or num_gpus % min(gpus_per_host, num_gpus):
-    raise ValueError(f"{num_gpus=} is not a whole number of hosts of {gpus_per_host=}")
-  cpus = jax.devices("cpu")
-  if len(cpus) < num_gpus:
-    raise ValueError(
-      f"planning for {num_gpus=} needs as many CPU devices, this process has {len(cpus)}: "
-      f"set jax_num_cpu_devices={num_gpus} before JAX starts (spmd-plan does)"
-    )
-  per_host = min(gpus_per_host, num_gpus)
-  return Target(
-    f"{num_gpus} x {gpu}",
-    tuple(cpus[:num_gpus]),
-    GPU_KINDS[gpu],
-    1,
-    num_gpus // per_host,
-    per_host,
-    True,
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,134 +146,6 @@ def _per_device_bytes(tree: Any) -> int:
     shard = leaf.sharding.shard_shape(leaf.shape)
     total += math.prod(shard) * leaf.dtype.itemsize
   return total
-
-
-def _suggestions(
-  plan_memory: Memory,
-  mesh: dict[str, int],
-  rules: str,
-  num_devices: int,
-  rows_per_device: int = 1,
-  micro_batches: int = 1,
-  compile_total: Callable[[int], int | None] | None = None,
-) -> list[str]:
-  """Mesh and config changes that would make a plan that does not fit fit.
-
-  Estimated from the plan's own figures: state scales with the devices that
-  split it, activations with the rows a device holds at once.
-  `compile_total(m)`, if given, compiles the step with `m` micro-batches and
-  returns its bytes per device (None when the compiler refuses it).
-  """
-  usable = plan_memory.usable_bytes
-  if usable is None:
-    return []
-  fsdp = mesh.get("fsdp", 1) if rules in ("fsdp", "fsdp_tp") else 1
-  # State splits over the FSDP axis (and tensor, if used); estimate what it
-  # would be replicated, then at each larger FSDP size.
-  replicated_state = (
-    plan_memory.state_bytes * fsdp * (mesh.get("tensor", 1) if rules == "fsdp_tp" else 1)
-  )
-  rest = (plan_memory.total_bytes or plan_memory.state_bytes) - plan_memory.state_bytes
-  gib = 2**30
-  out = []
-  # Only when the rest fits: activations alone over the limit need no more FSDP.
-  if rest < usable:
-    size = 2
-    while size <= num_devices:
-      if size > fsdp and num_devices % size == 0 and replicated_state / size + rest <= usable:
-        out.append(
-          f"shard the state over more devices: --config.mesh.rules=fsdp "
-          f"--config.mesh.ici=data=-1,fsdp={size},tensor=1 "
-          f"(state ~{replicated_state / size / gib:.2f} GiB per device)"
-        )
-        break
-      size *= 2
-    else:
-      needed = math.ceil(replicated_state / max(usable - rest, 1))
-      out.append(
-        f"even FSDP over all {num_devices} devices leaves {replicated_state / num_devices / gib:.1f} GiB "
-        f"of state per device; it needs at least {needed} devices of this kind "
-        f"({replicated_state / gib:.0f} GiB of parameters and optimizer state in all), or a smaller model"
-      )
-  temp = plan_memory.temp_bytes
-  if temp and temp > usable / 2:
-    room = usable - (plan_memory.total_bytes or 0) + temp  # what temporaries may take
-    split = _micro_batches_to_fit(temp, room, rows_per_device, micro_batches)
-    # Activations shrink less than in proportion (some do not depend on the
-    # rows), so an estimate may be short: where the plan can compile, it tries
-    # the estimate and larger counts, and names the first that fits.
-    checked = None
-    if split and compile_total is not None:
-      for m in range(split, rows_per_device + 1):
-        if rows_per_device % m == 0:
-          total = compile_total(m)
-          if total is not None and total <= usable:
-            checked = (m, total)
-            break
-      else:
-        split = None
-    if checked:
-      out.append(
-        f"activations take {temp / gib:.1f} GiB: --config.train.micro_batches={checked[0]} "
-        f"fits (compiled: {checked[1] / gib:.2f} GiB in all per device), "
-        "as a smaller global_batch would"
-      )
-    elif split:
-      out.append(
-        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them: "
-        f"--config.train.micro_batches={split} divides them roughly by "
-        f"{split / micro_batches:g} (~{temp * micro_batches / split / gib:.1f} GiB), "
-        "as a smaller global_batch would"
-      )
-    else:
-      out.append(
-        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them, "
-        f"more than micro-batches of one row each save: a shorter seq_len, "
-        "--config.model.remat_policy=full, or more tensor parallelism"
-      )
-  return out
-
-
-def _micro_batches_to_fit(
-  temp: float, room: float, rows_per_device: int, micro_batches: int
-) -> int | None:
-  """The fewest micro-batches (dividing the device's rows) whose activations fit in `room`.
-
-  `rows_per_device` is the device's share of the whole step's batch.
-  Activations grow with the rows a device holds at once, so `m` micro-batches
-  of the same rows take about `micro_batches / m` of today's temporaries.
-
-  Example:
-    >>> _micro_batches_to_fit(24.7, 13.9, rows_per_device=4, micro_batches=1)
-    2
-    >>> _micro_batches_to_fit(24.7, 5.0, rows_per_device=4, micro_batches=1) is None
-    True
-  """
-  for m in range(micro_batches + 1, rows_per_device + 1):
-    if rows_per_device % m == 0 and temp * micro_batches / m <= room:
-      return m
-  return None
-
-
-# libtpu refuses to compile a program whose temporaries exceed HBM, e.g.
-# "the total memory required for HLO temporaries (24.73G) exceeds available HBM (15.75G)"
-# (XLA's human-readable sizes: powers of 1024).
-_TEMPS_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM")
-
-
-def _out_of_memory_temps(error: Exception) -> float | None:
-  """The temporaries' bytes from a compiler's out-of-memory refusal, if it says.
-
-  Example:
-    >>> e = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-    ...   "required for HLO temporaries (24.73G) exceeds available HBM (15.75G).")
-    >>> round(_out_of_memory_temps(e) / 2**30, 2)
-    24.73
-  """
-  match = _TEMPS_OVER_HBM.search(str(error))
-  if not match:
-    return None
-  return float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " ")
 
 
 def make_plan(
@@ -466,7 +278,7 @@ def _read_step(
 ) -> _StepReading:
   """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
   if refusal is not None:
-    temp = _out_of_memory_temps(refusal)
+    temp = plan_advice.out_of_memory_temps(refusal)
     return _StepReading(
       temp_bytes=temp,
       # Code size unknown: counted as none.
@@ -525,10 +337,10 @@ def _advice(
   layout: Any,
   compile_total: Callable[[int], int | None] | None,
 ) -> list[str]:
-  """`_suggestions` for a plan that does not fit; none for one that fits or may."""
+  """`plan_advice.suggestions_to_fit` for a plan that does not fit; none for one that fits or may."""
   if fits is not False:
     return []
-  return _suggestions(
+  return plan_advice.suggestions_to_fit(
     memory,
     dict(mesh.shape),
     config.mesh.rules,

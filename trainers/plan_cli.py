@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
   from ml_collections import config_flags
 
   from trainers import plan as plan_lib
+  from trainers import plan_targets
   from trainers.config import resolve
 
   try:
@@ -123,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"spmd-plan: {e}", file=sys.stderr)
     return 2
   target = (
-    plan_lib.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
+    plan_targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
     if fv.gpu
-    else plan_lib.tpu_target(fv.topology, fv.num_slices)
+    else plan_targets.tpu_target(fv.topology, fv.num_slices)
   )
   compiled: list = []
   plan = plan_lib.make_plan(
