@@ -27,10 +27,8 @@ import spmd
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from trainers.state import StateSetup, build_model
+from trainers.task_metrics import check_names
 from trainers.tasks import Task
-
-# Metrics the step reports itself; a task's metric may not take these names.
-STEP_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "bad_steps", "weight", "units")
 
 
 def _specs(shardings: Any) -> Any:
@@ -56,9 +54,7 @@ def _loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
     with active:
       loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
-    clash = sorted(set(metric_sums) & set(STEP_METRICS))
-    if clash:
-      raise ValueError(f"the task's loss returns metrics {clash}, names the step reports itself")
+    check_names(metric_sums, task.unit)  # names the trainer writes itself (task_metrics.py)
     new_state = None
     if setup.has_model_state:
       new_state = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
