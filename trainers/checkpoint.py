@@ -38,9 +38,11 @@ Resume order (decided in `restore_or_init`):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import math
 import threading
@@ -361,15 +363,18 @@ def check_same_model(
   what: str,
   only: tuple[str, ...] = (),
   advice: str = SAME_CONFIG_ADVICE,
+  saved_tree: Any = None,
 ) -> None:
   """Raises `CheckpointError` unless the saved state has the target's names, shapes, dtypes.
 
   `only` limits the comparison to these top-level items of the state (e.g.
   `WEIGHTS` for a restore of the weights alone); empty compares all. Each
   array that differs or is on one side only is named with its shape and
-  dtype (both, where both exist); `advice` ends the message.
+  dtype (both, where both exist); `advice` ends the message. `saved_tree`:
+  the saved metadata when already read (`saved_state_tree`, `weights_metadata`).
   """
-  saved_tree = saved_state_tree(manager, step, what)
+  if saved_tree is None:
+    saved_tree = saved_state_tree(manager, step, what)
   if only:
     saved_tree = {k: saved_tree[k] for k in only if k in saved_tree}
   saved, wanted = _leaves(saved_tree), _leaves(target)
@@ -433,12 +438,83 @@ def read_only_manager(directory: str | epath.Path) -> ocp.CheckpointManager:
   )
 
 
+# orbax's description of a saved tree (`_METADATA` beside the arrays): each
+# leaf's key path and value type, but not its shape, which only the array's own
+# metadata holds. Its key types: 1 a sequence index, 2 a dict key.
+_TREE_METADATA_FILE = "_METADATA"
+_SEQUENCE_KEY = 1
+
+
 def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> dict[str, Any]:
-  """The saved shapes and dtypes of the weights (`WEIGHTS`) of `step`; no array is read."""
-  tree = saved_state_tree(manager, step, what)
+  """The saved shapes and dtypes of the weights (`WEIGHTS`) of `step`.
+
+  Only the weights' own array metadata is opened: orbax's `item_metadata`
+  opens every array's, the optimizer state's included, so a warm start would
+  depend on files it never restores. The leaf names come from orbax's tree
+  description; the shapes from orbax's array handler, for those leaves only.
+  """
+  state_dir = epath.Path(manager.directory) / str(step) / "state"
+  try:
+    described = json.loads((state_dir / _TREE_METADATA_FILE).read_text())
+    leaves = [
+      [(k["key"], k.get("key_type")) for k in entry["key_metadata"]]
+      for entry in described["tree_metadata"].values()
+      if entry["key_metadata"][0]["key"] in WEIGHTS
+      and not entry.get("value_metadata", {}).get("skip_deserialize", False)
+    ]
+    use_ocdbt = bool(described.get("use_ocdbt", True))
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    infos = [
+      ocp.type_handlers.ParamInfo(
+        name=".".join(str(key) for key, _ in path),
+        parent_dir=state_dir,
+        skip_deserialize=False,
+        is_ocdbt_checkpoint=use_ocdbt,
+        use_zarr3=bool(described.get("use_zarr3", False)),
+        ts_context=context,
+      )
+      for path in leaves
+    ]
+    _register_array_handler()
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    arrays = asyncio.run(handler.metadata(infos)) if infos else []
+  except Exception as e:  # a missing or damaged metadata file: JSON, OS or tensorstore errors
+    if is_trouble(e):
+      e.add_note(f"while reading {what}: the checkpoint itself may be fine; nothing was restored")
+      raise
+    raise _damaged(what, e) from e
+  tree = _nested(zip(leaves, arrays))
   if "params" not in tree:
     raise CheckpointError(f"{what} holds no parameters")
-  return {k: tree[k] for k in WEIGHTS if k in tree}
+  return tree
+
+
+def _nested(leaves: Any) -> dict[str, Any]:
+  """A tree from `(key path, value)` pairs, as orbax rebuilds a saved one.
+
+  A level whose keys are sequence indices becomes a list.
+  """
+  root: dict = {}
+  sequences: set[int] = set()  # id() of the levels keyed by sequence indices
+  for path, value in leaves:
+    level = root
+    for depth, (key, kind) in enumerate(path):
+      if kind == _SEQUENCE_KEY:
+        key = int(key)
+        sequences.add(id(level))
+      if depth == len(path) - 1:
+        level[key] = value
+      else:
+        level = level.setdefault(key, {})
+
+  def build(level: Any) -> Any:
+    if not isinstance(level, dict):
+      return level
+    if id(level) in sequences:
+      return [build(level[i]) for i in sorted(level)]
+    return {k: build(v) for k, v in level.items()}
+
+  return build(root)
 
 
 def restore_weights(
@@ -464,8 +540,9 @@ def restore_weights(
   Raises:
     CheckpointError: the weights are damaged, or of another model.
   """
+  saved = weights_metadata(manager, step, what)
   if target is None:
-    item = weights_metadata(manager, step, what)
+    item = saved
     restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
       item,
@@ -473,7 +550,7 @@ def restore_weights(
     )
   else:
     item = target
-    check_same_model(manager, step, target, what, only=WEIGHTS, advice=advice)
+    check_same_model(manager, step, target, what, only=WEIGHTS, advice=advice, saved_tree=saved)
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
   restored = restore_step(manager, step, ocp.args.Composite(state=args), what)
@@ -656,9 +733,10 @@ def restore_or_init(
     # A checkpoint from before the state counted its updates: everything
     # else restored, the count set to the step (exact unless that run skipped
     # non-finite steps; then the logged learning rate stays ahead by those).
-    counted = UPDATES not in target or UPDATES in saved_state_tree(manager, step, what)
+    saved_tree = saved_state_tree(manager, step, what)
+    counted = UPDATES not in target or UPDATES in saved_tree
     wanted = target if counted else {k: v for k, v in target.items() if k != UPDATES}
-    check_same_model(manager, step, wanted, what)
+    check_same_model(manager, step, wanted, what, saved_tree=saved_tree)
     restored = restore_step(
       manager,
       step,
