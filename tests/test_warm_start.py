@@ -24,9 +24,12 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from spmd.mesh import create_mesh
+from tests.configs import stateful_classifier
 from tests.faults import harness
 from tests.multiprocess import ROOT
 from trainers import checkpoint
+from trainers.state import make_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -161,3 +164,25 @@ def test_a_warm_start_never_reads_the_optimizer_state(source, tmp_path):
   )
   assert job.wait(400) == 0, job.output
   assert_weights_carried(source["state"], harness.saved_state(workdir, 1))
+
+
+def test_a_warm_start_of_another_shape_names_each_array_with_both_shapes(source, tmp_path):
+  config = stateful_classifier.get_config()
+  config.model.hidden = 48  # the source's is 32
+  setup = make_state(stateful_classifier.make_task(config).model, config, create_mesh("data=-1"))
+  with checkpoint.make_manager(tmp_path / "own", every=1, keep=1) as own:
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+      checkpoint.restore_or_init(
+        own,
+        setup.abstract,
+        setup.shardings,
+        setup.init,
+        str(source["workdir"] / "checkpoints"),
+        setup.init_with_weights,
+      )
+  message = str(raised.value)
+  assert "params.hidden.kernel: saved (16, 32) float32, this config needs (16, 48) float32" in (
+    message
+  )
+  assert "model_state.norm.mean: saved (32,) float32, this config needs (48,) float32" in message
+  assert "opt_state" not in message and "the optimizer and schedule may differ" in message

@@ -343,7 +343,11 @@ SAME_CONFIG_ADVICE = "Use the config it was saved with, or another workdir."
 
 
 def saved_state_tree(manager: ocp.CheckpointManager, step: int, what: str) -> Any:
-  """The saved state's tree of array metadata (names, shapes, dtypes); no array is read."""
+  """The saved state's tree of array metadata (names, shapes, dtypes); no array data is read.
+
+  orbax opens every array's own metadata for it, the optimizer state's too
+  (a warm start reads `weights_metadata` instead).
+  """
   try:
     saved_tree = manager.item_metadata(step)["state"]
   except Exception as e:  # a damaged metadata file: JSON or orbax errors
