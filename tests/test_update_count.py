@@ -89,7 +89,11 @@ def _without_update_count(source_workdir, workdir, step: int) -> None:
   """`workdir` with checkpoint `step` of the source rewritten without `updates`, as older runs saved."""
   state = harness.saved_state(source_workdir, step)
   del state["updates"]
-  with checkpoint.read_only_manager(source_workdir / "checkpoints") as source:
+  with ocp.CheckpointManager(
+    source_workdir / "checkpoints",
+    item_handlers={"data": ocp.JsonCheckpointHandler()},
+    options=ocp.CheckpointManagerOptions(read_only=True),
+  ) as source:
     data_state = source.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
   shutil.copytree(source_workdir, workdir, ignore=shutil.ignore_patterns("checkpoints"))
   saver = checkpoint.Saver(checkpoint.make_manager(workdir / "checkpoints", every=1, keep=5))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 
@@ -95,6 +96,15 @@ def assert_weights_carried(saved: dict, warm: dict) -> None:
   assert int(warm["model_state"]["calls"]) == SOURCE_STEPS + 1
 
 
+def reader(directory: Path) -> ocp.CheckpointManager:
+  """orbax's own reader of a run's checkpoints, as a user would open them."""
+  return ocp.CheckpointManager(
+    directory,
+    item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+    options=ocp.CheckpointManagerOptions(read_only=True),
+  )
+
+
 def summary(workdir: Path) -> dict:
   return json.loads((workdir / "summary.json").read_text())
 
@@ -149,7 +159,7 @@ def test_a_warm_start_never_reads_the_optimizer_state(source, tmp_path):
   keys = damage_optimizer_state(damaged / "checkpoints" / str(SOURCE_STEPS) / "state")
   assert any(k.endswith(".zarray") for k in keys) and len(keys) > 4, keys
   # The damage is real: orbax's own reading of the state fails on it.
-  with checkpoint.read_only_manager(damaged / "checkpoints") as manager:
+  with reader(damaged / "checkpoints") as manager:
     with pytest.raises(ValueError, match=r"opt_state\..*/\.zarray"):
       manager.item_metadata(SOURCE_STEPS)
   workdir = tmp_path / "warm_adamw"
