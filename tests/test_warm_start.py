@@ -120,10 +120,11 @@ def test_a_warm_start_with_another_optimizer_on_another_mesh_starts_from_the_wei
     4,
     *WARM,
     "--config.train.optimizer=sgd",
-    f"--config.checkpoint.init_from={source['workdir']}",  # a workdir: its checkpoints/
+    f"--config.checkpoint.init_from={source['workdir'] / 'checkpoints'}",
   )
   assert job.wait(400) == 0, job.output
-  assert summary(workdir)["resumed_from"] == f"init_from {source['workdir']} step {SOURCE_STEPS}"
+  given = source["workdir"] / "checkpoints"
+  assert summary(workdir)["resumed_from"] == f"init_from {given} step {SOURCE_STEPS}"
   warm = harness.saved_state(workdir, 1)
   assert_weights_carried(source["state"], warm)
   # A fresh optimizer of the new kind (sgd's momentum, no adam moments), step and count.
@@ -187,7 +188,7 @@ def test_a_warm_start_of_another_shape_names_each_array_with_both_shapes(source,
         setup.abstract,
         setup.shardings,
         setup.init,
-        str(source["workdir"] / "checkpoints"),
+        str(source["workdir"]),  # a run's workdir: its checkpoints/
         setup.init_with_weights,
       )
   message = str(raised.value)
