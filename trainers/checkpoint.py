@@ -39,6 +39,7 @@ Resume order (decided in `restore_or_init`):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -481,7 +482,7 @@ def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> di
     ]
     _register_array_handler()
     handler = ocp.type_handlers.get_type_handler(jax.Array)
-    arrays = asyncio.run(handler.metadata(infos)) if infos else []
+    arrays = _run_async(handler.metadata(infos)) if infos else []
   except Exception as e:  # a missing or damaged metadata file: JSON, OS or tensorstore errors
     if is_trouble(e):
       e.add_note(f"while reading {what}: the checkpoint itself may be fine; nothing was restored")
@@ -491,6 +492,16 @@ def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> di
   if "params" not in tree:
     raise CheckpointError(f"{what} holds no parameters")
   return tree
+
+
+def _run_async(coroutine: Any) -> Any:
+  """`coroutine`'s result, also from a caller already inside an event loop (a notebook)."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(coroutine)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, coroutine).result()
 
 
 def _nested(leaves: Any) -> dict[str, Any]:
