@@ -85,8 +85,8 @@ def test_small_lm_state_bytes_match_hand_computed():
   plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.gpu_target("h100", 8))
   assert plan.num_params == LM_TINY_PARAMS
   assert plan.memory.params_bytes == LM_TINY_PARAMS * 4
-  # adamw's two moments, plus four int32 counters (adam, schedule, step, bad_steps).
-  assert plan.memory.optimizer_bytes == 2 * LM_TINY_PARAMS * 4 + 4 * 4
+  # adamw's two moments, plus five int32 counters (adam, schedule, step, updates, bad_steps).
+  assert plan.memory.optimizer_bytes == 2 * LM_TINY_PARAMS * 4 + 5 * 4
   assert plan.estimated and plan.compiled and plan.fits
   # Data parallel over 8: the gradients are all-reduced once per step, in one group of 8.
   [reduce] = [c for c in plan.collectives if c.kind == "all-reduce" and c.bytes > 1000]

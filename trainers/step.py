@@ -7,6 +7,12 @@ decides inside itself whether the update is finite, so every host takes the
 same decision: a non-finite loss or gradient norm keeps the old parameters,
 model state and optimizer state and counts a bad step; the loop stops after
 `train.max_bad_steps` in a row.
+
+The logged `learning_rate` is the schedule at the state's count of applied
+updates (`updates`), not at its step: a skipped step advances the step but
+neither that count nor the optimizer's own schedule counter, so after N
+skipped steps the rate logged at step s is the one the optimizer used,
+`schedule(s - N)`.
 """
 
 from __future__ import annotations
@@ -204,6 +210,7 @@ def make_train_step(
       "params": new_params,
       "opt_state": new_opt,
       "step": state["step"] + 1,
+      "updates": state["updates"] + finite.astype(state["updates"].dtype),
       "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
     }
     if setup.has_model_state:
@@ -211,7 +218,9 @@ def make_train_step(
     metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
-      "learning_rate": setup.schedule(state["step"]),
+      # The rate this update used (or would have): the optimizer's schedule
+      # counts applied updates, which a skipped step does not advance.
+      "learning_rate": setup.schedule(state["updates"]),
       "finite": finite,
       "bad_steps": new_state["bad_steps"],
       "weight": weight,

@@ -262,7 +262,12 @@ def _restore(config, workdir: epath.Path, setup: StateSetup):
     config.checkpoint.keep_period,
   )
   restored = checkpoint.restore_or_init(
-    manager, setup.abstract, setup.shardings, setup.init, config.checkpoint.init_from
+    manager,
+    setup.abstract,
+    setup.shardings,
+    setup.init,
+    config.checkpoint.init_from,
+    setup.init_with_weights,
   )
   return manager, restored
 
