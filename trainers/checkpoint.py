@@ -54,12 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import flags
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd import multihost
+from spmd import compat, multihost
 from spmd.partition import axis_names, spec_axis_names
 from trainers import paths
 
@@ -123,13 +122,10 @@ def _barriers_through_the_coordination_service() -> None:
   (`sync_global_devices`); launched from another thread it is ordered
   differently against the steps' collectives on each host, and the job
   deadlocks (seen with 2 processes). The coordination service's barrier is
-  an RPC, safe from any thread, and has a timeout.
+  an RPC, safe from any thread, and has a timeout. The switch is an orbax
+  experimental flag, set through `spmd.compat`.
   """
-  name = "experimental_orbax_use_distributed_barrier"
-  if flags.FLAGS.is_parsed():
-    setattr(flags.FLAGS, name, True)
-  else:  # used as a library: set it without parsing everyone's flags
-    flags.FLAGS[name].parse("true")
+  compat.use_coordination_service_barriers_in_orbax()
 
 
 def make_manager(
