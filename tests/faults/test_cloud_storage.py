@@ -217,7 +217,10 @@ def test_4_hosts_on_gs_killed_mid_save_agree_on_what_to_remove_at_every_restart(
           lambda k=kill: len(harness.resumed_steps(job.output)) > k, 300, "the next attempt"
         )
       except TimeoutError as e:  # a restart that hangs (hosts that disagree, in a barrier)
-        raise AssertionError(f"{e}\n{job.output[-8000:]}") from None
+        failures = [line for line in job.output.splitlines() if "spmd-launch: attempt" in line]
+        raise AssertionError(
+          f"{e}; after kill {kill + 1}: {failures}\n{job.output[-8000:]}"
+        ) from None
       resumed = harness.resumed_steps(job.output)[-1]
     code = job.launcher.wait(timeout=300)
   finally:
