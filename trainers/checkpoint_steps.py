@@ -318,6 +318,8 @@ class JudgedNameFormat:
   `reload`); this answers with the decision every host shares, so orbax
   never counts a foreign or unfinished folder as a checkpoint (nor rotates
   it away with `max_to_keep`). Naming and finding one step are orbax's own.
+  The steps saved after the decision orbax tracks itself, as always; its
+  `reload` would forget them (it asks this again), and nothing here calls it.
   """
 
   committed: tuple[int, ...]
