@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -295,3 +296,49 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
     return
   timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
   client.wait_at_barrier(f"spmd_harness/barrier/{name}", int(timeout_s * 1000))
+
+
+_shared_calls: dict[str, int] = {}
+
+
+def from_process_0(name: str, compute: Callable[[], Any], timeout_s: float | None = None) -> Any:
+  """`compute()` run on process 0 alone; its JSON value returned on every process.
+
+  One answer for all: what process 0 read (a directory listing, say) is what
+  every process acts on, so hosts that would each have read a store at a
+  slightly different moment cannot disagree. Every process that calls it with
+  `name` must call it the same number of times, in the same order; process 0
+  never waits, the others wait up to `timeout_s` (default: the agreement
+  timeout). An error in `compute` is raised on process 0 as it is and, as a
+  `RuntimeError` quoting it, on the others.
+
+  Example (one process: `compute` runs here):
+    >>> from_process_0("example", lambda: {"steps": [1, 2]})
+    {'steps': [1, 2]}
+  """
+  client = runtime_client()
+  if client is None or jax.process_count() == 1:
+    return json.loads(json.dumps(compute()))  # the same JSON types as with many processes
+  call = _shared_calls.get(name, 0)
+  _shared_calls[name] = call + 1
+  key = f"spmd_harness/from_process_0/{name}/{call}"
+  if jax.process_index() == 0:
+    try:
+      value = compute()
+    except Exception as e:
+      client.key_value_set(key, json.dumps({ERROR_KEY: f"{type(e).__name__}: {e}"}))
+      raise
+    text = json.dumps({"value": value})
+    client.key_value_set(key, text)
+    return json.loads(text)["value"]
+  timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
+  try:
+    record = json.loads(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+  except Exception as e:  # the runtime raises a bare XlaRuntimeError
+    raise RuntimeError(
+      f"{name}: process 0 did not share its answer within {timeout_s:g}s "
+      f"(it failed or is still working; its own log says which): {e}"
+    ) from None
+  if ERROR_KEY in record:
+    raise RuntimeError(f"{name} failed on process 0: {record[ERROR_KEY]}")
+  return record["value"]

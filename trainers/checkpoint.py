@@ -3,9 +3,13 @@
 A checkpoint is one orbax step directory holding two items: `state` (the
 sharded train state, written by every host for its own shards) and `data`
 (the input pipeline's position, JSON). Orbax writes into a temporary
-directory and renames it only when every host has finished, so a crash
-mid-save leaves no step that could be restored half-written; leftover
-temporary directories are removed when the manager starts. Nothing is pickled
+directory and renames it only when every host has finished (on an object
+store, where nothing renames atomically, it writes the step in place and
+its commit marker last), so a crash mid-save leaves no step that could be
+restored half-written. Which step folders are checkpoints, which are the
+harness's own leftovers (removed when the run starts again) and which are
+another tool's (never deleted) is one decision process 0 makes and every
+host acts on: `checkpoint_steps`. Nothing is pickled
 or unpickled: arrays are tensorstore (zarr in OCDBT) files, everything else JSON.
 
 Saves go through `Saver`: the training thread only starts a copy of the state
@@ -58,13 +62,13 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd import compat, multihost
+from spmd import compat
 from spmd.partition import axis_names, spec_axis_names
-from trainers import paths
+from trainers import checkpoint_steps, paths
 
 log = logging.getLogger(__name__)
 
-COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
+COMMIT_MARKER = checkpoint_steps.COMMIT_MARKER  # orbax writes it last, before the final rename
 WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
 # The applied-update count (trainers/state.py), which older checkpoints lack.
 UPDATES = "updates"
@@ -128,23 +132,53 @@ def _barriers_through_the_coordination_service() -> None:
   compat.use_coordination_service_barriers_in_orbax()
 
 
+class JudgedManager(ocp.CheckpointManager):
+  """orbax's `CheckpointManager`, over the step folders of one shared judgment (`steps`).
+
+  orbax sees only the committed steps of `steps` (`checkpoint_steps`), and
+  `Saver` refuses to save into a folder it judged foreign.
+  """
+
+  def __init__(self, directory: epath.Path, steps: checkpoint_steps.StepDirs, **kwargs: Any):
+    super().__init__(directory, **kwargs)
+    self.steps = steps
+
+
 def make_manager(
   directory: str | epath.Path, every: int, keep: int, keep_period: int = 0, async_save: bool = True
-) -> ocp.CheckpointManager:
-  """An orbax `CheckpointManager` that keeps the last `keep` (+ every `keep_period`-th)."""
+) -> JudgedManager:
+  """An orbax `CheckpointManager` that keeps the last `keep` (+ every `keep_period`-th).
+
+  Every process must call it (together): process 0 judges the step folders
+  there and removes the unfinished ones the harness wrote, and every process
+  gets its answer (`checkpoint_steps.decide`).
+
+  Raises:
+    checkpoint_steps.ForeignStepError: a step folder the harness did not
+      write lies where the run would save every `every` steps.
+  """
   _register_array_handler()
   _barriers_through_the_coordination_service()
+  directory = paths.user_path(directory)
+  steps = checkpoint_steps.decide(directory)
+  checkpoint_steps.check_schedule(steps, every)
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=max(every, 1),
     max_to_keep=keep,
     keep_period=keep_period or None,
     enable_async_checkpointing=async_save,
-    cleanup_tmp_directories=True,
+    # Off: `checkpoint_steps.decide` has removed the unfinished steps the
+    # harness wrote, once, for every host. orbax's own clean-up runs
+    # asynchronously on process 0 alone (the other hosts cannot wait for it)
+    # and, on an object store, deletes every folder without a commit marker,
+    # another tool's included.
+    cleanup_tmp_directories=False,
+    # orbax lists only the committed steps of that decision: its `max_to_keep`
+    # rotation never sees, so never deletes, a folder the run did not write.
+    step_name_format=checkpoint_steps.JudgedNameFormat(steps.committed),
     create=True,
   )
-  directory = paths.user_path(directory)
-  warn_unfinished(directory)
-  return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+  return JudgedManager(directory, steps, options=options, item_handlers=_handlers())
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
@@ -193,9 +227,17 @@ class Saver:
     self._copy: tuple[Any, Callable[[Any], Any]] | None = None
 
   def save(self, step: int, state: Any, data_state: dict) -> bool:
-    """Starts saving `state` at `step`; returns at once. False if `step` is not new."""
+    """Starts saving `state` at `step`; returns at once. False if `step` is not new.
+
+    Raises:
+      checkpoint_steps.ForeignStepError: a folder the harness did not write
+        holds `step` (it is never written into).
+    """
     if self._last is not None and step <= self._last:
       return False
+    steps = getattr(self.manager, "steps", None)
+    if steps is not None and steps.foreign_at(step):  # the same answer on every host
+      raise checkpoint_steps.foreign_error(steps, step, f"the save of step {step}")
     self._take_pending()
     snapshot = self._copy_for(state)(state)
     # A daemon thread: after an error elsewhere (a host gone, the run
@@ -269,6 +311,10 @@ class Saver:
       # compete with the end of that step for the host's cores and the GIL,
       # and make the saving step slower than the others.
       jax.block_until_ready(state)
+      # Before orbax creates anything for the step (its folder is made on
+      # process 0, after this, behind its barrier): so a folder a kill leaves
+      # is known to be the harness's own at the next start.
+      checkpoint_steps.record_save(self.manager.directory, step, self.manager.all_steps())
       # force: the caller decided the step (orbax's interval check would
       # otherwise decide a second time, in another thread).
       self.manager.save(step, args=args, force=True)
@@ -635,60 +681,19 @@ def _damaged(what: str, e: Exception) -> CheckpointError:
   )
 
 
-def _committed(directory: Any, step: int) -> bool:
-  return (epath.Path(directory) / str(step) / COMMIT_MARKER).exists()
-
-
-def _step_dirs(directory: epath.Path) -> list[int]:
-  if not directory.exists():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-
-
-def warn_unfinished(directory: epath.Path) -> list[int]:
-  """Names the steps a cut-short save left without orbax's commit marker; returns them.
-
-  Where storage has no atomic rename (object stores such as GCS) that is the
-  normal outcome of a kill during a save, not damage: such a step is never
-  restored. Called before orbax opens the directory, since on some stores
-  orbax removes them silently.
-  """
-  unfinished = [s for s in _step_dirs(directory) if not _committed(directory, s)]
-  if unfinished and jax.process_index() == 0:
-    log.warning(
-      "checkpoint steps %s in %s were never finished (no %s): skipped, never restored",
-      unfinished,
-      directory,
-      COMMIT_MARKER,
-    )
-  return unfinished
-
-
 def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
-  """The newest step orbax finished (its commit marker written), skipping unfinished ones.
+  """The newest committed step of the run's own, or None.
 
-  Unfinished steps (see `warn_unfinished`) newer than it are removed by
-  process 0, so the run can save those steps again.
+  The manager of `make_manager` lists only the committed steps of the
+  judgment every host shares (`checkpoint_steps.decide`, which also removed
+  the unfinished steps the harness wrote), so this is orbax's latest step.
   """
-  directory = epath.Path(manager.directory)
-  steps = sorted(set(manager.all_steps()) | set(_step_dirs(directory)), reverse=True)
-  unfinished = [s for s in steps if not _committed(directory, s)]
-  latest = next((s for s in steps if s not in unfinished), None)
-  newer = [s for s in unfinished if latest is None or s > latest]
-  if newer:
-    # Every process has listed the steps before any is removed, so all agree on them.
-    multihost.barrier("unfinished_checkpoints_seen")
-    if jax.process_index() == 0:
-      for s in newer:
-        (directory / str(s)).rmtree()
-    multihost.barrier("unfinished_checkpoints_removed")
-    manager.reload()
-  return latest
+  return manager.latest_step()
 
 
 def checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> str:
   what = f"checkpoint step {step} in {directory}"
-  if not _committed(directory, step):  # init_from: another run's directory, read only
+  if not checkpoint_steps.is_committed(directory, step):  # init_from: another run's, read only
     raise CheckpointError(
       f"{what} has no commit marker ({COMMIT_MARKER}): that save never finished; "
       f"it is not restored (steps there: {list(manager.all_steps())})."
@@ -764,7 +769,12 @@ def restore_or_init(
     directory, other_step = init_from_directory(init_from)
     with read_only_manager(directory) as other:
       if other_step is None:
-        other_step = other.latest_step()
+        # The newest committed step of the harness's own: orbax's listing
+        # would take another tool's digit-named folder for a checkpoint.
+        # Process 0 reads it for every host, so all warm-start from one step.
+        other_step = multihost.from_process_0(
+          "init_from step", lambda: checkpoint_steps.list_steps(directory).latest
+        )
       if other_step is None:
         raise FileNotFoundError(
           f"checkpoint.init_from={init_from!r} holds no checkpoint (give a run's workdir, "

@@ -39,7 +39,9 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainers import checkpoint, paths
+from spmd import multihost
+from trainers import checkpoint, checkpoint_steps, paths
+from trainers.checkpoint_steps import step_of
 from trainers.config import resolve
 
 CONFIG_FILE = "config.json"
@@ -129,13 +131,24 @@ class CheckpointRef:
     return self.directory / str(self.step)
 
 
-def _steps(directory: epath.Path) -> tuple[list[int], list[int]]:
-  """(committed steps, unfinished steps) in an orbax directory, in order."""
-  if not directory.is_dir():
-    return [], []
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-  done = [s for s in steps if (directory / str(s) / checkpoint.COMMIT_MARKER).exists()]
-  return done, [s for s in steps if s not in done]
+def _look(workdir: str | epath.Path, checkpoint_path: str) -> dict[str, Any]:
+  """What `find_checkpoint` decides from: the checkpoint directory, a step it names, its steps."""
+  base = (
+    paths.user_path(checkpoint_path)
+    if checkpoint_path
+    else paths.user_path(workdir) / "checkpoints"
+  )
+  named = None
+  if (base / "checkpoints").is_dir():  # a workdir
+    base = base / "checkpoints"
+  elif step_of(base.name) is not None and (base / "state").is_dir():  # one step's directory
+    base, named = base.parent, int(base.name)
+  return {
+    "base": str(base),
+    "named": named,
+    "exists": base.exists(),
+    "steps": checkpoint_steps.list_steps(base).to_json(),
+  }
 
 
 def find_checkpoint(
@@ -146,7 +159,10 @@ def find_checkpoint(
   `checkpoint_path`, when given, replaces `<workdir>/checkpoints`: another
   run's workdir, its checkpoint directory, or one step's directory
   (`.../checkpoints/200`). Nothing is changed on disk (a training run may be
-  writing there).
+  writing there). Steps are judged by `checkpoint_steps`; with many
+  processes, process 0 reads the directory and every process decides from
+  what it read (all must call this), so a step committed meanwhile cannot
+  split them.
 
   Raises:
     FileNotFoundError: no such step or no checkpoint at all; names the
@@ -154,35 +170,39 @@ def find_checkpoint(
     CheckpointError: the step exists but its save never finished.
   """
   given = f"--checkpoint={checkpoint_path}" if checkpoint_path else f"--workdir={workdir}"
-  base = (
-    paths.user_path(checkpoint_path)
-    if checkpoint_path
-    else paths.user_path(workdir) / "checkpoints"
-  )
-  if (base / "checkpoints").is_dir():  # a workdir
-    base = base / "checkpoints"
-  elif base.name.isdigit() and (base / "state").is_dir():  # one step's directory
-    named = int(base.name)
+  seen = multihost.from_process_0("find_checkpoint", lambda: _look(workdir, checkpoint_path))
+  base, named = paths.user_path(seen["base"]), seen["named"]
+  if named is not None:
     if step is not None and step != named:
       raise ValueError(f"--step={step} contradicts {given}, which is step {named}")
-    base, step = base.parent, named
-  done, unfinished = _steps(base)
-  if not done and not unfinished:
-    why = "it does not exist" if not base.exists() else "it holds no step directories"
+    step = named
+  steps = checkpoint_steps.StepDirs.from_json(seen["steps"])
+  done = list(steps.committed)
+  mine = {step_of(n) for n in steps.unfinished} - set(done)
+  others = {step_of(n) for n in steps.foreign} - set(done) - mine
+  if not done and not mine and not others:
+    why = "it does not exist" if not seen["exists"] else "it holds no step directories"
     raise FileNotFoundError(f"no checkpoint in {base}: {why} ({given})")
   if step is None:
     if not done:
       raise FileNotFoundError(
-        f"no committed checkpoint in {base}: steps {unfinished} never finished saving ({given})"
+        f"no committed checkpoint in {base}: steps {sorted(mine | others)} never finished "
+        f"saving or were not written by this harness ({given})"
       )
     return CheckpointRef(base, done[-1])
-  if step not in done and step not in unfinished:
-    raise FileNotFoundError(f"--step={step}: {base} has no step {step}; committed steps: {done}")
-  if step in unfinished:
+  if step in mine:
     raise checkpoint.CheckpointError(
       f"--step={step}: checkpoint step {step} in {base} has no commit marker "
       f"({checkpoint.COMMIT_MARKER}): that save never finished; committed steps: {done}"
     )
+  if step in others:
+    raise checkpoint.CheckpointError(
+      f"--step={step}: {base / str(step)} was not written by this harness (not in "
+      f"{checkpoint_steps.LEDGER}, and not a committed checkpoint of its items "
+      f"{checkpoint_steps.ITEMS}); committed steps: {done}"
+    )
+  if step not in done:
+    raise FileNotFoundError(f"--step={step}: {base} has no step {step}; committed steps: {done}")
   return CheckpointRef(base, step)
 
 

@@ -21,7 +21,7 @@ import pytest
 from tests.configs import train_tiny
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers import checkpoint
+from trainers import checkpoint, checkpoint_steps
 from trainers.checkpoint import COMMIT_MARKER, CheckpointError
 from trainers.train import train_and_evaluate
 
@@ -97,6 +97,11 @@ def test_another_mesh_restores_exactly_a_leftover_temp_dir_is_ignored_nothing_un
   leftover = workdir / "checkpoints" / f"{step + 2}.orbax-checkpoint-tmp-1234567"
   leftover.mkdir()
   (leftover / "half_written").write_text("x")
+  checkpoint_steps.record_save(workdir / "checkpoints", step + 2)  # as the run does before a save
+  # Another tool's (not in the run's ledger), off the save schedule: kept.
+  foreign = workdir / "checkpoints" / f"{step + 1}.orbax-checkpoint-tmp-99"
+  foreign.mkdir()
+  (foreign / "theirs").write_text("x")
   unpickled = watch_restores(monkeypatch)
   summary = train_and_evaluate(config(data, step), str(workdir))
   exact = (
@@ -108,10 +113,12 @@ def test_another_mesh_restores_exactly_a_leftover_temp_dir_is_ignored_nothing_un
   )
   record("9. checkpoint of another mesh and process count (2 x 2 -> 1 x 8)", 1, int(exact))
   record("9. leftover temporary directory", 1, int(exact and not leftover.exists()))
+  record("9. another tool's temporary directory (kept)", 1, int((foreign / "theirs").exists()))
   record("9. restore unpickles nothing", 1, int(not unpickled and not pickles))
   assert summary["resumed_from"] == f"checkpoint step {step}", summary["resumed_from"]
   assert summary["param_hash"] == reference  # bit for bit, on another layout
   assert not leftover.exists()  # removed, never restored
+  assert (foreign / "theirs").exists()  # not the run's: never deleted
   # Restored from the target's shardings alone: no per-array sharding file is
   # written (it cost a quarter of each save's CPU), none is needed.
   assert not list((workdir / "checkpoints").rglob("_sharding")), "orbax _sharding file written"

@@ -10,6 +10,7 @@ naming it, never restored and never called damage.
 """
 
 import os
+import re
 import signal
 import time
 
@@ -17,6 +18,7 @@ import pytest
 from etils import epath
 
 from tests.faults import harness
+from tests.faults.conftest import injections
 from tests.gcs_emulator import GcsEmulator
 from trainers.checkpoint import COMMIT_MARKER
 
@@ -147,3 +149,105 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
   assert resumed_code == 0, second.output
   assert resumed and resumed[0] >= last_committed, (resumed, last_committed)
   assert harness.param_hash(second.output) == reference, second.output
+
+
+def _uncommitted_step(bucket_dir, resumed: int) -> int | None:
+  """A step after `resumed` the job is saving on the store: files, no commit marker yet."""
+  root = bucket_dir / "checkpoints"
+  if not root.is_dir():
+    return None
+  for folder in root.iterdir():
+    if folder.name.isdigit() and int(folder.name) > resumed:
+      if not (folder / COMMIT_MARKER).exists() and any(p.is_file() for p in folder.rglob("*")):
+        return int(folder.name)
+  return None
+
+
+def _signal_all(pids, sig) -> None:
+  for pid in pids:
+    try:
+      os.kill(pid, sig)
+    except ProcessLookupError:
+      pass
+
+
+def test_4_hosts_on_gs_killed_mid_save_agree_on_what_to_remove_at_every_restart(
+  data, tmp_path, record, gcs
+):
+  """4 processes save every step to gs://; a process is killed during a save, and again in
+  each restart. Every restart must start cleanly: process 0 alone judges the step folders
+  and removes the cut-short one the harness wrote, the others act on its answer (they once
+  listed the store themselves, while orbax's own clean-up deleted on process 0: a barrier
+  timeout or a second delete of the same folder). CI: one kill; `make faults`: five."""
+  kills = injections(1, 5)
+  workdir = epath.Path("gs://bucket/hosts4")
+  bucket_dir = gcs.root / "bucket" / "hosts4"
+  os.environ.update(gcs.env())
+  flags = (
+    f"--config.train.steps={12 + 4 * kills}",
+    "--config.checkpoint.every=1",
+    "--config.checkpoint.keep=2",
+    "--config.eval_every=0",
+  )
+  job = harness.start(
+    data, workdir, *flags, num_processes=4, devices=1, max_restarts=kills, env=gcs.env()
+  )
+  caught, resumed = [], 0
+  try:
+    for kill in range(kills):
+      for _ in range(20):  # a tiny save can commit between the look and the freeze
+        step = harness.wait_for(
+          lambda r=resumed: _uncommitted_step(bucket_dir, r), 300, "a save in flight", 0.005
+        )
+        running = harness.pids(workdir)
+        _signal_all(running.values(), signal.SIGSTOP)
+        time.sleep(0.3)  # an upload already sent (the commit marker's) lands meanwhile
+        marker = bucket_dir / "checkpoints" / str(step) / COMMIT_MARKER
+        if len(running) == 4 and not marker.exists():
+          break
+        _signal_all(running.values(), signal.SIGCONT)
+      else:
+        raise AssertionError(f"no save was caught in flight in 20 tries\n{job.output[-5000:]}")
+      caught.append(step)
+      os.kill(running[kill % 4], signal.SIGKILL)  # the coordinator too, in turn
+      _signal_all(running.values(), signal.SIGCONT)
+      harness.gone_after(list(running.values()), 60)
+      try:
+        harness.wait_for(
+          lambda k=kill: len(harness.resumed_steps(job.output)) > k, 300, "the next attempt"
+        )
+      except TimeoutError as e:  # a restart that hangs (hosts that disagree, in a barrier)
+        failures = [line for line in job.output.splitlines() if "spmd-launch: attempt" in line]
+        raise AssertionError(
+          f"{e}; after kill {kill + 1}: {failures}\n{job.output[-8000:]}"
+        ) from None
+      resumed = harness.resumed_steps(job.output)[-1]
+    code = job.launcher.wait(timeout=300)
+  finally:
+    job.kill()
+  out = job.output
+  failed = out.count("spmd-launch: attempt ")  # one line per failed attempt: the kills, no more
+  restarts = re.split(r"spmd-launch: attempt \d+ failed", out)[1:]
+  # After each kill: the cut-short step named and removed, an earlier one resumed.
+  found = [(step, _removed(text, workdir), _resumed(text)) for step, text in zip(caught, restarts)]
+  bad = [
+    (step, removed, r) for step, removed, r in found if step not in removed or not 0 <= r < step
+  ]
+  ok = code == 0 and failed == kills and not bad
+  record(
+    "12. gs:// on 4 processes: kill -9 during a save, restart, repeatedly", kills, int(ok) * kills
+  )
+  assert code == 0 and failed == kills, out[-20000:]
+  assert not bad, (bad, out[-20000:])
+
+
+def _removed(text: str, workdir: epath.Path) -> set[int]:
+  """The steps a restart named as cut short and removed."""
+  where = re.escape(str(workdir / "checkpoints"))
+  named = re.findall(rf"checkpoint steps \[([0-9, ]+)\] in {where} were never finished", text)
+  return {int(s) for found in named for s in found.split(",")}
+
+
+def _resumed(text: str) -> int:
+  found = re.search(r"; state from (?:checkpoint step (\d+)|fresh init)", text)
+  return int(found.group(1) or 0) if found else -1
