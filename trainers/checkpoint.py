@@ -62,7 +62,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd import compat
+from spmd import compat, multihost
 from spmd.partition import axis_names, spec_axis_names
 from trainers import checkpoint_steps, paths
 
