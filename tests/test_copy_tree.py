@@ -153,4 +153,8 @@ def test_a_file_changed_to_the_same_size_is_copied_again_to_and_from_cloud_stora
   assert paths.copy_tree(remote, epath.Path(staged)) == 1
   assert (staged / "task.py").read_text() == "LR = 0.9\n"
   # Only the files and the record: no partial objects left by the renames.
-  assert bucket.objects() == [f"run/code/{paths.COPIES}", "run/code/sub/util.py", "run/code/task.py"]
+  assert bucket.objects() == [
+    f"run/code/{paths.COPIES}",
+    "run/code/sub/util.py",
+    "run/code/task.py",
+  ]
