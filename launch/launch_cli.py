@@ -11,10 +11,11 @@ import sys
 
 from launch import local
 from launch.processes import stop_on_signals
+from spmd import errors
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
+  parser = errors.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
   targets = parser.add_subparsers(dest="target", required=True)
   _local_arguments(targets.add_parser("local", help="N simulated hosts on this machine"))
   _slurm_arguments(targets.add_parser("slurm", help="write (and --submit) an sbatch script"))
@@ -102,6 +103,11 @@ def _slurm_arguments(slurm: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`spmd-launch`'s exit status: 0, 1 when the job failed, 2 on a user error (its or the job's)."""
+  return errors.run("spmd-launch", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
   args = build_parser().parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
@@ -164,7 +170,10 @@ def _run_local(args: argparse.Namespace, command: list[str]) -> int:
   if len(attempts) > 1:
     print(f"spmd-launch: {len(attempts)} attempts ({len(attempts) - 1} restarts)", file=sys.stderr)
   print(f"spmd-launch: {result.summary()}", file=sys.stderr if not result.ok else sys.stdout)
-  return 0 if result.ok else 1
+  if result.ok:
+    return 0
+  # A job that failed on its input tells a script around it not to retry either.
+  return errors.EXIT_USER_ERROR if local.user_error(result) is not None else 1
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd import multihost
+from spmd.errors import UserError
 from spmd.partition import axis_names, spec_axis_names
 from trainers import paths
 
@@ -58,8 +59,13 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
 
 
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be restored: incomplete, damaged, or of another model."""
+class CheckpointError(UserError):
+  """A checkpoint that cannot be restored: incomplete, damaged, or of another model.
+
+  A user error (`spmd.errors`, a `ValueError`): the same checkpoint fails the
+  same way again, so a command says so in one line and launchers do not
+  restart; the message names the step and what to do.
+  """
 
 
 @dataclasses.dataclass
