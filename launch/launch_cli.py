@@ -7,6 +7,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from launch import local
@@ -138,11 +140,22 @@ def _write_sbatch(args: argparse.Namespace, command: list[str]) -> int:
     args.job_name,
     args.partition,
   )
-  print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
+  try:
+    done = slurm.write_and_maybe_submit(script, args.script, args.submit)
+  except OSError as e:  # the script's folder is missing or not writable
+    raise errors.UserError(f"--script={args.script}: {e.strerror or e}") from e
+  print(f"spmd-launch: {done}")
   return 0
 
 
 def _run_local(args: argparse.Namespace, command: list[str]) -> int:
+  if shutil.which(command[0]) is None:  # each process would fail to start, alike
+    raise errors.UserError(f"{command[0]!r} (after --) is not a program on PATH or a file")
+  if args.log_dir:
+    try:
+      os.makedirs(args.log_dir, exist_ok=True)
+    except OSError as e:
+      raise errors.UserError(f"--log-dir={args.log_dir}: {e.strerror or e}") from e
   # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
   saving = f"asking the job to save and stop (SIGKILL in {args.term_grace:g}s)"
   with stop_on_signals(saving) as stop:

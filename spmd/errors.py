@@ -188,11 +188,27 @@ def _override_error(fv, names, argv, overrides, error: Exception) -> str:
 class ArgumentParser(argparse.ArgumentParser):
   """`argparse.ArgumentParser` whose errors are `UserError`s naming the nearest real flag."""
 
+  _given: Sequence[str] = ()
+
+  def parse_known_args(self, args=None, namespace=None):
+    self._given = list(sys.argv[1:] if args is None else args)
+    return super().parse_known_args(args, namespace)
+
   def error(self, message: str):  # argparse's hook for every bad argument
+    known = list(_option_strings(self))
+    unknown = []
     if message.startswith("unrecognized arguments:"):
       unknown = [a.split("=", 1)[0] for a in message.split(":", 1)[1].split() if a[:1] == "-"]
-      if unknown:
-        raise UserError(unknown_flag(self.prog, unknown[0], _option_strings(self)))
+    elif message.startswith("the following arguments are required"):
+      # argparse checks for missing flags first: a misspelt one is the likelier cause.
+      given = self._given[: self._given.index("--")] if "--" in self._given else self._given
+      unknown = [
+        flag
+        for flag in (a.split("=", 1)[0] for a in given if a.startswith("--"))
+        if not any(k.startswith(flag) for k in known)  # argparse takes unique prefixes
+      ]
+    if unknown:
+      raise UserError(unknown_flag(self.prog, unknown[0], known))
     raise UserError(f"{message}; {self.prog} --help lists the flags")
 
 
