@@ -184,3 +184,27 @@ def test_spmd_launch_does_not_restart_a_job_that_failed_on_a_user_error(tmp_path
     assert len(said) == 1 and "(did you mean 'warmup_steps'?)" in said[0], out
   assert "not restarting" in out and "restarting (" not in out, out
   assert "Traceback" not in out, out
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_another_model_stops_every_process_with_exit_2_and_no_restart(tmp_path):
+  """A user error met after the processes have joined (restoring): each says it once, exits 2."""
+  common = [f"--config={CONFIG}", f"--workdir={tmp_path / 'w'}", "--config.eval_every=0"]
+  common += ["--config.checkpoint.every=2", "--config.log_every=2"]
+  first = _run("spmd-train", [*common, "--config.train.steps=2"], tmp_path)
+  assert first.returncode == 0, first.stderr[-3000:]
+  result = _run(
+    "spmd-launch",
+    [
+      *("local", "--num-processes", "2", "--max-restarts", "1", "--timeout", "240", "--"),
+      *(str(BIN / "spmd-train"), *common, "--config.train.steps=4"),
+      "--config.model.hidden_sizes=(32,)",  # another model than the checkpoint's
+    ],
+    tmp_path,
+  )
+  out = result.stdout + result.stderr
+  assert result.returncode == 2, out[-4000:]
+  for p in (0, 1):
+    said = [line for line in out.splitlines() if line.startswith(f"[p{p}] spmd-train:")]
+    assert len(said) == 1 and "holds a different model" in said[0], out[-4000:]
+  assert "not restarting" in out and "Traceback" not in out, out[-4000:]
