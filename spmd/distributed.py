@@ -30,6 +30,8 @@ import socket
 
 import jax
 
+from spmd import compat
+
 log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "SPMD_COORDINATOR_ADDRESS"
@@ -87,11 +89,7 @@ def _seconds(value, env: str, default: int) -> int:
 def cluster_detected() -> bool:
   """True when JAX's own cluster detection recognises this environment."""
   try:
-    from jax._src.clusters import ClusterEnv  # no public listing of these
-
-    return any(
-      env.is_env_present() for env in ClusterEnv._cluster_types if not env.opt_in_only_method
-    )
+    return compat.cluster_detected()
   except Exception as e:  # detection is best effort; say why it was skipped
     log.debug("cluster detection skipped: %s", e)
     return False
@@ -120,12 +118,10 @@ def skip_absent_tpu() -> bool:
   backends have started. Planning for TPU topologies does not need it:
   `spmd-plan` compiles for topology descriptions with the CPU platform.
   """
-  from jax._src import xla_bridge
-
   if (
     os.environ.get("JAX_PLATFORMS")
     or jax.config.jax_platforms
-    or xla_bridge.backends_are_initialized()
+    or compat.backends_are_initialized()
     or importlib.util.find_spec("libtpu") is None
     or _tpu_chips_present()
     or _gpu_plugin_installed()
@@ -139,9 +135,7 @@ def set_cpu_device_count(count: int) -> None:
   """Makes the CPU backend expose `count` devices; must precede first use."""
   if count < 1:
     raise ValueError(f"CPU device {count=} must be at least 1")
-  from jax._src import xla_bridge  # the only way to ask "already started?"
-
-  if xla_bridge.backends_are_initialized():
+  if compat.backends_are_initialized():
     have = jax.local_device_count("cpu") if jax.default_backend() == "cpu" else None
     if have not in (None, count):
       raise RuntimeError(
@@ -184,10 +178,8 @@ def initialize(
   if cpu_devices is not None:
     set_cpu_device_count(cpu_devices)
 
-  from jax._src import distributed as jax_distributed
-
-  if jax_distributed.global_state.client is not None:  # already started
-    return _info(jax_distributed.global_state.coordinator_address)
+  if jax.distributed.is_initialized():  # already started
+    return _info(compat.coordinator_address())
 
   coordinator_address = coordinator_address or _env(ENV_COORDINATOR, "JAX_COORDINATOR_ADDRESS")
   num_processes = _int_setting(num_processes, ENV_NUM_PROCESSES, "JAX_NUM_PROCESSES")

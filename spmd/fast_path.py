@@ -31,9 +31,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.array import ArrayImpl
 
 from spmd.arguments import Arguments
+from spmd.compat import ARRAY_TYPE, sharding_of
 from spmd.placement import Plan, is_leaf_plan, needs_moving
 
 # Host values that jax.jit places itself (a fully replicated one even across processes).
@@ -97,7 +97,7 @@ class FastPath:
     if expected is False:
       return False
     for x, want in zip(args, expected):
-      if want is not None and not (type(x) is ArrayImpl and x._sharding is want):
+      if want is not None and not (isinstance(x, ARRAY_TYPE) and sharding_of(x) is want):
         return self._admits_leaf_by_leaf(args)
     return True
 
@@ -109,7 +109,7 @@ class FastPath:
     across = self._plan.cross_process
     for x, leaf in zip(leaves, per_leaf):
       sharding = leaf.sharding
-      if type(x) is ArrayImpl and (x._sharding is sharding or x._sharding == sharding):
+      if isinstance(x, ARRAY_TYPE) and ((s := sharding_of(x)) is sharding or s == sharding):
         continue  # already on exactly the sharding the program takes
       if not jit_takes_as_is(x, sharding, across):
         return False

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from spmd import compat
 from spmd.partition import axis_names
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,7 @@ class AgreementError(ValueError):
 
 def runtime_client():
   """The distributed runtime's key-value client (None in a single process)."""
-  from jax._src import distributed  # the runtime's own client; no public handle
-
-  return distributed.global_state.client
+  return compat.distributed_client()
 
 
 def agreement_timeout_s() -> float:

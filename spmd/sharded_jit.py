@@ -46,10 +46,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.array import ArrayImpl
 
 from spmd import cross_process, multihost, tracing
 from spmd.arguments import Arguments
+from spmd.compat import ARRAY_TYPE, sharding_of
 from spmd.fast_path import FastPath
 from spmd.partition import NamedSpec, PartitionSpec, count_specs
 from spmd.placement import Plan, broadcast_prefix, make_plan, moved
@@ -135,8 +135,9 @@ def sharded_jit(
     if fast is not None and not kwargs and tracing_now() is None:
       # The commonest call, one array already on the plan's sharding, is
       # tested here: a call into FastPath costs more than the test itself.
-      # `_sharding` is what the `sharding` property returns, without its frame.
-      if len(args) == 1 and type(x := args[0]) is ArrayImpl and x._sharding is fast.one:
+      # `sharding_of` reads what the `sharding` property returns, without its
+      # frame (spmd.compat).
+      if len(args) == 1 and isinstance(x := args[0], ARRAY_TYPE) and sharding_of(x) is fast.one:
         return fast.jitted(x)
       if fast.admits(args):
         return fast.jitted(*args)

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import common, run
 from tests.multiprocess import ROOT
 from trainers import peaks
@@ -66,6 +68,7 @@ def test_the_shared_helpers_examples_hold():
   assert result.attempted > 0 and result.failed == 0, common.__name__
 
 
+@pytest.mark.multiprocess
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   out = tmp_path / "p7.json"
   done = _run_module(
@@ -76,6 +79,7 @@ def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   assert row["id"] == "P7" and row["value"] > 0 and "| P7 |" in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
   # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.
@@ -94,6 +98,7 @@ def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   assert "the step's own matmuls alone" in rows["P3"]["detail"], rows["P3"]["detail"]
 
 
+@pytest.mark.multiprocess
 def test_the_llama_figure_runs_end_to_end_on_a_shrunken_shape(tmp_path):
   # P10 at the peer shape takes minutes; shrunk, it still checks that both
   # steps agree on their first losses before timing them.

@@ -141,6 +141,7 @@ def test_the_snapshot_copy_is_compiled_once_per_state_layout(tmp_path):
     saver.close()
 
 
+@pytest.mark.multiprocess
 def test_two_processes_save_while_the_training_thread_runs_collectives(tmp_path):
   result = run_worker("saver_worker", str(tmp_path), num_processes=2, devices_per_process=2)
   assert_ok(result)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts the commands as processes
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = str(ROOT / "configs" / "mlp.py")
@@ -165,7 +167,6 @@ def test_spmd_sample_and_export_never_advise_a_config_flag_they_lack(tmp_path):
   assert result.returncode == 2 and "--config" not in result.stderr, result.stderr
 
 
-@pytest.mark.multiprocess
 def test_spmd_launch_does_not_restart_a_job_that_failed_on_a_user_error(tmp_path):
   """Two real spmd-train processes, each with a misspelt config key: one attempt only."""
   result = _run(
@@ -186,7 +187,6 @@ def test_spmd_launch_does_not_restart_a_job_that_failed_on_a_user_error(tmp_path
   assert "Traceback" not in out, out
 
 
-@pytest.mark.multiprocess
 def test_a_checkpoint_of_another_model_stops_every_process_with_exit_2_and_no_restart(tmp_path):
   """A user error met after the processes have joined (restoring): each says it once, exits 2."""
   common = [f"--config={CONFIG}", f"--workdir={tmp_path / 'w'}", "--config.eval_every=0"]

@@ -62,6 +62,7 @@ def test_a_copy_staged_back_to_where_it_came_from_is_not_copied_again(tmp_path):
   assert paths.copy_tree(epath.Path(prepared), epath.Path(shared)) == 0
 
 
+@pytest.mark.multiprocess  # a process of its own (or the storage emulator)
 def test_a_killed_copy_leaves_no_file_under_the_final_name(tmp_path):
   """The kernel kills the copying process mid-write (SIGXFSZ past a file-size limit)."""
   src, dst = tmp_path / "src", tmp_path / "dst"
@@ -89,6 +90,7 @@ def test_a_killed_copy_leaves_no_file_under_the_final_name(tmp_path):
   assert paths.copy_tree(epath.Path(dst), epath.Path(tmp_path / "again")) == 1
 
 
+@pytest.mark.multiprocess  # a process of its own (or the storage emulator)
 def test_a_copy_streams_a_file_larger_than_its_memory_limit(tmp_path):
   src, dst = tmp_path / "src", tmp_path / "dst"
   src.mkdir()
@@ -132,6 +134,7 @@ def bucket(tmp_path, monkeypatch):
     emulator.stop()
 
 
+@pytest.mark.multiprocess  # a process of its own (or the storage emulator)
 def test_a_file_changed_to_the_same_size_is_copied_again_to_and_from_cloud_storage(
   tmp_path, bucket
 ):

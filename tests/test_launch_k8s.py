@@ -193,6 +193,7 @@ def test_gpu_manifest_on_stdout(capsys):
   assert "annotations" not in m["metadata"] and container(m)["args"] == ["spmd-train"]
 
 
+@pytest.mark.multiprocess
 def test_every_pod_computes_its_process_id(tmp_path):
   # v5e-8: 2 hosts of 4 chips; 3 slices make 6 processes.
   code = "import os; print(os.environ['SPMD_PROCESS_ID'], os.environ['MEGASCALE_SLICE_ID'])"
@@ -203,6 +204,7 @@ def test_every_pod_computes_its_process_id(tmp_path):
   assert seen == {(s, h): [str(2 * s + h), str(s)] for s in range(3) for h in range(2)}
 
 
+@pytest.mark.multiprocess
 def test_a_pod_without_its_index_fails_loudly(tmp_path):
   m = write_manifest(tmp_path, "--num-hosts", "2")
   argv, env = pod_process(m, 0, 1)
@@ -228,6 +230,7 @@ def test_pods_form_a_multi_process_jax_job(tmp_path):
   assert ids == [0, 1], report
 
 
+@pytest.mark.multiprocess
 def test_apply_pipes_the_manifest_to_kubectl(tmp_path, monkeypatch, capsys):
   fake = tmp_path / "kubectl"
   fake.write_text(

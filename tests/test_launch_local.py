@@ -13,6 +13,8 @@ import pytest
 from launch import allocator, launch_cli, local
 from launch.processes import OutputReader, popen
 
+pytestmark = pytest.mark.multiprocess  # every test starts processes
+
 PY = sys.executable
 
 

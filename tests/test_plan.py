@@ -85,8 +85,8 @@ def test_small_lm_state_bytes_match_hand_computed():
   plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.gpu_target("h100", 8))
   assert plan.num_params == LM_TINY_PARAMS
   assert plan.memory.params_bytes == LM_TINY_PARAMS * 4
-  # adamw's two moments, plus four int32 counters (adam, schedule, step, bad_steps).
-  assert plan.memory.optimizer_bytes == 2 * LM_TINY_PARAMS * 4 + 4 * 4
+  # adamw's two moments, plus five int32 counters (adam, schedule, step, updates, bad_steps).
+  assert plan.memory.optimizer_bytes == 2 * LM_TINY_PARAMS * 4 + 5 * 4
   assert plan.estimated and plan.compiled and plan.fits
   # Data parallel over 8: the gradients are all-reduced once per step, in one group of 8.
   [reduce] = [c for c in plan.collectives if c.kind == "all-reduce" and c.bytes > 1000]
@@ -214,6 +214,7 @@ def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 @needs_libtpu
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
   "topology,num_slices,hosts",
   [("v4-32", 1, 4), ("v5e-256", 1, 64), ("v5p-256", 1, 32), ("v5e-256", 2, 128)],
@@ -250,6 +251,7 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
   assert any(c["crosses_dcn"] for c in plan["collectives"]) == (num_slices > 1)
 
 
+@pytest.mark.multiprocess
 @needs_libtpu
 def test_a_70b_model_replicated_on_v5e_16_does_not_fit_and_says_how_to():
   done = _spmd_plan(
@@ -269,6 +271,7 @@ def test_a_70b_model_replicated_on_v5e_16_does_not_fit_and_says_how_to():
   assert "even FSDP over all 16 devices" in out and "needs at least" in out, out
 
 
+@pytest.mark.multiprocess
 @needs_libtpu
 def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
   done = _spmd_plan(
@@ -285,6 +288,7 @@ def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
   assert "--config.mesh.rules=fsdp --config.mesh.ici=data=-1,fsdp=2,tensor=1" in done.stdout
 
 
+@pytest.mark.multiprocess
 @needs_libtpu
 def test_activations_the_compiler_refuses_are_measured_and_a_micro_batch_count_is_named():
   # 8192-token rows, 8 to a v5e chip: libtpu refuses the step (its temporaries
@@ -308,6 +312,7 @@ def test_activations_the_compiler_refuses_are_measured_and_a_micro_batch_count_i
   assert "shard the state" not in out, out  # the state is a few MiB: more FSDP cannot help
 
 
+@pytest.mark.multiprocess
 @needs_libtpu
 def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
   path = tmp_path / "step.xla"
@@ -324,6 +329,7 @@ def test_the_compiled_step_can_be_saved_for_reuse(tmp_path):
   assert meta["target"] == "v5e-16" and meta["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1}
 
 
+@pytest.mark.multiprocess
 def test_spmd_plan_takes_a_users_task_folder_and_counts_its_compiled_flops(tmp_path):
   """The CNN example's config, from a copy outside the checkout: no model FLOPs of its own."""
   copy = tmp_path / "my_cnn"
@@ -346,6 +352,7 @@ def test_spmd_plan_takes_a_users_task_folder_and_counts_its_compiled_flops(tmp_p
   assert plan["memory"]["params_bytes"] < 4 * plan["num_params"]
 
 
+@pytest.mark.multiprocess
 def test_a_packed_lm_plan_counts_the_tokens_a_step_holds():
   """Packed windows' template is all padding; the plan counts the batch's tokens, not zero."""
   done = _spmd_plan(

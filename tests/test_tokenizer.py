@@ -129,6 +129,7 @@ def test_a_saved_run_decodes_with_its_own_copy_when_the_original_is_gone(files, 
   assert saved_run.saved_config(workdir).data.tokenizer == str(workdir / "tokenizer.json")
 
 
+@pytest.mark.multiprocess
 def test_a_tokenizer_file_on_cloud_storage_is_copied_into_the_data_dir(
   files, tmp_path, monkeypatch
 ):

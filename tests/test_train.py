@@ -19,6 +19,8 @@ from launch.local import run_local
 from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
 
+pytestmark = pytest.mark.multiprocess  # every test trains as real processes
+
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
 

@@ -24,17 +24,26 @@ count restores onto the new one: arrays are read into the target shardings.
 Resume order (decided in `restore_or_init`):
   1. the latest checkpoint in the run's own checkpoint directory: everything,
      including the data position, restored into the target shardings (so a
-     different mesh or process count works);
-  2. else initial weights from `init_from` (another run's checkpoint
-     directory): parameters only; optimizer, step and data start fresh;
+     different mesh or process count works). A checkpoint saved before the
+     state counted its applied updates (`updates`) resumes with the count set
+     to its step;
+  2. else initial weights from `init_from` (another run's workdir, its
+     checkpoint directory, or one step's directory): the parameters and the
+     model's other variables (`model_state`: batch statistics, a model's own
+     variables) only, read by a partial restore (`restore_weights`) that never
+     opens the optimizer state, so any optimizer and schedule may follow; the
+     optimizer, step and data start fresh;
   3. else a fresh initialisation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import math
 import threading
@@ -43,13 +52,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
-from absl import flags
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd import multihost
+from spmd import compat, multihost
 from spmd.errors import UserError
 from spmd.partition import axis_names, spec_axis_names
 from trainers import paths
@@ -57,6 +66,9 @@ from trainers import paths
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
+WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
+# The applied-update count (trainers/state.py), which older checkpoints lack.
+UPDATES = "updates"
 
 
 class CheckpointError(UserError):
@@ -116,13 +128,10 @@ def _barriers_through_the_coordination_service() -> None:
   (`sync_global_devices`); launched from another thread it is ordered
   differently against the steps' collectives on each host, and the job
   deadlocks (seen with 2 processes). The coordination service's barrier is
-  an RPC, safe from any thread, and has a timeout.
+  an RPC, safe from any thread, and has a timeout. The switch is an orbax
+  experimental flag, set through `spmd.compat`.
   """
-  name = "experimental_orbax_use_distributed_barrier"
-  if flags.FLAGS.is_parsed():
-    setattr(flags.FLAGS, name, True)
-  else:  # used as a library: set it without parsing everyone's flags
-    flags.FLAGS[name].parse("true")
+  compat.use_coordination_service_barriers_in_orbax()
 
 
 def make_manager(
@@ -333,13 +342,14 @@ def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   }
 
 
-def check_same_model(
-  manager: ocp.CheckpointManager, step: int, target: Any, what: str, only: tuple[str, ...] = ()
-) -> None:
-  """Raises `CheckpointError` unless the saved state has the target's names, shapes, dtypes.
+SAME_CONFIG_ADVICE = "Use the config it was saved with, or another workdir."
 
-  `only` limits the comparison to these top-level items of the state (e.g.
-  `("params",)` for a restore of the parameters alone); empty compares all.
+
+def saved_state_tree(manager: ocp.CheckpointManager, step: int, what: str) -> Any:
+  """The saved state's tree of array metadata (names, shapes, dtypes); no array data is read.
+
+  orbax opens every array's own metadata for it, the optimizer state's too
+  (a warm start reads `weights_metadata` instead).
   """
   try:
     saved_tree = manager.item_metadata(step)["state"]
@@ -350,6 +360,28 @@ def check_same_model(
     raise _damaged(what, e) from e
   if saved_tree is None:
     raise CheckpointError(f"{what} cannot be restored: it has no state metadata")
+  return saved_tree
+
+
+def check_same_model(
+  manager: ocp.CheckpointManager,
+  step: int,
+  target: Any,
+  what: str,
+  only: tuple[str, ...] = (),
+  advice: str = SAME_CONFIG_ADVICE,
+  saved_tree: Any = None,
+) -> None:
+  """Raises `CheckpointError` unless the saved state has the target's names, shapes, dtypes.
+
+  `only` limits the comparison to these top-level items of the state (e.g.
+  `WEIGHTS` for a restore of the weights alone); empty compares all. Each
+  array that differs or is on one side only is named with its shape and
+  dtype (both, where both exist); `advice` ends the message. `saved_tree`:
+  the saved metadata when already read (`saved_state_tree`, `weights_metadata`).
+  """
+  if saved_tree is None:
+    saved_tree = saved_state_tree(manager, step, what)
   if only:
     saved_tree = {k: saved_tree[k] for k in only if k in saved_tree}
   saved, wanted = _leaves(saved_tree), _leaves(target)
@@ -366,10 +398,11 @@ def check_same_model(
     if saved[k] != wanted[k]
   ]
   problems += [
-    f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys(), key=order)
+    f"{k}: missing from the checkpoint, this config needs {show(wanted[k])}"
+    for k in sorted(wanted.keys() - saved.keys(), key=order)
   ]
   problems += [
-    f"{k}: in the checkpoint, not in this model"
+    f"{k}: saved {show(saved[k])}, not in this model"
     for k in sorted(saved.keys() - wanted.keys(), key=order)
   ]
   if problems:
@@ -377,8 +410,7 @@ def check_same_model(
       f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
     )
     raise CheckpointError(
-      f"{what} holds a different model ({len(problems)} arrays differ):\n  {shown}\n"
-      "Use the config it was saved with, or another workdir."
+      f"{what} holds a different model ({len(problems)} arrays differ):\n  {shown}\n{advice}"
     )
 
 
@@ -396,6 +428,150 @@ def restore_step(manager: ocp.CheckpointManager, step: int, args: Any, what: str
       e.add_note(f"while restoring {what}: the checkpoint itself may be fine; nothing was restored")
       raise
     raise _damaged(what, e) from e
+
+
+def read_only_manager(directory: str | epath.Path) -> ocp.CheckpointManager:
+  """A read-only `CheckpointManager` whose state item can be restored in part.
+
+  The state is read with orbax's PyTree handler: the standard one saves
+  through it (the same files), and only it restores a part of the tree
+  (`restore_weights`). Nothing in `directory` is changed or cleaned up.
+  """
+  _register_array_handler()
+  return ocp.CheckpointManager(
+    paths.user_path(directory),
+    item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
+    options=ocp.CheckpointManagerOptions(read_only=True),
+  )
+
+
+# orbax's description of a saved tree (`_METADATA` beside the arrays): each
+# leaf's key path and value type, but not its shape, which only the array's own
+# metadata holds. Its key types: 1 a sequence index, 2 a dict key.
+_TREE_METADATA_FILE = "_METADATA"
+_SEQUENCE_KEY = 1
+
+
+def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> dict[str, Any]:
+  """The saved shapes and dtypes of the weights (`WEIGHTS`) of `step`.
+
+  Only the weights' own array metadata is opened: orbax's `item_metadata`
+  opens every array's, the optimizer state's included, so a warm start would
+  depend on files it never restores. The leaf names come from orbax's tree
+  description; the shapes from orbax's array handler, for those leaves only.
+  """
+  state_dir = epath.Path(manager.directory) / str(step) / "state"
+  try:
+    described = json.loads((state_dir / _TREE_METADATA_FILE).read_text())
+    leaves = [
+      [(k["key"], k.get("key_type")) for k in entry["key_metadata"]]
+      for entry in described["tree_metadata"].values()
+      if entry["key_metadata"][0]["key"] in WEIGHTS
+      and not entry.get("value_metadata", {}).get("skip_deserialize", False)
+    ]
+    use_ocdbt = bool(described.get("use_ocdbt", True))
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    infos = [
+      ocp.type_handlers.ParamInfo(
+        name=".".join(str(key) for key, _ in path),
+        parent_dir=state_dir,
+        skip_deserialize=False,
+        is_ocdbt_checkpoint=use_ocdbt,
+        use_zarr3=bool(described.get("use_zarr3", False)),
+        ts_context=context,
+      )
+      for path in leaves
+    ]
+    _register_array_handler()
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    arrays = _run_async(handler.metadata(infos)) if infos else []
+  except Exception as e:  # a missing or damaged metadata file: JSON, OS or tensorstore errors
+    if is_trouble(e):
+      e.add_note(f"while reading {what}: the checkpoint itself may be fine; nothing was restored")
+      raise
+    raise _damaged(what, e) from e
+  tree = _nested(zip(leaves, arrays))
+  if "params" not in tree:
+    raise CheckpointError(f"{what} holds no parameters")
+  return tree
+
+
+def _run_async(coroutine: Any) -> Any:
+  """`coroutine`'s result, also from a caller already inside an event loop (a notebook)."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(coroutine)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, coroutine).result()
+
+
+def _nested(leaves: Any) -> dict[str, Any]:
+  """A tree from `(key path, value)` pairs, as orbax rebuilds a saved one.
+
+  A level whose keys are sequence indices becomes a list.
+  """
+  root: dict = {}
+  sequences: set[int] = set()  # id() of the levels keyed by sequence indices
+  for path, value in leaves:
+    level = root
+    for depth, (key, kind) in enumerate(path):
+      if kind == _SEQUENCE_KEY:
+        key = int(key)
+        sequences.add(id(level))
+      if depth == len(path) - 1:
+        level[key] = value
+      else:
+        level = level.setdefault(key, {})
+
+  def build(level: Any) -> Any:
+    if not isinstance(level, dict):
+      return level
+    if id(level) in sequences:
+      return [build(level[i]) for i in sorted(level)]
+    return {k: build(v) for k, v in level.items()}
+
+  return build(root)
+
+
+def restore_weights(
+  manager: ocp.CheckpointManager,
+  step: int,
+  target: dict[str, Any] | None,
+  what: str,
+  advice: str = SAME_CONFIG_ADVICE,
+) -> dict[str, Any]:
+  """The parameters and model state of `step` by a partial restore: nothing else is read.
+
+  `manager` comes from `read_only_manager`. The optimizer state and the rest
+  of the train state are never opened (their files may be damaged or of
+  another optimizer), so memory holds only the weights.
+
+  `target`: `{"params": ..., "model_state": ...}` (the latter only for models
+  that have one) of `jax.ShapeDtypeStruct`s with shardings: the arrays come
+  back as global `jax.Array`s in those shardings, whatever mesh or process
+  count saved them (every process must call this), after a check that the
+  saved weights have the target's names, shapes and dtypes (`advice` ends
+  that error). None: numpy arrays on this host alone, shaped as saved.
+
+  Raises:
+    CheckpointError: the weights are damaged, or of another model.
+  """
+  saved = weights_metadata(manager, step, what)
+  if target is None:
+    item = saved
+    restore_args = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+      item,
+      is_leaf=lambda x: hasattr(x, "shape"),
+    )
+  else:
+    item = target
+    check_same_model(manager, step, target, what, only=WEIGHTS, advice=advice, saved_tree=saved)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+  restored = restore_step(manager, step, ocp.args.Composite(state=args), what)
+  return dict(restored["state"])
 
 
 # Status names (gRPC's, which tensorstore and XLA use in their messages) and
@@ -526,14 +702,41 @@ def checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> s
   return what
 
 
+WARM_START_ADVICE = (
+  "A warm start (checkpoint.init_from) needs the same parameter and model-state names, "
+  "shapes and dtypes; the optimizer and schedule may differ. Use a model config that "
+  "matches the checkpoint, or another checkpoint."
+)
+
+
+def init_from_directory(init_from: str) -> tuple[epath.Path, int | None]:
+  """(the orbax directory, the step or None for its latest) that `init_from` names.
+
+  `init_from` is another run's workdir (its `checkpoints/` is used), its
+  checkpoint directory, or one step's directory (`.../checkpoints/200`).
+  """
+  directory = paths.user_path(init_from)
+  if (directory / "checkpoints").is_dir():
+    return directory / "checkpoints", None
+  if directory.name.isdigit() and (directory / "state").is_dir():
+    return directory.parent, int(directory.name)
+  return directory, None
+
+
 def restore_or_init(
   manager: ocp.CheckpointManager,
   abstract_state: Any,
   shardings: Any,
   init: Callable[[], Any],
   init_from: str = "",
+  init_with_weights: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Restored:
   """Resumes, warm-starts or initialises, in the order in the module docstring.
+
+  `init_with_weights(weights)`, for a warm start, is the initial state built
+  around the restored weights (`trainers.state.StateSetup.init_with_weights`:
+  the optimizer initialised from them); None initialises fresh (`init`) and
+  puts the weights in.
 
   Raises:
     CheckpointError: the checkpoint to restore is incomplete, damaged or of
@@ -544,31 +747,48 @@ def restore_or_init(
   step = latest_committed_step(manager)
   if step is not None:
     what = checked_step(manager, str(manager.directory), step)
-    check_same_model(manager, step, target, what)
+    # A checkpoint from before the state counted its updates: everything
+    # else restored, the count set to the step (exact unless that run skipped
+    # non-finite steps; then the logged learning rate stays ahead by those).
+    saved_tree = saved_state_tree(manager, step, what)
+    counted = UPDATES not in target or UPDATES in saved_tree
+    wanted = target if counted else {k: v for k, v in target.items() if k != UPDATES}
+    check_same_model(manager, step, wanted, what, saved_tree=saved_tree)
     restored = restore_step(
       manager,
       step,
-      ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()),
+      ocp.args.Composite(state=ocp.args.StandardRestore(wanted), data=ocp.args.JsonRestore()),
       what,
     )
-    return Restored(restored["state"], dict(restored["data"]), f"checkpoint step {step}", step)
-  state = init()
-  # 2. Initial weights from another run: parameters only.
+    state = restored["state"]
+    if not counted:
+      log.warning("%s has no update count (saved by an older version): set to its step", what)
+      state = dict(state, **{UPDATES: _replicated_scalar(step, target[UPDATES])})
+    return Restored(state, dict(restored["data"]), f"checkpoint step {step}", step)
+  # 2. Initial weights from another run: parameters and model state only.
   if init_from:
-    with ocp.CheckpointManager(
-      paths.user_path(init_from),
-      item_handlers=_handlers(),
-      options=ocp.CheckpointManagerOptions(read_only=True),
-    ) as other:
-      other_step = other.latest_step()
+    directory, other_step = init_from_directory(init_from)
+    with read_only_manager(directory) as other:
       if other_step is None:
-        raise FileNotFoundError(f"checkpoint.init_from={init_from!r} holds no checkpoint")
-      what = "checkpoint.init_from " + checked_step(other, paths.user_path(init_from), other_step)
-      check_same_model(other, other_step, target, what)
-      restored = restore_step(
-        other, other_step, ocp.args.Composite(state=ocp.args.StandardRestore(target)), what
-      )
-    state = dict(state, params=restored["state"]["params"])
+        other_step = other.latest_step()
+      if other_step is None:
+        raise FileNotFoundError(
+          f"checkpoint.init_from={init_from!r} holds no checkpoint (give a run's workdir, "
+          "its checkpoints directory, or one step's directory)"
+        )
+      what = "checkpoint.init_from " + checked_step(other, str(directory), other_step)
+      wanted = {k: target[k] for k in WEIGHTS if k in target}
+      weights = restore_weights(other, other_step, wanted, what, WARM_START_ADVICE)
+    if init_with_weights is not None:
+      state = init_with_weights(weights)
+    else:
+      state = dict(init(), **weights)
     return Restored(state, None, f"init_from {init_from} step {other_step}", 0)
   # 3. Fresh.
-  return Restored(state, None, "fresh init", 0)
+  return Restored(init(), None, "fresh init", 0)
+
+
+def _replicated_scalar(value: int, like: jax.ShapeDtypeStruct) -> jax.Array:
+  """`value` as a global array shaped, typed and sharded as `like` (every process calls this)."""
+  host = np.asarray(value, like.dtype).reshape(like.shape)
+  return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])

@@ -16,12 +16,14 @@ the same eval step as training: for the same step and batches the metrics
 equal the run's own eval.
 
 Process 0 writes the metrics to `W/eval/step_<N>.json` (the training run's
-`metrics.jsonl` is not touched) and prints them. Failures are reported as a
-training run's are: every process stops, naming the one that failed.
+`metrics.jsonl` is not touched) and prints them: `eval_loss`,
+`eval_perplexity`, `eval_weight`, and each metric of the task's loss as
+`eval_<its name>`. Failures are reported as a training run's are: every
+process stops, naming the one that failed.
 
-Example (one process; `W` a finished run):
+Example (one process; `W` a finished run of a task whose loss returns `mae`):
   >>> evaluate_run("W", step=200)  # doctest: +SKIP
-  {'step': 200, 'eval_loss': 1.93, 'eval_accuracy': 0.41, ...}
+  {'step': 200, 'eval_loss': 0.19, 'eval_perplexity': 1.21, 'eval_mae': 0.41, ...}
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from etils import epath
 
 import spmd
 from spmd import multihost
-from trainers import paths, saved_run
+from trainers import paths, saved_run, task_metrics
 from trainers.state import make_state
 from trainers.step import make_eval_step
 from trainers.tasks import make_task
@@ -119,6 +121,8 @@ def _evaluate_run(
   ref = saved_run.find_checkpoint(workdir, checkpoint, step)
   mesh, batch_axes = build_mesh(config)
   task = make_task(config)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
+  task_metrics.loss_metric_names(setup, task, config.global_batch)  # before any data
   with watchdog.phase("data preparation", 0, "none"):
     _, batches = open_data(config, task, workdir, mesh, batch_axes)
   # Every host reads the same step of the same checkpoint with the same config:
@@ -132,7 +136,6 @@ def _evaluate_run(
       "data": batches.fingerprint,
     },
   )
-  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   target = {
     k: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -65,7 +65,7 @@ class StepInfo:
     step: steps completed (1 after the first).
     total_steps: the step the run ends at.
     state: the train state, a read-only mapping of global device arrays:
-      "params", "opt_state", "step", "bad_steps", and "model_state" for
+      "params", "opt_state", "step", "updates", "bad_steps", and "model_state" for
       models with other variables.
     mesh: the run's mesh.
     workdir: the run's directory (an `etils.epath.Path`; may be `gs://`).

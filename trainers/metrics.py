@@ -7,7 +7,7 @@ with `enabled=False` and they do nothing, so callers need no `if` around them.
     and the same scalars as TensorBoard events in `workdir/tensorboard/`.
   * `read_metrics`, `loss_figure`, `plot_loss_curve`: read the JSONL back and
     draw loss (and eval loss) against step as a PNG.
-  * `Progress`: a tqdm bar with loss, tokens/s and ETA.
+  * `Progress`: a tqdm bar with loss, tokens/s, the task's metrics and ETA.
   * `format_summary`: the aligned end-of-run summary.
 
 Example:
@@ -325,8 +325,8 @@ class Progress:
         mininterval=mininterval_s,
       )
 
-  def update(self, step: int, **postfix: float) -> None:
-    """Moves the bar to `step` (absolute, not a delta) and shows `postfix`."""
+  def update(self, step: int, /, **postfix: float) -> None:
+    """Moves the bar to `step` (absolute, not a delta) and shows `postfix` (name -> number)."""
     if self._bar is None:
       return
     shown = {}
@@ -392,33 +392,48 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
 }
 
 
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def format_summary(d: Mapping[str, Any]) -> str:
   """An aligned end-of-run summary of the known entries of `d`.
 
-  Known keys, in print order: steps, train_loss, eval_loss, eval_accuracy
-  (a fraction, printed as %), tokens_per_s, mfu (a fraction, printed as %),
-  peak_flops_per_s, peak_source, wall_time_s, first_step_s, resumed_from, workdir, and the
+  Known keys, in print order: steps, train_loss, eval_loss, the task's eval
+  metrics (`eval_<name>`, whatever the names: "eval <name>" with 4
+  significant digits; `eval_accuracy`, a fraction, as %), tokens_per_s (any
+  `<unit>_per_s`), mfu (a fraction, printed as %), peak_flops_per_s,
+  peak_source, wall_time_s, first_step_s, resumed_from, workdir, and the
   paths checkpoints, metrics, tensorboard, loss_curve. Entries that are absent
   or None are skipped, and so are other keys, because the same dict is also
   the trainer's result (loss history, samples). Non-finite numbers print as
   "nan"/"inf".
 
   Example:
-    >>> print(format_summary({"steps": 1000, "train_loss": 2.34567, "mfu": 0.4123, "x": [1]}))
+    >>> print(format_summary({"steps": 1000, "train_loss": 2.34567, "eval_mae": 0.012341,
+    ...                       "mfu": 0.4123, "x": [1]}))
     run summary
       steps            : 1,000
       final train loss : 2.3457
+      eval mae         : 0.01234
       MFU              : 41.2%
   """
   rows = []
   table = dict(_SUMMARY)
-  # Any task's unit: "<unit>_per_s" prints as "<unit>/s", next to the built-in ones.
-  for key in d:
-    if key.endswith("_per_s") and key not in table and key != "peak_flops_per_s":
+  # Where an entry the table does not name goes: "<unit>_per_s" (any task's
+  # unit) as "<unit>/s" beside the built-in rates, a task's eval metric
+  # "eval_<name>" as "eval <name>" beside the eval loss.
+  anchor = {}
+  for key, value in d.items():
+    if key in table:
+      continue
+    if key.endswith("_per_s") and key != "peak_flops_per_s":
       table[key] = (key[: -len("_per_s")] + "/s", lambda v: f"{v:,.0f}")
-  ordered = sorted(
-    table, key=lambda k: list(_SUMMARY).index(k if k in _SUMMARY else "tokens_per_s")
-  )
+      anchor[key] = "tokens_per_s"
+    elif key.startswith("eval_") and _is_number(value):
+      table[key] = ("eval " + key[len("eval_") :], lambda v: f"{v:.4g}")
+      anchor[key] = "eval_accuracy"
+  ordered = sorted(table, key=lambda k: list(_SUMMARY).index(anchor.get(k, k)))
   for key in ordered:
     label, fmt = table[key]
     value = d.get(key)

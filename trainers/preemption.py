@@ -14,6 +14,8 @@ import threading
 
 from jax.experimental import multihost_utils
 
+from spmd import compat
+
 log = logging.getLogger(__name__)
 
 
@@ -21,9 +23,7 @@ class PreemptionWatch:
   """Call `reached(step)` once per step on every host, in the same order."""
 
   def __init__(self):
-    from jax._src import distributed  # whether the runtime's sync manager is running
-
-    self._distributed = distributed.global_state.preemption_sync_manager is not None
+    self._distributed = compat.preemption_service_running()
     self._flag = threading.Event()
     self._previous = None
     if not self._distributed and threading.current_thread() is threading.main_thread():

@@ -35,9 +35,7 @@ import dataclasses
 import json
 from typing import Any
 
-import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -46,7 +44,7 @@ from trainers.config import resolve
 
 CONFIG_FILE = "config.json"
 CODE_DIR = "code"
-WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
+WEIGHTS = checkpoint.WEIGHTS  # the part of the train state a model needs
 
 
 def _tuples(value: Any) -> Any:
@@ -196,29 +194,15 @@ def find_checkpoint(
 
 
 def _manager(directory: epath.Path) -> ocp.CheckpointManager:
-  # Read only, and the state read with the PyTree handler (the standard one
-  # saves through it, same files) because it can restore a part of the tree.
-  return ocp.CheckpointManager(
-    directory,
-    item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
-    options=ocp.CheckpointManagerOptions(read_only=True),
-  )
+  # Read only, the state restorable in part: the one reader warm starts use too.
+  return checkpoint.read_only_manager(directory)
 
 
 def saved_weights_metadata(ref: CheckpointRef) -> dict[str, Any]:
   """The saved shapes and dtypes of the parameters (and model state), read from the step."""
   with _manager(ref.directory) as manager:
     what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
-    try:
-      tree = manager.item_metadata(ref.step)["state"]
-    except Exception as e:  # a damaged metadata file: JSON or orbax errors
-      if checkpoint.is_trouble(e):
-        e.add_note(f"while reading {what}: the checkpoint itself may be fine")
-        raise
-      raise checkpoint.CheckpointError(f"{what}: its metadata cannot be read ({e})") from e
-  if tree is None or "params" not in tree:
-    raise checkpoint.CheckpointError(f"{what} holds no parameters")
-  return {k: tree[k] for k in WEIGHTS if k in tree}
+    return checkpoint.weights_metadata(manager, ref.step, what)
 
 
 def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -229,23 +213,11 @@ def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) ->
   shardings, whatever mesh saved them (every process must call this), after
   a check that the saved names, shapes and dtypes are the target's. None:
   numpy arrays on this host alone, shaped as saved (no devices, no mesh).
+  The same partial restore as a warm start's (`checkpoint.restore_weights`).
 
   Raises:
     CheckpointError: the step is unfinished, damaged or of another model.
   """
   with _manager(ref.directory) as manager:
     what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
-    if target is None:
-      item = saved_weights_metadata(ref)
-      restore_args = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-        item,
-        is_leaf=lambda x: hasattr(x, "shape"),
-      )
-    else:
-      item = target
-      checkpoint.check_same_model(manager, ref.step, target, what, only=tuple(target))
-      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    restored = checkpoint.restore_step(manager, ref.step, ocp.args.Composite(state=args), what)
-  return dict(restored["state"])
+    return checkpoint.restore_weights(manager, ref.step, target, what)

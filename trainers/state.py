@@ -5,7 +5,12 @@ The state is a plain dict of arrays (what orbax saves and restores):
   model_state  its other variables (`nnx.BatchStat`, user `nnx.Variable`s);
                present only for models that have some
   opt_state    the optax state (moments follow the parameters' shardings)
-  step         int32, the number of updates applied
+  step         int32, the number of steps taken (skipped ones included): the
+               data position and the step's random keys follow it
+  updates      int32, the number of updates applied (steps not skipped for a
+               non-finite loss or gradient): the schedule's step, the one the
+               optimizer's own count follows and the logged `learning_rate`
+               is read at (a task's optimizer need not expose a count)
   bad_steps    int32, consecutive steps whose loss or gradients were not finite
 
 A model's own random streams (`nnx.Rngs` kept in its modules) are not state:
@@ -66,6 +71,9 @@ class StateSetup:
   # activation constraints (`spmd.rules.constrain`) follow `config.mesh.rules`.
   mesh: jax.sharding.Mesh | None = None
   rules: rules_lib.Rules = ()
+  # Jitted: the initial state around given weights (a warm start): the
+  # optimizer initialised from them, nothing else of the model initialised.
+  init_with_weights: Callable[[dict[str, Any]], Any] | None = None
 
   @property
   def has_model_state(self) -> bool:
@@ -190,7 +198,7 @@ def make_state(
     >>> config = mlp.get_config()
     >>> setup = make_state(make_task(config).model, config, create_mesh("data=-1"))
     >>> sorted(setup.abstract), setup.has_model_state
-    (['bad_steps', 'opt_state', 'params', 'step'], False)
+    (['bad_steps', 'opt_state', 'params', 'step', 'updates'], False)
   """
   tx, schedule = optim.make_optimizer(config.train, task_optimizer)
   rules = rules_lib.preset(config.mesh.rules)
@@ -217,19 +225,25 @@ def make_state(
   has_rest = bool(jax.tree.leaves(abstract_rest))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-  def init_values():
-    model = model_fn(nnx.Rngs(config.seed))
-    _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    params = nnx.to_pure_dict(params)
+  def around(weights):
     state = {
-      "params": params,
-      "opt_state": tx.init(params),
+      "params": weights["params"],
+      "opt_state": tx.init(weights["params"]),
       "step": jnp.zeros((), jnp.int32),
+      "updates": jnp.zeros((), jnp.int32),
       "bad_steps": jnp.zeros((), jnp.int32),
     }
     if has_rest:
-      state["model_state"] = nnx.to_pure_dict(rest)
+      state["model_state"] = weights["model_state"]
     return state
+
+  def init_values():
+    model = model_fn(nnx.Rngs(config.seed))
+    _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    weights = {"params": nnx.to_pure_dict(params)}
+    if has_rest:
+      weights["model_state"] = nnx.to_pure_dict(rest)
+    return around(weights)
 
   abstract = in_context(jax.eval_shape)(init_values)
   # From each leaf's own shape: moments follow their parameters, factored ones
@@ -241,6 +255,7 @@ def make_state(
     "params": param_shardings,
     "opt_state": opt_shardings,
     "step": replicated,
+    "updates": replicated,
     "bad_steps": replicated,
   }
   if has_rest:
@@ -248,6 +263,11 @@ def make_state(
   jitted = jax.jit(init_values, out_shardings=shardings)
   init = in_context(jitted)
   init.lower = in_context(jitted.lower)  # for memory analysis (what each device holds)
+  weight_shardings = {k: shardings[k] for k in ("params", "model_state") if k in shardings}
+  # The weights are donated: the state's parameters are their buffers, not copies.
+  init_with_weights = in_context(
+    jax.jit(around, in_shardings=(weight_shardings,), out_shardings=shardings, donate_argnums=0)
+  )
   return StateSetup(
     graphdef=graphdef,
     abstract_params=abstract_params,
@@ -258,6 +278,7 @@ def make_state(
     tx=tx,
     schedule=schedule,
     init=init,
+    init_with_weights=init_with_weights,
     placement=rows + [(f"model_state/{p}", s, w) for p, s, w in rest_rows],
     mesh=mesh,
     rules=rules,

@@ -7,6 +7,12 @@ decides inside itself whether the update is finite, so every host takes the
 same decision: a non-finite loss or gradient norm keeps the old parameters,
 model state and optimizer state and counts a bad step; the loop stops after
 `train.max_bad_steps` in a row.
+
+The logged `learning_rate` is the schedule at the state's count of applied
+updates (`updates`), not at its step: a skipped step advances the step but
+neither that count nor the optimizer's own schedule counter, so after N
+skipped steps the rate logged at step s is the one the optimizer used,
+`schedule(s - N)`.
 """
 
 from __future__ import annotations
@@ -27,10 +33,8 @@ import spmd
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from trainers.state import StateSetup, build_model
+from trainers.task_metrics import check_names
 from trainers.tasks import Task
-
-# Metrics the step reports itself; a task's metric may not take these names.
-STEP_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "bad_steps", "weight", "units")
 
 
 def _specs(shardings: Any) -> Any:
@@ -56,9 +60,7 @@ def _loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
     with active:
       loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
-    clash = sorted(set(metric_sums) & set(STEP_METRICS))
-    if clash:
-      raise ValueError(f"the task's loss returns metrics {clash}, names the step reports itself")
+    check_names(metric_sums, task.unit)  # names the trainer writes itself (task_metrics.py)
     new_state = None
     if setup.has_model_state:
       new_state = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
@@ -208,6 +210,7 @@ def make_train_step(
       "params": new_params,
       "opt_state": new_opt,
       "step": state["step"] + 1,
+      "updates": state["updates"] + finite.astype(state["updates"].dtype),
       "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1).astype(jnp.int32),
     }
     if setup.has_model_state:
@@ -215,7 +218,9 @@ def make_train_step(
     metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
-      "learning_rate": setup.schedule(state["step"]),
+      # The rate this update used (or would have): the optimizer's schedule
+      # counts applied updates, which a skipped step does not advance.
+      "learning_rate": setup.schedule(state["updates"]),
       "finite": finite,
       "bad_steps": new_state["bad_steps"],
       "weight": weight,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from trainers import metrics
+from trainers import metrics, task_metrics
 from trainers.loop import LoopState
 from trainers.state import StateSetup, build_model
 from trainers.tasks import Task
@@ -56,7 +56,11 @@ def summarize(
   first_step: dict[str, float],
   extra: Callable[[], dict] = dict,
 ) -> dict[str, Any]:
-  """The run's summary: losses, throughput, timings, where its files are; `extra()` last."""
+  """The run's summary: losses, throughput, timings, where its files are; `extra()` last.
+
+  Of the final eval it takes the loss and every metric of the task's loss,
+  `eval_<name>` by the task's own names (none, if the loss returns none).
+  """
   rate, flops_metric = throughput.rate, throughput.flops_metric
   last = loop.history[-1] if loop.history else {}
   rates = [h[rate] for h in loop.history[1:]] or [last.get(rate, 0.0)]
@@ -64,7 +68,7 @@ def summarize(
     "steps": loop.step,
     "train_loss": last.get("loss"),
     "eval_loss": final_eval["eval_loss"],
-    "eval_accuracy": final_eval["eval_accuracy"],
+    **task_metrics.eval_metrics_of_task(final_eval),  # the task's own, by their names
     rate: float(np.median(rates)) if rates else None,
     flops_metric: (
       float(np.median([h.get(flops_metric, 0.0) for h in loop.history])) if loop.history else None

@@ -1,7 +1,8 @@
 """`train_and_evaluate(config, workdir)`: the whole run, from mesh to summary.
 
 1. start the distributed runtime, build the mesh;
-2. prepare (process 0 first) and open the data, every host its own rows;
+2. check the names of the task's metrics (from shapes alone), then prepare
+   (process 0 first) and open the data, every host its own rows;
 3. build the sharded state; resume, warm-start or init (see checkpoint.py);
 4. hosts check they agree (config, shapes, layout, step) before any step;
 5. the loop with its hooks; a preemption saves and stops cleanly;
@@ -30,7 +31,7 @@ from etils import epath
 import spmd
 from spmd import multihost
 from spmd.mesh import create_mesh
-from trainers import checkpoint, metrics, paths, run_setup, summary
+from trainers import checkpoint, metrics, paths, run_setup, summary, task_metrics
 from trainers.data import pipeline
 from trainers.hooks import Hook, load_hooks
 from trainers.loop import (
@@ -139,7 +140,12 @@ def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
 
 
 def evaluate_batches(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
-  """Exact means over the eval batches: the task's sums, divided by their total weight."""
+  """Exact means over the eval batches: the task's sums, divided by their total weight.
+
+  `eval_loss`, `eval_perplexity` and `eval_weight` are the trainer's own
+  (`task_metrics.TRAINER_EVAL_METRICS`); each metric of the task's loss is
+  `eval_<its name>`, whatever the names (none at all included).
+  """
   steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
   inputs = eval_inputs(state)
   sums = [eval_step(inputs, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
@@ -180,13 +186,15 @@ def _train_and_evaluate(
   workdir.mkdir(parents=True, exist_ok=True)  # local or a URL (gs://...): trainers/paths.py
   cache_dir = run_setup.use_compilation_cache(config, workdir)
 
-  # 1-2. Mesh, task and data.
+  # 1-2. Mesh, task, the state's shapes and the task's metric names (checked
+  # before any data is prepared), then the data.
   mesh, batch_axes = build_mesh(config)
   task = make_task(config)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
+  metric_names = task_metrics.loss_metric_names(setup, task, config.global_batch)
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
-  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   manager, restored = _restore(config, workdir, setup)
   if chief:
     _log_start(workdir, mesh, restored.source)
@@ -200,6 +208,7 @@ def _train_and_evaluate(
   run = _make_hooks(
     config,
     task,
+    metric_names,
     workdir,
     watchdog,
     manager,
@@ -254,7 +263,12 @@ def _restore(config, workdir: epath.Path, setup: StateSetup):
     config.checkpoint.keep_period,
   )
   restored = checkpoint.restore_or_init(
-    manager, setup.abstract, setup.shardings, setup.init, config.checkpoint.init_from
+    manager,
+    setup.abstract,
+    setup.shardings,
+    setup.init,
+    config.checkpoint.init_from,
+    setup.init_with_weights,
   )
   return manager, restored
 
@@ -310,6 +324,7 @@ class _RunHooks:
 def _make_hooks(
   config,
   task: Task,
+  metric_names: task_metrics.MetricNames,
   workdir: epath.Path,
   watchdog: ProgressWatchdog,
   manager,
@@ -343,10 +358,11 @@ def _make_hooks(
     with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
       return evaluate_batches(steps.eval, eval_batches, state, config.eval_batches)
 
-  rate = throughput.rate
+  # The bar shows the loss, the rate and the task's own train metrics, by their names.
+  shown = ("loss", throughput.rate, *metric_names.train)
   metrics_hook = MetricsHook(
     writer.write,
-    lambda step, row: progress.update(step, loss=row["loss"], **{rate: row[rate]}),
+    lambda step, row: progress.update(step, **{k: row[k] for k in shown if k in row}),
     config.train.max_bad_steps,
   )
   evaluations = Evaluations(evaluate, writer.write)

@@ -25,7 +25,7 @@ from trainers import checkpoint
 from trainers.checkpoint import COMMIT_MARKER, CheckpointError
 from trainers.train import train_and_evaluate
 
-pytestmark = [pytest.mark.faults]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
 _UNPICKLED: list | None = None  # while a restore is watched: what was unpickled
 

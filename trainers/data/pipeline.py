@@ -65,6 +65,8 @@ from trainers.data.record_order import (
 from trainers.data.records import Example, RecordPlan
 
 log = logging.getLogger(__name__)
+# One row's mask in eval batches of examples that have none: padding rows get 0.
+_PADDING_MASK = np.ones((), np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +259,7 @@ class GlobalBatches:
     for key, spec in self._example_spec.items():
       out[key] = np.stack([e[key] if e is not None else np.zeros_like(spec) for e in examples])
     if not self.train:  # eval padding counts for nothing
-      mask = out.get("mask", np.ones((len(indices),), np.float32))
+      mask = out.get("mask", np.ones((len(indices),), _PADDING_MASK.dtype))
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
 
@@ -324,7 +326,9 @@ class GlobalBatches:
     """
     local = self.host_batch(step)
     for key, value in local.items():
-      spec = self._example_spec[key]
+      spec = self._example_spec.get(key)
+      if spec is None:  # the mask of eval padding, for examples without one (`host_batch`)
+        spec = _PADDING_MASK
       if value.shape != (len(self._rows), *spec.shape) or value.dtype != spec.dtype:
         raise ValueError(
           f"process {jax.process_index()}: batch[{key!r}] at {step=} has local shape "

@@ -87,8 +87,12 @@ class Task:
       False in eval (`.eval()` mode). Return *sums* over the batch and their
       weight: the trainer divides them after adding up micro-batches and eval
       batches, so means stay exact. The reported loss is `loss_sum / weight`
-      and each metric `metric_sums[k] / weight`. Padding rows (eval) carry
-      `mask == 0` and must add nothing.
+      and each metric `metric_sums[k] / weight`, under the task's own names:
+      `k` in the train metrics and the progress bar, `eval_k` in the evals
+      and the run's summary (`{}` reports none). Names the trainer writes
+      itself (`loss`, `perplexity`, `learning_rate`, ...:
+      `trainers.task_metrics.RESERVED_METRICS`) are an error at startup.
+      Padding rows (eval) carry `mask == 0` and must add nothing.
     compute_dtype: the dtype of the model's matmuls ("float32", "bfloat16"),
       for the peak FLOP/s behind MFU.
     flops_per_step: optional model FLOPs of one train step (the whole global
