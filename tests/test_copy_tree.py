@@ -161,3 +161,29 @@ def test_a_file_changed_to_the_same_size_is_copied_again_to_and_from_cloud_stora
     "run/code/sub/util.py",
     "run/code/task.py",
   ]
+
+
+@pytest.mark.multiprocess
+def test_a_copy_to_cloud_storage_killed_mid_upload_publishes_nothing(tmp_path, bucket):
+  """The source is a pipe this test feeds: the copy is surely mid-upload when it is killed."""
+  src = tmp_path / "src"
+  src.mkdir()
+  os.mkfifo(src / "big.bin")
+  code = textwrap.dedent(f"""
+    from etils import epath
+    from trainers import paths
+    paths.copy_tree(epath.Path({str(src)!r}), epath.Path("gs://bucket/data"))
+  """)
+  child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE)
+  try:
+    with open(src / "big.bin", "wb") as pipe:  # opens once the copy reads
+      pipe.write(os.urandom(1 << 20) * 12)  # past gcsfs's 5 MiB upload blocks
+      pipe.flush()
+      child.kill()
+    child.wait(timeout=60)
+  finally:
+    if child.poll() is None:
+      child.kill()
+      child.wait()
+  assert child.returncode == -signal.SIGKILL
+  assert bucket.objects() == [], bucket.objects()
