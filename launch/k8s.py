@@ -11,7 +11,11 @@ of slice 0, host 0, at its stable JobSet DNS name `NAME-workers-0-0.NAME`.
 
 Failure semantics match `spmd-launch local`: `backoffLimit: 0` fails a slice's
 Job on any pod failure, and JobSet then restarts the whole set, up to
-`failurePolicy.maxRestarts` times (the job resumes from its checkpoints).
+`failurePolicy.maxRestarts` times (the job resumes from its checkpoints);
+except after a user error: a pod whose command exited 2
+(`spmd.errors.EXIT_USER_ERROR`: a bad flag, config or path) fails its Job by
+the Job's `podFailurePolicy`, and the JobSet's failure-policy rule for that
+reason fails the whole set at once, since a restart would fail the same way.
 
 Example:
   >>> m = jobset_manifest(["spmd-train", "--config=lm"], name="lm", image="img",
@@ -45,6 +49,7 @@ import yaml
 from launch.processes import ENV_NAME, env_assignment
 from spmd import distributed as env_names
 from spmd import topology
+from spmd.errors import EXIT_USER_ERROR
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "workers"
@@ -347,7 +352,17 @@ def _jobset(
       # A headless Service named `name`: pods resolve as <pod hostname>.<name>.
       "network": {"enableDNSHostnames": True, "subdomain": name},
       # Any failed Job restarts the whole set, up to maxRestarts; then it fails.
-      "failurePolicy": {"maxRestarts": max_restarts},
+      # A Job failed by its podFailurePolicy (a user error, below) fails it now.
+      "failurePolicy": {
+        "maxRestarts": max_restarts,
+        "rules": [
+          {
+            "name": "failOnUserError",
+            "action": "FailJobSet",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+          }
+        ],
+      },
       "replicatedJobs": [
         {
           "name": REPLICATED_JOB,
@@ -358,6 +373,18 @@ def _jobset(
               "parallelism": num_hosts,
               "completions": num_hosts,
               "backoffLimit": 0,  # one failed pod fails the Job (fail fast)
+              "podFailurePolicy": {
+                "rules": [
+                  {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                      "containerName": pod_spec["containers"][0]["name"],
+                      "operator": "In",
+                      "values": [EXIT_USER_ERROR],
+                    },
+                  }
+                ]
+              },
               "template": {"spec": pod_spec},
             }
           },

@@ -7,14 +7,17 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from launch import local
 from launch.processes import stop_on_signals
+from spmd import errors
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
+  parser = errors.ArgumentParser(prog="spmd-launch", description=__doc__.splitlines()[0])
   targets = parser.add_subparsers(dest="target", required=True)
   _local_arguments(targets.add_parser("local", help="N simulated hosts on this machine"))
   _slurm_arguments(targets.add_parser("slurm", help="write (and --submit) an sbatch script"))
@@ -102,6 +105,11 @@ def _slurm_arguments(slurm: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`spmd-launch`'s exit status: 0, 1 when the job failed, 2 on a user error (its or the job's)."""
+  return errors.run("spmd-launch", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
   args = build_parser().parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
@@ -132,11 +140,22 @@ def _write_sbatch(args: argparse.Namespace, command: list[str]) -> int:
     args.job_name,
     args.partition,
   )
-  print(f"spmd-launch: {slurm.write_and_maybe_submit(script, args.script, args.submit)}")
+  try:
+    done = slurm.write_and_maybe_submit(script, args.script, args.submit)
+  except OSError as e:  # the script's folder is missing or not writable
+    raise errors.UserError(f"--script={args.script}: {e.strerror or e}") from e
+  print(f"spmd-launch: {done}")
   return 0
 
 
 def _run_local(args: argparse.Namespace, command: list[str]) -> int:
+  if shutil.which(command[0]) is None:  # each process would fail to start, alike
+    raise errors.UserError(f"{command[0]!r} (after --) is not a program on PATH or a file")
+  if args.log_dir:
+    try:
+      os.makedirs(args.log_dir, exist_ok=True)
+    except OSError as e:
+      raise errors.UserError(f"--log-dir={args.log_dir}: {e.strerror or e}") from e
   # Forwarded to the job as SIGTERM: spmd-train saves at an agreed step.
   saving = f"asking the job to save and stop (SIGKILL in {args.term_grace:g}s)"
   with stop_on_signals(saving) as stop:
@@ -164,7 +183,10 @@ def _run_local(args: argparse.Namespace, command: list[str]) -> int:
   if len(attempts) > 1:
     print(f"spmd-launch: {len(attempts)} attempts ({len(attempts) - 1} restarts)", file=sys.stderr)
   print(f"spmd-launch: {result.summary()}", file=sys.stderr if not result.ok else sys.stdout)
-  return 0 if result.ok else 1
+  if result.ok:
+    return 0
+  # A job that failed on its input tells a script around it not to retry either.
+  return errors.EXIT_USER_ERROR if local.user_error(result) is not None else 1
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from launch.processes import (
   watch,
 )
 from spmd import distributed as env_names
+from spmd.errors import EXIT_USER_ERROR
 
 LocalJobResult = JobResult  # how a local job ended; `report()` has every output
 
@@ -422,14 +423,26 @@ def run_with_restarts(
   """Runs the job; after a failure runs it again (new port), up to `max_restarts` times.
 
   The command is expected to resume from its own checkpoints (spmd-train
-  does, from its workdir). A job stopped by a signal is not restarted.
-  Returns every attempt's result, the last one last.
+  does, from its workdir). A job stopped by a signal is not restarted, nor one
+  that failed on a user error (`user_error`): a bad flag, config or path fails
+  the same way every time. Returns every attempt's result, the last one last.
   """
   attempts = []
   while True:
     result = run_local(command, num_processes, stop=stop, echo=echo, **kwargs)
     attempts.append(result)
     if result.ok or result.stopped or len(attempts) > max_restarts:
+      return attempts
+    wrong_input = user_error(result)
+    if wrong_input is not None:
+      if echo:
+        print(
+          f"spmd-launch: attempt {len(attempts)} failed: {wrong_input.name} exited "
+          f"{EXIT_USER_ERROR}, a user error (its output says which input); not restarting, "
+          "since the same command fails the same way: fix it and run again",
+          file=sys.stderr,
+          flush=True,
+        )
       return attempts
     if echo:
       print(
@@ -438,3 +451,17 @@ def run_with_restarts(
         file=sys.stderr,
         flush=True,
       )
+
+
+def user_error(result: LocalJobResult) -> ProcessResult | None:
+  """The first process that exited `spmd.errors.EXIT_USER_ERROR` (2), if any.
+
+  Every `spmd-*` command exits 2 on a wrong input and only then (as do
+  argparse and absl on bad usage); its peers may exit otherwise, told of it.
+
+  Example:
+    >>> done = run_local([sys.executable, "-c", "import sys; sys.exit(2)"], 1, echo=False)
+    >>> user_error(done).name
+    'process 0'
+  """
+  return next((p for p in result.processes if p.returncode == EXIT_USER_ERROR), None)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from spmd.errors import parse_flags
+
 HELP_FLAGS = ("--help", "-h", "-help", "--helpfull", "--helpshort")
 
 
@@ -18,7 +20,7 @@ def parse_or_help(fv: flags.FlagValues, prog: str, argv: Sequence[str], doc: str
   """Parses `argv` into `fv`, or prints `doc` and the flags when help is asked for.
 
   Returns False when it printed help (the caller exits 0), True when `fv` holds
-  the parsed flags.
+  the parsed flags. A bad flag is a `spmd.errors.UserError` (`parse_flags`).
 
   >>> fv = flags.FlagValues()
   >>> _ = flags.DEFINE_integer("steps", 1, "steps to run", flag_values=fv)
@@ -34,5 +36,5 @@ def parse_or_help(fv: flags.FlagValues, prog: str, argv: Sequence[str], doc: str
   if any(a in HELP_FLAGS for a in argv):
     print(doc.strip(), "", "flags:", fv.get_help(), sep="\n")
     return False
-  fv([prog, *argv])
+  parse_flags(fv, prog, argv)
   return True

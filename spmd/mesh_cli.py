@@ -144,7 +144,16 @@ def _flags(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-  fv = _flags(sys.argv[1:] if argv is None else argv)
+  """`spmd-mesh`: 0, or 2 on a user error (`spmd.errors`)."""
+  from spmd import errors
+
+  return errors.run("spmd-mesh", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+  from spmd.errors import UserError, user_input
+
+  fv = _flags(argv)
   if fv is None:
     return 0
   config = fv.config
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")  # plan only: never look for a real TPU
     from spmd.topology import topology_devices
 
-    devices = list(topology_devices(fv.topology, fv.num_slices))
+    with user_input(ValueError):
+      devices = list(topology_devices(fv.topology, fv.num_slices))
   from spmd.layout import data_layout
   from spmd.mesh import create_mesh
 
@@ -175,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
       batch_axes = [a for a in batch_axes if a in mesh.shape]
     layout = data_layout(mesh, global_batch, batch_axes) if global_batch else None
   except (ValueError, RuntimeError) as e:
-    print(f"spmd-mesh: {e}", file=sys.stderr)
-    return 2
+    raise UserError(str(e)) from e
   info = describe(mesh, layout)
   target = fv.topology + (f" x {fv.num_slices} slices" if fv.num_slices > 1 else "")
   print(json.dumps(info, indent=1) if fv.json else format_table(info, target))

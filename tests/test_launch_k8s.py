@@ -129,13 +129,31 @@ def test_tpu_multislice_manifest(tmp_path):
   }
   spec = m["spec"]
   assert spec["network"] == {"enableDNSHostnames": True, "subdomain": "t"}
-  assert spec["failurePolicy"] == {"maxRestarts": 3}
+  # Restarts after a failure, but never after a user error (exit 2): that fails the set.
+  assert spec["failurePolicy"] == {
+    "maxRestarts": 3,
+    "rules": [
+      {
+        "name": "failOnUserError",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+      }
+    ],
+  }
   (rjob,) = spec["replicatedJobs"]
   assert (rjob["name"], rjob["replicas"]) == ("workers", 2)
   job = job_spec(m)
   # v5p-64: 64 TensorCores = 32 chips = 8 hosts of 4 chips.
   assert job["completionMode"] == "Indexed"
   assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (8, 8, 0)
+  assert job["podFailurePolicy"] == {
+    "rules": [
+      {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "jax", "operator": "In", "values": [2]},
+      }
+    ]
+  }
   pod = job["template"]["spec"]
   assert pod["restartPolicy"] == "Never"
   assert pod["nodeSelector"] == {

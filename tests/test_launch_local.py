@@ -159,8 +159,8 @@ def test_cli_exit_code_and_prefixed_output(capsys):
     launch_cli.main(["local", "--num-processes", "2", "--grace", "1", "--", PY, "-c", code]) == 1
   )
   assert "process 1 failed first: exit code 7" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    launch_cli.main(["nowhere"])
+  assert launch_cli.main(["nowhere"]) == 2  # a user error: one line, exit 2
+  assert "invalid choice: 'nowhere'" in capsys.readouterr().err
 
 
 def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):

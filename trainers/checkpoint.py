@@ -63,6 +63,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd import compat, multihost
+from spmd.errors import UserError
 from spmd.partition import axis_names, spec_axis_names
 from trainers import checkpoint_steps, paths
 
@@ -74,8 +75,13 @@ WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
 UPDATES = "updates"
 
 
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be restored: incomplete, damaged, or of another model."""
+class CheckpointError(UserError):
+  """A checkpoint that cannot be restored: incomplete, damaged, or of another model.
+
+  A user error (`spmd.errors`, a `ValueError`): the same checkpoint fails the
+  same way again, so a command says so in one line and launchers do not
+  restart; the message names the step and what to do.
+  """
 
 
 @dataclasses.dataclass

@@ -87,7 +87,7 @@ def evaluate_run(
   spmd.initialize()
   workdir_path = paths.user_path(workdir)
   if config is None:
-    config = saved_run.saved_config(workdir_path)
+    config = saved_run.saved_config(workdir_path, "or pass the run's config file with --config")
   if eval_batches is not None:
     config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
     config.eval_batches = eval_batches

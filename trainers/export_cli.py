@@ -8,27 +8,32 @@ that module describes the file and loads it back (`load_params`, `load_model`).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
+from spmd import errors
 from trainers import export
 
 
-def main(argv: list[str] | None = None) -> None:
-  """`spmd-export`: see the module docstring."""
-  parser = argparse.ArgumentParser(prog="spmd-export", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+  """`spmd-export`: see the module docstring. 0, or 2 on a user error (`spmd.errors`)."""
+  return errors.run("spmd-export", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> None:
+  parser = errors.ArgumentParser(prog="spmd-export", description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", required=True, help="the run's workdir")
   parser.add_argument("--step", type=int, default=None, help="default: the latest committed")
   parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
   parser.add_argument("--out", default=None, help="default: <workdir>/export/params_step_N.npz")
   args = parser.parse_args(argv)
-  path = export.export(args.workdir, args.out, step=args.step, checkpoint=args.checkpoint)
+  with errors.user_input(ValueError, FileNotFoundError):  # the workdir, checkpoint or step given
+    path = export.export(args.workdir, args.out, step=args.step, checkpoint=args.checkpoint)
   exported = export.load_export(str(path))
   count = sum(np.size(x) for x in export.flatten(exported.params).values())
   print(f"spmd-export: step {exported.step}, {count:,} parameters -> {path}", flush=True)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main())

@@ -26,6 +26,7 @@ import sys
 
 from absl import flags, logging
 
+from spmd import errors
 from spmd.cli_help import parse_or_help
 from trainers.plan_report import format_plan, save_executable
 
@@ -79,31 +80,26 @@ def _flags(argv: list[str]) -> flags.FlagValues | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Returns 0 when the plan fits (or fit is unknown), 3 when it does not, 2 on bad flags."""
-  argv = sys.argv[1:] if argv is None else argv
-  try:
-    fv = _flags(argv)
-  except flags.Error as e:
-    print(f"spmd-plan: {e}", file=sys.stderr)
-    return 2
+  """Returns 0 when the plan fits (or fit is unknown), 3 when it does not, 2 on a user error."""
+  return errors.run("spmd-plan", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+  fv = _flags(argv)
   if fv is None:
     return 0
   if fv.config is None:
-    print("spmd-plan: --config is required", file=sys.stderr)
-    return 2
+    raise errors.UserError("--config is required")
   if (fv.topology is None) == (fv.gpu is None):
-    print("spmd-plan: give exactly one of --topology (TPU) or --gpu", file=sys.stderr)
-    return 2
+    raise errors.UserError("give exactly one of --topology (TPU) or --gpu")
   if fv.decode_batch is not None and fv.decode_batch < 1:
-    print(f"spmd-plan: --decode_batch={fv.decode_batch} must be >= 1", file=sys.stderr)
-    return 2
+    raise errors.UserError(f"--decode_batch={fv.decode_batch} must be >= 1")
   try:
     efficiency = tuple(float(x) for x in fv.efficiency.split(","))
   except ValueError:
     efficiency = ()
   if len(efficiency) != 2:
-    print(f"spmd-plan: --efficiency={fv.efficiency!r}: give low,high, e.g. 0.35,0.55")
-    return 2
+    raise errors.UserError(f"--efficiency={fv.efficiency!r}: give low,high, e.g. 0.35,0.55")
   if not any(a.startswith(("--verbosity", "-v")) for a in argv):
     logging.set_verbosity(logging.WARNING)
   import jax
@@ -118,16 +114,14 @@ def main(argv: list[str] | None = None) -> int:
   from trainers import plan_targets
   from trainers.config import resolve
 
-  try:
+  with errors.user_input(ValueError, TypeError, FileNotFoundError):  # the config given
     config = resolve(fv.config, config_flags.get_config_filename(fv["config"]))
-  except (ValueError, TypeError, FileNotFoundError) as e:
-    print(f"spmd-plan: {e}", file=sys.stderr)
-    return 2
-  target = (
-    plan_targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
-    if fv.gpu
-    else plan_targets.tpu_target(fv.topology, fv.num_slices)
-  )
+  with errors.user_input(ValueError):  # the target given: --topology or --gpu
+    target = (
+      plan_targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
+      if fv.gpu
+      else plan_targets.tpu_target(fv.topology, fv.num_slices)
+    )
   compiled: list = []
   plan = plan_lib.make_plan(
     config,

@@ -11,17 +11,21 @@ made it (step, tokens, decoding, seconds) on stderr.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 
+from spmd import errors
 from trainers.sample import DEFAULT_TOKENS, sample_text
 
 
-def main(argv: list[str] | None = None) -> None:
-  """`spmd-sample`: see the module docstring."""
-  parser = argparse.ArgumentParser(prog="spmd-sample", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+  """`spmd-sample`: see the module docstring. 0, or 2 on a user error (`spmd.errors`)."""
+  return errors.run("spmd-sample", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> None:
+  parser = errors.ArgumentParser(prog="spmd-sample", description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", required=True, help="the run's workdir")
   parser.add_argument("--prompt", required=True, help="the text to continue")
   parser.add_argument("--num_tokens", type=int, default=DEFAULT_TOKENS, help="tokens to add")
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
   logging.set_verbosity(logging.ERROR)  # orbax's notes on a read-only checkpoint are expected
   jax.config.update("jax_platforms", "cpu")  # one CPU device, as spmd-export's models
-  try:
+  with errors.user_input(ValueError, FileNotFoundError):  # the run, step or prompt given
     found = sample_text(
       args.workdir,
       args.prompt,
@@ -46,8 +50,6 @@ def main(argv: list[str] | None = None) -> None:
       step=args.step,
       checkpoint=args.checkpoint,
     )
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"spmd-sample: {e}")
   how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
   if args.temperature and args.top_k:
     how += f", top {args.top_k}"
@@ -61,4 +63,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main())

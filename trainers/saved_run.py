@@ -57,7 +57,7 @@ def _tuples(value: Any) -> Any:
   return value
 
 
-def _task_from_copy(spec: str, workdir: epath.Path) -> str:
+def _task_from_copy(spec: str, workdir: epath.Path, instead: str = "") -> str:
   """A file task's spec pointed at the run's own copy in `code/`, when it has one."""
   module, _, function = spec.rpartition(":")
   if not module.endswith(".py"):
@@ -74,8 +74,8 @@ def _task_from_copy(spec: str, workdir: epath.Path) -> str:
     return f"{copy}:{function}"
   if not epath.Path(module).exists():
     raise FileNotFoundError(
-      f"config.task={spec!r}: the task file is gone and {workdir / CODE_DIR} holds no copy of it; "
-      f"pass --config=<the run's config file>"
+      f"config.task={spec!r}: the task file is gone and {workdir / CODE_DIR} holds no copy of it"
+      + (f", {instead}" if instead else "")
     )
   return spec
 
@@ -93,30 +93,37 @@ def _tokenizer_from_copy(spec: str, workdir: epath.Path) -> str:
 
 
 def config_from_json(
-  text: str, workdir: str | epath.Path | None = None
+  text: str, workdir: str | epath.Path | None = None, instead: str = ""
 ) -> ml_collections.ConfigDict:
   """A resolved config saved as JSON, checked again as `trainers.config.resolve` checks a file.
 
-  `workdir`, when given, is where to look for a file task's copy (`code/`).
+  `workdir`, when given, is where to look for a file task's copy (`code/`);
+  `instead` as in `saved_config`.
   """
   config = ml_collections.ConfigDict(_tuples(json.loads(text)))
   if workdir is not None:
-    config.task = _task_from_copy(config.task, paths.user_path(workdir))
+    config.task = _task_from_copy(config.task, paths.user_path(workdir), instead)
     if "tokenizer" in config.get("data", {}):
       config.data.tokenizer = _tokenizer_from_copy(config.data.tokenizer, paths.user_path(workdir))
   return resolve(config)  # the task spec is absolute already: no config file needed
 
 
-def saved_config(workdir: str | epath.Path) -> ml_collections.ConfigDict:
-  """`<workdir>/config.json`, the config the run resolved, as a checked `ConfigDict`."""
+def saved_config(workdir: str | epath.Path, instead: str = "") -> ml_collections.ConfigDict:
+  """`<workdir>/config.json`, the config the run resolved, as a checked `ConfigDict`.
+
+  `instead`: the calling command's own way to give the config otherwise (its
+  flag, e.g. "or pass the run's config file with --config"), added to the
+  errors; empty for commands that have none, so no error names a flag the
+  command lacks.
+  """
   workdir = paths.user_path(workdir)
   path = workdir / CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(
-      f"--workdir={workdir} has no {CONFIG_FILE} (a run writes it when it starts); "
-      "pass the run's config file with --config"
+      f"--workdir={workdir} has no {CONFIG_FILE} (a run writes it when it starts): "
+      "give the workdir of a run that has started" + (f", {instead}" if instead else "")
     )
-  return config_from_json(path.read_text(), workdir)
+  return config_from_json(path.read_text(), workdir, instead)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,8 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
   A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
   local cache and uploads it; every host then copies `data.dir` to its own
   local cache (`paths.local_cache`) and reads from there, since ArrayRecord
-  reads local files only. Files already there with the same size are kept.
+  reads local files only. A file already there is kept when it is a copy of
+  the same version (`paths.copy_tree`).
   """
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)

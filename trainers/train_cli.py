@@ -21,6 +21,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from spmd.errors import EXIT_USER_ERROR, UserError, one_line, parse_flags, run, user_input
+
 FLAGS = flags.FLAGS
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
@@ -37,19 +39,17 @@ PUBLISH_WAIT_S = 3.0  # publish_failure's default wait; the exit's wait shares i
 
 def _main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise UserError(f"unexpected arguments: {argv[1:]}; flags are --name=value")
   evaluating = _MODE.value == "eval"
   if _WORKDIR.value is None or (_CONFIG.value is None and not evaluating):
-    raise app.UsageError("--workdir is required, and --config unless --mode=eval")
+    raise UserError("--workdir is required, and --config unless --mode=eval")
   eval_flags = {
     "step": _STEP.value,
     "checkpoint": _CHECKPOINT.value,
     "eval_batches": _EVAL_BATCHES.value,
   }
   if not evaluating and any(v not in (None, "") for v in eval_flags.values()):
-    raise app.UsageError(
-      f"--step, --checkpoint and --eval_batches need --mode=eval; got {eval_flags}"
-    )
+    raise UserError(f"--step, --checkpoint and --eval_batches need --mode=eval; got {eval_flags}")
   if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
     # orbax and tfds log every file they touch at INFO; keep the console for
     # the progress bar and what matters unless asked otherwise.
@@ -62,16 +62,26 @@ def _main(argv: list[str]) -> None:
     # Checked once, up front: keys, types and values, before any data or restore.
     config = None
     if _CONFIG.value is not None:
-      config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
+      with user_input(ValueError, FileNotFoundError):  # the config given
+        config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
     if evaluating:
       from trainers.evaluate import evaluate_run
 
-      evaluate_run(_WORKDIR.value, config, **eval_flags)
+      with user_input(ValueError, FileNotFoundError):  # the workdir, checkpoint or step given
+        evaluate_run(_WORKDIR.value, config, **eval_flags)
     else:
       train_and_evaluate(config, _WORKDIR.value)
   except Preempted as e:
     print(f"spmd-train: {e}; resume with the same command", flush=True)
     sys.exit(0)
+  except UserError as e:
+    if not _multi_process():
+      raise  # `main` prints it as one line and exits 2
+    # Each process that meets it says so and exits 2, and tells the others
+    # (they stop too, naming it): a launcher does not restart an input error.
+    print(f"spmd-train: {one_line(e)}", file=sys.stderr, flush=True)
+    publish_failure(e)
+    leave(EXIT_USER_ERROR)
   except Exception as e:
     if getattr(e, "every_host", False) and _multi_process():
       # An agreed stop: every host raises this same error at the same point,
@@ -93,16 +103,23 @@ def _main(argv: list[str]) -> None:
 
 
 def _multi_process() -> bool:
-  import jax
-
   from spmd import multihost
 
-  return multihost.runtime_client() is not None and jax.process_count() > 1
+  if multihost.runtime_client() is None:  # before the distributed runtime: no backend started
+    return False
+  import jax
+
+  return jax.process_count() > 1
 
 
-def main() -> None:
-  app.run(_main)
+def main() -> int:
+  """`spmd-train`; a user error (bad flag, value, config key or path) is one line and exit 2."""
+  return run("spmd-train", lambda: app.run(_main, flags_parser=_parse))
+
+
+def _parse(argv: list[str]) -> list[str]:
+  return parse_flags(FLAGS, "spmd-train", argv[1:])
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
