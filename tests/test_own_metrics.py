@@ -313,8 +313,9 @@ def test_eval_mode_writes_and_prints_the_metrics_by_name(project, reference, tmp
 def test_a_metric_named_as_the_trainers_own_stops_the_run_before_data(project, tmp_path):
   data = tmp_path / "data"
   job = train(project, tmp_path / "run", 2, 1, "--config.model.metrics=perplexity", data=data)
-  assert job.wait(320) != 0, job.output
+  assert job.wait(320) == 2, job.output  # a user error: one line, exit 2, never restarted
   assert "returns the metric 'perplexity'" in job.output, job.output
+  assert "Traceback" not in job.output, job.output
   assert "Reserved: loss, grad_norm, learning_rate" in job.output, job.output
   assert not data.exists() or not any(data.iterdir()), sorted(data.rglob("*"))
   assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -86,6 +86,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from spmd import multihost
+from spmd.errors import UserError
 from trainers import paths
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ DECISION_TIMEOUT_S = 600.0
 _STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)(" + re.escape(TMP_SUFFIX) + r".*)?$")
 
 
-class ForeignStepError(ValueError):
+class ForeignStepError(UserError):
   """The run would write into a step folder the harness did not write."""
 
 

@@ -18,7 +18,7 @@ Example:
   >>> check_names({"perplexity": 0.0}, unit="examples")  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...
-  ValueError: the task's loss returns the metric 'perplexity': the trainer writes metrics of...
+  spmd.errors.UserError: the task's loss returns the metric 'perplexity': the trainer writes metrics of...
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from spmd import rules as rules_lib
+from spmd.errors import UserError
 from trainers.state import StateSetup, build_model
 from trainers.tasks import Task
 
@@ -102,7 +103,7 @@ def check_names(metric_sums: Mapping[str, Any], unit: str) -> None:
   if clash:
     which = ", ".join(repr(n) for n in clash)
     one = len(clash) == 1
-    raise ValueError(
+    raise UserError(
       f"the task's loss returns the metric{'' if one else 's'} {which}: the trainer writes "
       f"metrics of {'that name' if one else 'those names'} itself, which "
       f"{'it' if one else 'they'} would overwrite; rename {'it' if one else 'them'} in the "
@@ -156,7 +157,7 @@ def loss_metric_names(setup: StateSetup, task: Task, global_batch: int) -> Metri
     check_names(sums, task.unit)
     not_scalar = {k: v.shape for k, v in sums.items() if int(np.prod(v.shape)) != 1}
     if not_scalar:
-      raise ValueError(
+      raise UserError(
         f"the task's loss ({'train' if train else 'eval'} mode) returns metrics that are not "
         f"one number each: {not_scalar}; return each metric's sum over the batch"
       )
