@@ -156,6 +156,7 @@ def _tiny(data, steps: int, every: int, keep: int):
   return config
 
 
+@pytest.mark.slow
 def test_a_run_beside_another_tool_s_step_folders_keeps_them_all(data, tmp_path):
   """Another tool's step-like folders in the workdir: the run trains, saves past `keep`,
   resumes, and every one of them is still there, untouched."""

@@ -104,6 +104,7 @@ def _variables(model):
   return jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+@pytest.mark.slow
 def test_cnn_holds_only_params_and_batch_stats(example):
   model = example["cnn"].CNN(6, rngs=nnx.Rngs(0))
   assert {type(v) for v in _variables(model)} == {nnx.Param, nnx.BatchStat}

@@ -136,6 +136,7 @@ def test_concrete_array_excludes_tracers():
 # -- the other fallbacks ----------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_backends_probe_agrees_and_serves_set_cpu_device_count():
   """In a fresh process: the public probe answers as JAX's private function does."""
   out = _run(
@@ -191,6 +192,7 @@ def test_require_names_the_missing_name_version_and_range():
   assert compat.lookup("jax._src.distributed", "no_such_name") is None
 
 
+@pytest.mark.multiprocess
 def test_a_missing_private_name_fails_at_import():
   """With each required name removed from JAX (and orbax's flag), importing says which."""
   out = _run(

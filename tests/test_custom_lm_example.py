@@ -64,6 +64,7 @@ def example():
         sys.modules[name] = module
 
 
+@pytest.mark.slow
 def test_the_task_brings_lion_with_its_own_mask_and_a_z_loss(example):
   config, model, task = example
   cfg = config.get_config()

@@ -45,6 +45,7 @@ def _tokens(shape, seed=0):
 # The model's parts.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
 def test_shapes_and_every_parameter_names_logical_axes(scan):
   model = _model(scan_layers=scan)
@@ -108,6 +109,7 @@ def test_segments_do_not_attend_to_each_other():
   assert not np.allclose(out[0, 5:12], plain[0, 5:12], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_rope_counts_positions_within_each_segment():
   """A packed document gives the logits it gives alone at the start of a row."""
   model = _model()

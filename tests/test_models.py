@@ -313,6 +313,7 @@ def test_scanned_and_unrolled_models_are_the_same_model():
   np.testing.assert_array_equal(*samples)
 
 
+@pytest.mark.slow
 def test_unrolling_the_scan_or_dropping_the_remat_is_the_same_model():
   """scan_unroll and remat_policy change how the layers run, not what they compute."""
   tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size

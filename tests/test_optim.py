@@ -56,6 +56,7 @@ def _train(config, steps, poison_at=()):
   return setup, jax.device_get(state), out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name,lr", [("adamw", 1e-2), ("adafactor", 1e-2), ("lion", 1e-3), ("sgd", 0.5)]
 )
@@ -88,6 +89,7 @@ def test_schedules_warm_up_then_decay_as_named():
     optim.learning_rate_schedule(train)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_decay_spares_norms_biases_and_embeddings(name):
   """With zero gradients only the decay moves a parameter: excluded ones stay put."""

@@ -161,6 +161,7 @@ def test_segment_ids_and_positions_must_be_shaped_as_the_tokens():
     model(tokens, positions=jnp.zeros((2, 8), jnp.float32))
 
 
+@pytest.mark.slow
 def test_a_packed_train_step_on_four_devices_matches_one_device():
   """fsdp=2 x tensor=2 splits the weights, the batch and so the mask; the loss agrees."""
   packed = _packed_batch()

@@ -281,6 +281,7 @@ class CountingRecords:
     return [self._records[i] for i in indices]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [1, 7, 1000])
 def test_windows_shuffle_in_blocks_every_window_once_each_record_read_once_per_epoch(block):
   per, seq_len, n = 5, 7, 48  # 48 records of 5 windows; blocks of 7: the last one short

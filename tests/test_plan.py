@@ -96,6 +96,7 @@ def test_small_lm_state_bytes_match_hand_computed():
   assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 2)
 
 
+@pytest.mark.slow
 def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
   config = _tiny("dp", "data=-1")
   config.model.scan_layers = False
@@ -150,6 +151,7 @@ def test_matmul_flops_of_a_matmul_written_as_a_padded_convolution():
   assert hlo.matmul_flops(conv) == 2 * 4 * 64 * 4 * 32 * 128
 
 
+@pytest.mark.slow
 def test_fsdp_splits_state_about_evenly():
   replicated = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.gpu_target("h100", 8))
   fsdp = plan_lib.make_plan(_tiny("fsdp", "data=1,fsdp=8"), plan_targets.gpu_target("h100", 8))

@@ -172,6 +172,7 @@ def test_varied_records_keep_every_token_of_the_longest_and_mask_the_rest(data_d
   )
 
 
+@pytest.mark.slow
 def test_a_vocabulary_of_1000_trains_samples_ids_and_ends_cleanly(data_dir, tmp_path):
   config = lm_config(data_dir, seq_len=16)
   config.compilation_cache_dir = str(tmp_path / "cache")

@@ -49,6 +49,7 @@ MODELS = {
 PROMPT = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1]], jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_cached_greedy_equals_the_full_forward_pass_token_for_token(name):
   model = MODELS[name]()
@@ -74,6 +75,7 @@ def test_top_k_one_is_greedy_and_a_key_gives_the_same_tokens_twice():
   assert not np.array_equal(a, c)  # other keys, other draws (a fixed model: deterministic)
 
 
+@pytest.mark.slow
 def test_every_sampled_token_is_in_the_top_k_of_the_uncached_logits():
   model, k, start = _llama(), 3, PROMPT.shape[1]
   out = np.asarray(
@@ -98,6 +100,7 @@ def test_bad_arguments_are_named():
     decode.generate(model, PROMPT, 2, max_len=99)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers):
   model = _llama(scan_layers=scan_layers)

@@ -44,6 +44,7 @@ def _all_reduce_operands(step, state, batch) -> list[int]:
   return [line.split(" all-reduce")[0].count("[") for line in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_flat_reduction_trains_like_gspmd(micro_batches):
   runs = {}
@@ -77,6 +78,7 @@ def test_auto_is_off_in_one_process_and_on_needs_replicated_parameters():
     flat_gradient_reduction(sharded, config, ("data", "fsdp"))
 
 
+@pytest.mark.slow
 def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_otherwise():
   runs = {}
   for guard in ("branch", "select"):

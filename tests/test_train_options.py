@@ -29,6 +29,7 @@ def tiny(data, **train):
   return config
 
 
+@pytest.mark.slow
 def test_profile_hook_writes_a_trace(data, tmp_path):
   config = tiny(data, stop_at_step=6)
   config.profile.start_step, config.profile.num_steps = 2, 2
@@ -37,6 +38,7 @@ def test_profile_hook_writes_a_trace(data, tmp_path):
   assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_bf16_compute(data, tmp_path):
   whole = train_and_evaluate(tiny(data, stop_at_step=3), str(tmp_path / "whole"))
   split = train_and_evaluate(tiny(data, stop_at_step=3, micro_batches=2), str(tmp_path / "split"))
@@ -49,6 +51,7 @@ def test_gradient_accumulation_and_bf16_compute(data, tmp_path):
   assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_policy_and_init_from(data, tmp_path):
   run = tmp_path / "run"
   config = tiny(data, stop_at_step=12)

@@ -67,6 +67,7 @@ def run(data, tmp_path_factory):
   return config, workdir
 
 
+@pytest.mark.slow
 def test_the_logged_rate_is_the_schedule_at_the_applied_updates(run):
   config, workdir = run
   schedule = optim.learning_rate_schedule(config.train)
@@ -101,6 +102,7 @@ def _without_update_count(source_workdir, workdir, step: int) -> None:
   saver.close()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_the_count_resumes_with_the_count_at_its_step(run, data, tmp_path):
   config, source = run
   workdir = tmp_path / "legacy"
