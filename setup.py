@@ -8,6 +8,7 @@ setup(
   description="Multi-host SPMD training for JAX: sharded_jit, meshes, data, trainers, launchers.",
   long_description=open("README.md", encoding="utf-8").read(),
   long_description_content_type="text/markdown",
+  license="Apache-2.0",
   python_requires=">=3.11",
   packages=find_packages(
     include=[
@@ -62,11 +63,7 @@ setup(
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
   },
   entry_points={
-    # One rule for commands: `spmd-NAME` is the `main()` of `<package>/NAME_cli.py`
-    # (also runnable as `python -m <package>.NAME_cli`). That module only parses
-    # arguments and calls library code, which lives in modules named for what
-    # they do (trainers/export.py, trainers/plan.py, launch/local.py, ...), so
-    # tests and notebooks call the library without going through flags.
+    # `spmd-NAME` is the `main()` of `<package>/NAME_cli.py` (CONTRIBUTING.md, "House rules").
     "console_scripts": [
       "spmd-launch=launch.launch_cli:main",
       "spmd-mesh=spmd.mesh_cli:main",
