@@ -6,21 +6,21 @@ runs it split across devices. Specs count pieces per dimension
 a `mesh` is given; `None` replicates.
 
 Design:
-  * The options are checked once (`spmd.arguments`). Counts become
+  * The options are checked once (`spmd._jit.arguments`). Counts become
     `NamedSharding`s on one mesh per partition count (the plan,
-    `spmd.placement`), and the function becomes one `jax.jit` with those in/out
+    `spmd._jit.placement`), and the function becomes one `jax.jit` with those in/out
     shardings, created once. A plain call whose arguments JAX takes as they
-    are (`spmd.fast_path` decides before the call) is the `jax.jit` call
+    are (`spmd._jit.fast_path` decides before the call) is the `jax.jit` call
     itself: JAX's C++ cache decides when to trace. The trainer's steps take
     this path across processes too: named specs, global arrays in and out.
   * Across processes, each process may pass its own piece (`local_in_parts`):
     pieces become global arrays with JAX's `multihost_utils` primitives and
-    outputs come back as pieces (`local_out_parts`); see `spmd.cross_process`.
+    outputs come back as pieces (`local_out_parts`); see `spmd._jit.cross_process`.
     Global `jax.Array`s, and tracers of them under `jax.grad`, `jax.vjp` and
     `jax.jit`, pass through without touching the host.
   * Hosts must agree: when a computation spans processes, every new
     signature is compared across them before it runs, and an error at a new
-    signature is raised at once, never retried (see `spmd.cross_process`).
+    signature is raised at once, never retried (see `spmd._jit.cross_process`).
   * Partition counts come from the specs, from `num_partitions`, or, when
     everything is replicated, from `with_sharding_constraint` calls found by
     tracing the function once per signature (only in that case).
@@ -47,13 +47,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd import cross_process, multihost, tracing
-from spmd.arguments import Arguments
+from spmd import multihost
+from spmd._jit import cross_process, tracing
+from spmd._jit.arguments import Arguments
+from spmd._jit.fast_path import FastPath
+from spmd._jit.placement import Plan, broadcast_prefix, make_plan, moved
+from spmd._jit.tracing import with_sharding_constraint
 from spmd.compat import ARRAY_TYPE, sharding_of
-from spmd.fast_path import FastPath
 from spmd.partition import NamedSpec, PartitionSpec, count_specs
-from spmd.placement import Plan, broadcast_prefix, make_plan, moved
-from spmd.tracing import with_sharding_constraint
 
 __all__ = ["PartitionSpec", "ShardedJitFunction", "sharded_jit", "with_sharding_constraint"]
 

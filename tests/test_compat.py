@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from spmd import compat, fast_path
+from spmd import compat
+from spmd._jit import fast_path
 from spmd.partition import PartitionSpec as P
 from tests.multiprocess import assert_ok, run_worker
 

@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd.arguments import Arguments
+from spmd._jit.arguments import Arguments
+from spmd._jit.placement import Plan, is_leaf_plan, needs_moving
 from spmd.compat import ARRAY_TYPE, sharding_of
-from spmd.placement import Plan, is_leaf_plan, needs_moving
 
 # Host values that jax.jit places itself (a fully replicated one even across processes).
 _HOST_VALUES = (np.ndarray, np.generic, bool, int, float, complex)

@@ -40,8 +40,8 @@ import jax
 import numpy as np
 
 from spmd import multihost
+from spmd._jit.placement import GLOBAL, LOCAL, Plan
 from spmd.partition import NamedSpec
-from spmd.placement import GLOBAL, LOCAL, Plan
 
 
 def to_global(plan: Plan, dyn: tuple, kwargs: dict, name: str) -> tuple[tuple, list, list]:

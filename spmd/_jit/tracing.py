@@ -26,8 +26,8 @@ from typing import Any
 
 import jax
 
+from spmd._jit.placement import broadcast_prefix, sharding_for
 from spmd.partition import PartitionSpec, check_spec_tree, is_spec_leaf
-from spmd.placement import broadcast_prefix, sharding_for
 
 
 @dataclasses.dataclass

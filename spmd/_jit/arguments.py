@@ -30,8 +30,8 @@ from typing import Any
 
 import jax
 
+from spmd._jit.placement import fixed_num_partitions, pair_local
 from spmd.partition import NamedSpec, check_spec_tree, infer_num_partitions, is_spec_leaf
-from spmd.placement import fixed_num_partitions, pair_local
 
 
 @dataclasses.dataclass(frozen=True)
