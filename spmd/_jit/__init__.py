@@ -1,7 +1,7 @@
 """spmd._jit: `sharded_jit`'s internals, not API.
 
 `spmd/sharded_jit.py` is the transform; these modules are the parts it is
-built from, and nothing outside it imports them:
+built from, and nothing else in the product imports them:
 
   * `arguments`: the options about arguments and outputs, checked once;
   * `placement`: the plan, each spec resolved onto one mesh;
