@@ -93,7 +93,7 @@ def test_attention_gives_zero_weight_across_segments():
   attn = _Attention(config, rngs=nnx.Rngs(0))
   ids = jnp.asarray(WINDOW_DOCS[:, :-1])
   x = jax.random.normal(jax.random.key(1), (len(ids), LENGTH, config.d_model))
-  probs = np.asarray(attn.probabilities(x, attention_mask(ids)))  # [b, heads, q, k]
+  probs = np.asarray(attn.probabilities(x, ids))  # [b, heads, q, k]
   ids = np.asarray(ids)
   other = ids[:, None, :, None] != ids[:, None, None, :]
   future = np.triu(np.ones((LENGTH, LENGTH), bool), 1)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainers.models.attention import check_kernel
+
 
 def fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
   """LeCun normal (untruncated: it compiles faster) over the input dimensions.
@@ -54,13 +56,14 @@ def check_decoder_fields(config: Any, sizes: tuple[str, ...], remat_policies: tu
 
   `sizes` must be positive integers and `d_model` a multiple of `num_heads`;
   `dtype` and `param_dtype` floating dtypes; `scan_layers` a bool,
-  `scan_unroll` a positive integer and `remat_policy` one of `remat_policies`.
+  `scan_unroll` a positive integer, `remat_policy` one of `remat_policies`
+  and `attention` one of `trainers.models.attention.KERNELS`.
 
   Example:
     >>> from types import SimpleNamespace
     >>> config = SimpleNamespace(d_model=64, num_heads=3, dtype="float32",
     ...                          param_dtype="float32", scan_layers=True, scan_unroll=1,
-    ...                          remat_policy="none")
+    ...                          remat_policy="none", attention="auto")
     >>> check_decoder_fields(config, ("d_model", "num_heads"), ("minimal", "none"))
     Traceback (most recent call last):
     ...
@@ -81,6 +84,7 @@ def check_decoder_fields(config: Any, sizes: tuple[str, ...], remat_policies: tu
     raise ValueError(f"scan_unroll={unroll!r} must be a positive integer")
   if config.remat_policy not in remat_policies:
     raise ValueError(f"remat_policy={config.remat_policy!r} is not one of {remat_policies}")
+  check_kernel(config.attention)
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:

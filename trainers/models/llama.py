@@ -36,6 +36,11 @@ in a plain process.
 Packed data: `model(tokens, segment_ids, positions)` attends only within a
 segment (causally), and RoPE counts positions within the segment.
 
+Attention runs by the kernel `attention` names (`trainers.models.attention`:
+splash on TPU, cuDNN on GPU, XLA's einsums otherwise). A loss that should not
+hold the whole logits takes `hidden_states` and `unembedding` instead of the
+logits (`trainers.tasks.losses.chunked_cross_entropy_sums`).
+
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -56,7 +61,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.rules import constrain
-from trainers.models import param
+from trainers.models import attention, param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -102,6 +107,9 @@ class LlamaConfig:
   """With scan_layers, what each layer keeps for the backward pass: "minimal"
   (the weight matmuls' outputs), "full" (only its input: least memory, one
   more forward pass) or "none" (everything)."""
+  attention: str = "auto"
+  """The attention kernel: "auto" (splash on TPU, cuDNN on GPU, else XLA),
+  "xla", "splash" or "cudnn" (`trainers.models.attention`)."""
 
   def __post_init__(self):
     sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff")
@@ -178,31 +186,17 @@ class Attention(nnx.Module):
     self.out = param(
       rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
+    self.kernel = config.attention
 
-  def __call__(self, x: jax.Array, mask: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
+  ) -> jax.Array:
     dt = x.dtype
-    b, length, _ = x.shape
     q = constrain(dense(x, self.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
     k = constrain(dense(x, self.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
     v = constrain(dense(x, self.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
-    kv_heads, head_dim = k.shape[2], k.shape[3]
-    # Query head i reads key/value head i // group: the heads axis splits as
-    # (kv_heads, group), so no K/V copy per query head is materialised.
-    # Plain multi-head attention (groups of one) keeps 4-D operands: a size-1
-    # group axis made XLA:CPU copy the scores and their gradients for layout.
-    if q.shape[2] == kv_heads:
-      q_axes, s_axes, mask = "bqhk", "bhqs", mask[:, None]
-    else:
-      q = q.reshape(b, length, kv_heads, -1, head_dim)
-      q_axes, s_axes, mask = "bqhgk", "bhgqs", mask[:, None, None]
-    # Scores and softmax in float32 whatever the compute dtype.
-    logits = jnp.einsum(f"{q_axes},bshk->{s_axes}", q, k, preferred_element_type=jnp.float32)
-    logits = logits * head_dim**-0.5
-    # A finite minimum rather than -inf: no NaN even if a row were all masked.
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    y = jnp.einsum(f"{s_axes},bshk->{q_axes}", probs, v).reshape(b, length, -1, head_dim)
+    y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
     y = constrain(y, ("batch", "length", "heads", "kv"))
     return dense(y, self.out[...].astype(dt), contract=2)
 
@@ -234,27 +228,12 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array, mask: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
+  ) -> jax.Array:
     residual = ("batch", "length", "embed")
-    x = constrain(x + self.attn(self.attn_norm(x), mask, sin, cos), residual)
+    x = constrain(x + self.attn(self.attn_norm(x), segment_ids, sin, cos), residual)
     return constrain(x + self.mlp(self.mlp_norm(x)), residual)
-
-
-def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
-  """bool [batch, length, length]: query q may read key s.
-
-  Causal; with `segment_ids` also only within the query's own segment
-  (packed rows hold several documents side by side).
-
-  Example:
-    >>> attention_mask(jnp.array([[1, 1, 2]]), 1, 3)[0].astype(int).tolist()
-    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
-  """
-  causal = jnp.tril(jnp.ones((length, length), bool))[None]
-  if segment_ids is None:
-    return jnp.broadcast_to(causal, (batch, length, length))
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return causal & same
 
 
 class Llama(nnx.Module):
@@ -264,6 +243,9 @@ class Llama(nnx.Module):
   query's own segment; `positions` (int [B, L], the index within the
   segment) are RoPE's positions, else 0..L-1. A token id outside
   [0, vocab_size) embeds as zeros.
+
+  The logits are `hidden_states(...)` times `unembedding()`, accumulated in
+  float32.
   """
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
@@ -284,6 +266,29 @@ class Llama(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array:
+    x = self.hidden_states(tokens, segment_ids, positions)
+    # The loss wants float32 logits: accumulate the projection in float32.
+    if self.config.tie_embeddings:
+      table = self.token_embed[...].astype(x.dtype)
+      logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
+    else:
+      logits = dense(x, self.unembedding(), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+  def unembedding(self) -> jax.Array:
+    """The output projection [d_model, vocab] in the compute dtype (tied: the table, transposed)."""
+    dt = jnp.dtype(self.config.dtype)
+    if self.config.tie_embeddings:
+      return self.token_embed[...].astype(dt).T
+    return self.unembed[...].astype(dt)
+
+  def hidden_states(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """The last hidden states [B, L, d_model] after the final norm, in the compute dtype."""
     config = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
@@ -302,12 +307,11 @@ class Llama(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     sin, cos = rope_angles(positions, config.head_dim, config.rope_theta)
-    mask = attention_mask(segment_ids, batch, length)
     if config.scan_layers:
       x = scan_layers(
         self.blocks,
         x,
-        mask,
+        segment_ids,
         sin,
         cos,
         unroll=config.scan_unroll,
@@ -315,14 +319,8 @@ class Llama(nnx.Module):
       )
     else:
       for block in self.blocks:
-        x = block(x, mask, sin, cos)
-    x = self.final_norm(x)
-    # The loss wants float32 logits: accumulate the projection in float32.
-    if config.tie_embeddings:
-      logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
-    else:
-      logits = dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"))
+        x = block(x, segment_ids, sin, cos)
+    return self.final_norm(x)
 
 
 def param_count(config: LlamaConfig) -> int:

@@ -42,7 +42,10 @@ i for the same seed (see `layers.stacked`): only the checkpoint layout
 differs.
 
 Parameters are stored in `param_dtype` and cast to `dtype` for compute;
-norms and softmax run in float32 and logits come back in float32. The model
+norms and softmax run in float32 and logits come back in float32. Attention
+runs by the kernel `attention` names (`trainers.models.attention`), and a
+loss that should not hold the whole logits takes `hidden_states` and
+`unembedding` instead (`trainers.tasks.losses`). The model
 sets no sharding constraints itself: the trainer places parameters (see
 `trainers.models.logical_axes`) and inputs, and XLA propagates the rest.
 
@@ -72,8 +75,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainers.models import attention, param
 from trainers.models import logical_axes as logical_axes
-from trainers.models import param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -127,6 +130,9 @@ class TransformerConfig:
   a few percent more compute. "none" keeps everything and recomputes
   nothing: faster where memory is plentiful (no recomputation), but in a
   rolled loop every intermediate becomes a stacked buffer."""
+  attention: str = "auto"
+  """The attention kernel: "auto" (splash on TPU, cuDNN on GPU, else XLA),
+  "xla", "splash" or "cudnn" (`trainers.models.attention`)."""
 
   def __post_init__(self):
     sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "d_ff")
@@ -162,35 +168,26 @@ class _Attention(nnx.Module):
     self.out = param(
       rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
+    self.kernel = config.attention
 
-  def probabilities(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Attention weights [b, heads, query, key], in the compute dtype.
+  def probabilities(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Attention weights [b, heads, query, key] (XLA's), in the compute dtype.
 
-    `mask` is `attention_mask`'s [b, 1, query, key]; None is causal only.
+    `segment_ids` [b, length] keep each query in its segment; None is causal only.
     """
-    return self._attend(x, mask)[1]
+    q, k, _ = self._qkv(x)
+    mask = attention.causal_mask(segment_ids, x.shape[1])
+    return attention.attention_weights(q, k, mask).astype(x.dtype)
 
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    return self._attend(x, mask)[0]
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    q, k, v = self._qkv(x)
+    y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
+    return dense(y, self.out[...].astype(x.dtype), contract=2)
 
-  def _attend(self, x: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries, keys and values [b, l, heads, head_dim] in the compute dtype."""
     dt = x.dtype
-    length, head_dim = x.shape[1], self.query.shape[-1]
-    q = dense(x, self.query[...].astype(dt))  # [b, l, h, k]
-    k = dense(x, self.key[...].astype(dt))
-    v = dense(x, self.value[...].astype(dt))
-    # Scores and softmax in float32 whatever the compute dtype: bf16 scores
-    # lose the small differences that decide which tokens get attention.
-    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-    logits = logits * head_dim**-0.5
-    if mask is None:
-      # Unpacked rows: a [length, length] constant, as before segments existed.
-      mask = jnp.tril(jnp.ones((length, length), bool))
-    # A finite minimum rather than -inf: no NaN even if a row were all masked.
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    return dense(y, self.out[...].astype(dt), contract=2), probs
+    return tuple(dense(x, w[...].astype(dt)) for w in (self.query, self.key, self.value))
 
 
 class _MLP(nnx.Module):
@@ -212,8 +209,8 @@ class _Block(nnx.Module):
     self.mlp_norm = _LayerNorm(config.d_model, pdt, rngs=rngs)
     self.mlp = _MLP(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x), mask)
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x), segment_ids)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -234,10 +231,7 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
   """
   if segment_ids.ndim != 2:
     raise ValueError(f"segment_ids must be [batch, length], got {segment_ids.shape=}")
-  length = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((length, length), bool))
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (causal & same)[:, None]
+  return attention.causal_mask(segment_ids, segment_ids.shape[1])[:, None]
 
 
 class TransformerLM(nnx.Module):
@@ -254,6 +248,9 @@ class TransformerLM(nnx.Module):
   were alone at the start of a row. Without them (None, the default) the
   program is the unpacked one: the causal mask is a constant, and the
   positions are 0..L-1.
+
+  The logits are `hidden_states(...)` times `unembedding()`, accumulated in
+  float32.
 
   Example:
     >>> import jax.numpy as jnp
@@ -293,7 +290,22 @@ class TransformerLM(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array:
-    """Logits [B, L, vocab] in float32.
+    """Logits [B, L, vocab] in float32 (the arguments are `hidden_states`')."""
+    x = self.hidden_states(tokens, segment_ids, positions)
+    # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
+    return dense(x, self.unembedding(), preferred_element_type=jnp.float32)
+
+  def unembedding(self) -> jax.Array:
+    """The output projection [d_model, vocab] in the compute dtype."""
+    return self.unembed[...].astype(jnp.dtype(self.config.dtype))
+
+  def hidden_states(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """The last hidden states [B, L, d_model] after the final norm, in the compute dtype.
 
     Args:
       tokens: int [B, L], L <= `config.seq_len`.
@@ -333,18 +345,15 @@ class TransformerLM(nnx.Module):
       # A gather, unlike the token lookup: the rules presets never split the
       # table's row axis ("length"), so its gradient's scatter-add stays local.
       x = x + self.pos_embed[...][positions].astype(dt)
-    # Built once for all layers; None keeps each layer's constant causal mask.
-    mask = None if segment_ids is None else attention_mask(segment_ids)
+    # Each layer's attention builds its mask (or its kernel reads the ids).
     if config.scan_layers:
       x = scan_layers(
-        self.blocks, x, mask, unroll=config.scan_unroll, remat_policy=config.remat_policy
+        self.blocks, x, segment_ids, unroll=config.scan_unroll, remat_policy=config.remat_policy
       )
     else:
       for block in self.blocks:
-        x = block(x, mask)
-    x = self.final_norm(x)
-    # Accumulate the vocabulary projection in float32 (the loss wants f32 logits).
-    return dense(x, self.unembed[...].astype(dt), preferred_element_type=jnp.float32)
+        x = block(x, segment_ids)
+    return self.final_norm(x)
 
 
 def param_count(config: TransformerConfig) -> int:

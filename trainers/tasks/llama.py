@@ -25,8 +25,9 @@ import dataclasses
 import ml_collections
 
 from trainers.models import llama
-from trainers.tasks import Batch, Task, config_section, cross_entropy_sums
+from trainers.tasks import Batch, Task, config_section
 from trainers.tasks import lm as lm_task
+from trainers.tasks.losses import chunked_cross_entropy_sums
 
 # Batch features the model takes besides the tokens, when the data has them.
 PACKING_FEATURES = ("segment_ids", "positions")
@@ -45,6 +46,10 @@ def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
 def next_token_loss(model, batch: Batch, rngs, train: bool):
   """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy.
 
+  The logits are formed chunk by chunk with the output projection
+  (`losses.chunked_cross_entropy_sums`): at a 128k vocabulary the whole
+  batch's would be one of the step's largest buffers.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -59,7 +64,8 @@ def next_token_loss(model, batch: Batch, rngs, train: bool):
   """
   del rngs, train  # no dropout, no batch statistics
   packing = {k: batch[k] for k in PACKING_FEATURES if k in batch}
-  return cross_entropy_sums(model(batch["inputs"], **packing), batch["targets"], batch["mask"])
+  hidden = model.hidden_states(batch["inputs"], **packing)
+  return chunked_cross_entropy_sums(hidden, model.unembedding(), batch["targets"], batch["mask"])
 
 
 def make_task(config: ml_collections.ConfigDict) -> Task:

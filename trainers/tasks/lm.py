@@ -39,7 +39,8 @@ import numpy as np
 from trainers.data import lm_examples
 from trainers.models import decode
 from trainers.models import transformer as lm
-from trainers.tasks import Task, config_section, cross_entropy_sums
+from trainers.tasks import Task, config_section
+from trainers.tasks.losses import chunked_cross_entropy_sums
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def default_model_config() -> ml_collections.ConfigDict:
       # What each scanned layer keeps for the backward pass: "minimal" (the
       # weight matmuls' outputs) or "none" (everything, no recomputation).
       "remat_policy": "minimal",
+      # The attention kernel: "auto" (splash on TPU, cuDNN on GPU, else XLA),
+      # "xla", "splash" or "cudnn" (trainers/models/attention.py).
+      "attention": "auto",
     }
   )
 
@@ -83,10 +87,13 @@ def next_token_loss(model, batch, rngs, train):
   """Summed next-token cross-entropy over the unmasked targets, its weight, and accuracy.
 
   A packed batch's `segment_ids` and `positions` go to the model, when it has them.
+  The logits are formed chunk by chunk (`losses.chunked_cross_entropy_sums`),
+  never for the whole batch at once.
   """
   del rngs, train  # the transformer has no dropout and no batch statistics
   packing = {key: batch[key] for key in ("segment_ids", "positions") if key in batch}
-  return cross_entropy_sums(model(batch["inputs"], **packing), batch["targets"], batch["mask"])
+  hidden = model.hidden_states(batch["inputs"], **packing)
+  return chunked_cross_entropy_sums(hidden, model.unembedding(), batch["targets"], batch["mask"])
 
 
 def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:

@@ -1,0 +1,407 @@
+"""Causal self-attention for the built-in decoders, by one of three kernels.
+
+`model.attention` chooses: "xla" writes attention out as einsums (the f32
+scores [batch, heads, length, length] and a mask are real buffers);
+"splash" runs the Pallas splash-attention kernel of
+`jax.experimental.pallas.ops.tpu` (blocks of 128 to 512 tokens, the scores
+never leave the chip's VMEM, segment ids for packed rows, grouped-query
+heads read in place); "cudnn" runs cuDNN's flash attention through
+`jax.nn.dot_product_attention(implementation="cudnn")`; "auto" takes splash
+on TPU, cuDNN on GPU and XLA elsewhere. Where the chosen kernel cannot run
+what was asked, XLA runs it and the log says why (`choose_kernel`):
+
+- splash needs a sequence that is a multiple of 128 (its block size);
+  on a platform other than TPU it runs in Pallas interpret mode: exact but
+  slow, for checking its numerics on a CPU.
+- cuDNN's public API takes a causal mask but no segment ids, and computes
+  in bf16 or fp16 only; on other platforms there is no cuDNN.
+
+All kernels take queries [batch, length, heads, head_dim] and keys and
+values [batch, length, kv_heads, head_dim], with `heads` a multiple of
+`kv_heads` (query head i reads key/value head i // (heads // kv_heads)), and
+return [batch, length, heads, head_dim] in the compute dtype. Splash is
+placed on the mesh of the active logical-axis rules (`spmd.rules`) with
+`jax.shard_map` over the batch and the heads, so each device runs the
+kernel on its own rows and heads; XLA and cuDNN are partitioned by XLA.
+
+The choice is made when the model is traced, from the platform of the
+active mesh (else JAX's default backend). Process 0 logs each new choice
+once; `recorded_choices()` collects them for a caller that reports them
+(`spmd-plan`).
+
+Example:
+  >>> q = jax.random.normal(jax.random.key(0), (1, 128, 4, 8))
+  >>> kv = jax.random.normal(jax.random.key(1), (1, 128, 2, 8))
+  >>> choose_kernel("auto", platform="cpu", length=128, dtype=q.dtype, segments=False).kernel
+  'xla'
+  >>> xla = attend(q, kv, kv, kernel="xla")
+  >>> splash = attend(q, kv, kv, kernel="splash")  # Pallas interpret mode on a CPU
+  >>> bool(jnp.allclose(xla, splash, rtol=1e-5, atol=1e-6))
+  True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+from spmd import rules as rules_lib
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "xla", "splash", "cudnn")
+"""The values of `model.attention`."""
+
+SPLASH_BLOCKS = (512, 256, 128)
+"""Splash's block sizes, largest first: the largest that divides the sequence is used."""
+
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_Q_AXES = ("batch", "length", "heads", "kv")
+_KV_AXES = ("batch", "length", "kv_heads", "kv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The kernel that runs (`kernel`), what was asked (`requested`) and why, for the log.
+
+  `interpret`: splash runs in Pallas interpret mode (off TPU). `block`:
+  splash's block size along the sequence.
+  """
+
+  kernel: str
+  requested: str
+  reason: str
+  interpret: bool = False
+  block: int | None = None
+
+  def describe(self) -> str:
+    """One line for the log and the plan.
+
+    Example:
+      >>> Choice("xla", "auto", "auto on cpu").describe()
+      'xla (model.attention=auto: auto on cpu)'
+    """
+    return f"{self.kernel} (model.attention={self.requested}: {self.reason})"
+
+
+def check_kernel(value: str) -> None:
+  """A `ValueError` naming `model.attention` when `value` is not one of `KERNELS`.
+
+  Example:
+    >>> check_kernel("flash")
+    Traceback (most recent call last):
+    ...
+    ValueError: model.attention='flash' is not one of ('auto', 'xla', 'splash', 'cudnn')
+  """
+  if value not in KERNELS:
+    raise ValueError(f"model.attention={value!r} is not one of {KERNELS}")
+
+
+def choose_kernel(
+  requested: str, *, platform: str, length: int, dtype: jnp.dtype, segments: bool
+) -> Choice:
+  """The kernel that runs attention over `length` tokens on `platform`, and why.
+
+  `segments`: the rows are packed (segment ids restrict attention to each
+  document).
+
+  Example:
+    >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.bfloat16, segments=True)
+    Choice(kernel='splash', requested='auto', reason='TPU, 8192 tokens in blocks of 512, segment ids', interpret=False, block=512)
+    >>> choose_kernel("auto", platform="tpu", length=100, dtype=jnp.bfloat16, segments=False).reason
+    'sequence 100 is not a multiple of 128, the least block of splash attention'
+    >>> choose_kernel("cudnn", platform="gpu", length=64, dtype=jnp.bfloat16, segments=True).reason
+    "packed rows: cuDNN's public API takes no segment ids"
+  """
+  check_kernel(requested)
+  dtype = jnp.dtype(dtype)
+  if requested == "auto":
+    wanted = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
+    if wanted == "xla":
+      return Choice("xla", requested, f"no fused kernel chosen on {platform}")
+  else:
+    wanted = requested
+  if wanted == "xla":
+    return Choice("xla", requested, "as asked")
+  if wanted == "splash":
+    block = next((b for b in SPLASH_BLOCKS if length % b == 0), None)
+    if block is None:
+      why = f"sequence {length} is not a multiple of 128, the least block of splash attention"
+      return Choice("xla", requested, why)
+    what = f"{length} tokens in blocks of {block}" + (", segment ids" if segments else "")
+    if platform != "tpu":
+      why = f"Pallas interpret mode on {platform}: exact but slow, {what}"
+      return Choice("splash", requested, why, interpret=True, block=block)
+    return Choice("splash", requested, f"TPU, {what}", block=block)
+  if platform != "gpu":
+    return Choice("xla", requested, f"cuDNN needs a GPU; this program is for {platform}")
+  if segments:
+    return Choice("xla", requested, "packed rows: cuDNN's public API takes no segment ids")
+  if dtype not in _CUDNN_DTYPES:
+    return Choice(
+      "xla", requested, f"cuDNN's flash attention computes in bf16 or fp16, not {dtype}"
+    )
+  return Choice("cudnn", requested, "GPU, causal")
+
+
+def current_platform() -> str:
+  """The platform of the active mesh (`spmd.rules.activation_rules`), else JAX's default.
+
+  A plan for a TPU slice traces on a CPU machine with TPU device
+  descriptions in its mesh: the mesh, not the machine, says what the program
+  is for.
+  """
+  active = rules_lib.active_rules()
+  if active is not None:
+    return active[1].devices.flat[0].platform
+  return jax.default_backend()
+
+
+_announced: set[str] = set()
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recorded_choices() -> Iterator[list[Choice]]:
+  """Collects, in a list, every `Choice` the models make while inside (this thread).
+
+  Example:
+    >>> with recorded_choices() as choices:
+    ...   _ = attend(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)))
+    >>> [c.kernel for c in choices]
+    ['xla']
+  """
+  stack = _recording.__dict__.setdefault("stack", [])
+  stack.append([])
+  try:
+    yield stack[-1]
+  finally:
+    stack.pop()
+
+
+def _announce(choice: Choice) -> None:
+  """Records `choice` for `recorded_choices`, and logs it once per process (process 0)."""
+  for found in getattr(_recording, "stack", []):
+    if choice not in found:
+      found.append(choice)
+  line = choice.describe()
+  if line not in _announced:
+    _announced.add(line)
+    if jax.process_index() == 0:
+      log.warning("attention: %s", line)
+
+
+def causal_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
+  """bool [length, length], or [batch, length, length] with `segment_ids`: q may read s.
+
+  Causal; with `segment_ids` [batch, length] also only within the query's
+  own segment. Padding (segment 0) reads padding, so no row is empty.
+
+  Example:
+    >>> causal_mask(jnp.array([[1, 1, 2]]), 3)[0].astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+  """
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  if segment_ids is None:
+    return causal
+  return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def _grouped(q: jax.Array, k: jax.Array, mask: jax.Array) -> tuple[jax.Array, str, str, jax.Array]:
+  """Queries, their einsum axes, the scores' axes and the mask, laid out for grouped heads.
+
+  Query head i reads key/value head i // group: the heads axis splits as
+  (kv_heads, group), so no K/V copy per query head is materialised. Plain
+  multi-head attention (groups of one) keeps 4-D operands: a size-1 group
+  axis made XLA:CPU copy the scores and their gradients for layout.
+  """
+  b, length, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  if heads == kv_heads:
+    return q, "bqhk", "bhqs", mask[..., None, :, :]
+  q = q.reshape(b, length, kv_heads, heads // kv_heads, head_dim)
+  return q, "bqhgk", "bhgqs", mask[..., None, None, :, :]
+
+
+def _weights(q: jax.Array, k: jax.Array, mask: jax.Array, q_axes: str, s_axes: str) -> jax.Array:
+  # Scores and softmax in float32 whatever the compute dtype: bf16 scores
+  # lose the small differences that decide which tokens get attention.
+  logits = jnp.einsum(f"{q_axes},bshk->{s_axes}", q, k, preferred_element_type=jnp.float32)
+  logits = logits * k.shape[-1] ** -0.5
+  # A finite minimum rather than -inf: no NaN even if a row were all masked.
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+  """XLA's attention weights, float32 [batch, heads, query, key], for `mask` [L, L] or [b, L, L].
+
+  Example:
+    >>> q = jnp.ones((1, 3, 2, 4))
+    >>> attention_weights(q, q[:, :, :1], causal_mask(None, 3))[0, 1, 2].tolist()
+    [0.3333333432674408, 0.3333333432674408, 0.3333333432674408]
+  """
+  b, length, heads, _ = q.shape
+  grouped, q_axes, s_axes, mask = _grouped(q, k, mask)
+  return _weights(grouped, k, mask, q_axes, s_axes).reshape(b, heads, length, k.shape[1])
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Attention written out: f32 scores, `mask` ([L, L] or [batch, L, L]), softmax, weighted sum.
+
+  Example:
+    >>> q = jnp.ones((1, 3, 2, 4))
+    >>> xla_attention(q, q[:, :, :1], q[:, :, :1], causal_mask(None, 3)).shape
+    (1, 3, 2, 4)
+  """
+  grouped, q_axes, s_axes, mask = _grouped(q, k, mask)
+  probs = _weights(grouped, k, mask, q_axes, s_axes).astype(q.dtype)
+  y = jnp.einsum(f"{s_axes},bshk->{q_axes}", probs, v)
+  return y.reshape(q.shape)
+
+
+def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.Array:
+  """Splash attention on one device's rows and heads: [b, L, h, d] in, the same out."""
+  _, length, heads, head_dim = q.shape
+  # The kernel object holds its block masks as arrays, so it is made in the
+  # trace that uses it; the masks themselves are computed once per shape
+  # (splash caches them in numpy).
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * heads)
+  # Heads a multiple of kv_heads is grouped-query attention in the kernel
+  # itself: query head i reads key/value head i // (heads // kv_heads).
+  kernel = splash.make_splash_mha(
+    mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
+  # Splash leaves the 1/sqrt(head_dim) to its caller; [b, L, h, d] -> [b, h, L, d].
+  q = jnp.swapaxes(q * jnp.asarray(head_dim**-0.5, q.dtype), 1, 2)
+  k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  if segment_ids is None:
+    y = jax.vmap(kernel)(q, k, v)
+  else:
+    ids = segment_ids.astype(jnp.int32)
+    y = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+      q, k, v, ids
+    )
+  return jnp.swapaxes(y, 1, 2)
+
+
+def splash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None = None,
+  *,
+  block: int = 128,
+  interpret: bool = False,
+) -> jax.Array:
+  """Causal splash attention, placed with `shard_map` on the mesh of the active rules.
+
+  Each device runs the kernel on its rows (the mesh axes of "batch") and
+  heads (of "heads" and "kv_heads", which must be the same axes so that each
+  device holds the key/value heads its query heads read). Outside any rules,
+  or inside a `shard_map` (the arrays are already a device's own), the kernel
+  runs on the arrays as they are.
+
+  Raises:
+    ValueError: the rules split the sequence or head_dim (splash reads
+      whole sequences), or split query and key/value heads differently.
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (2, 128, 2, 8))
+    >>> ids = jnp.array([[1] * 64 + [2] * 64, [1] * 128])
+    >>> y = splash_attention(q, q, q, ids, interpret=True)
+    >>> bool(jnp.allclose(y, xla_attention(q, q, q, causal_mask(ids, 128)), atol=1e-5))
+    True
+  """
+  local = lambda q, k, v, s=None: _splash_local(q, k, v, s, block=block, interpret=interpret)  # noqa: E731
+  active = rules_lib.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return local(q, k, v, segment_ids)
+  rules, mesh = active
+  q_spec = rules_lib.logical_to_spec(_Q_AXES, rules, mesh)
+  kv_spec = rules_lib.logical_to_spec(_KV_AXES, rules, mesh)
+  padded_q, padded_kv = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
+  if padded_q[1] is not None or padded_q[3] is not None:
+    raise ValueError(
+      f"splash attention splits rows and heads only, but the rules split the queries "
+      f"{_Q_AXES} as {q_spec}: map 'length' and 'kv' to no mesh axis, or use model.attention='xla'"
+    )
+  if padded_q[2] != padded_kv[2] or padded_q[0] != padded_kv[0]:
+    raise ValueError(
+      f"splash attention needs the query heads and key/value heads split alike, but the rules "
+      f"give queries {q_spec} and keys/values {kv_spec}"
+    )
+  rules_lib.check_divisible("splash attention queries", q.shape, q_spec, mesh)
+  rules_lib.check_divisible("splash attention keys", k.shape, kv_spec, mesh)
+  rows = jax.sharding.PartitionSpec(padded_q[0])
+  args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+  if segment_ids is not None:
+    args, specs = (*args, segment_ids), (*specs, rows)
+  placed = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+  return placed(*args)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal attention by cuDNN's flash attention (GPU, bf16/fp16), through JAX's public API."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attend(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None = None,
+  *,
+  kernel: str = "auto",
+) -> jax.Array:
+  """Causal attention by the kernel `choose_kernel` picks for `kernel` here.
+
+  Args:
+    q: queries [batch, length, heads, head_dim], in the compute dtype.
+    k, v: keys and values [batch, length, kv_heads, head_dim].
+    segment_ids: int [batch, length] for packed rows (attention stays inside
+      a segment), or None.
+    kernel: one of `KERNELS` (`model.attention`).
+
+  Example:
+    >>> q = jnp.ones((2, 5, 4, 8))
+    >>> attend(q, q[:, :, :2], q[:, :, :2], jnp.array([[1, 1, 2, 2, 0]] * 2)).shape
+    (2, 5, 4, 8)
+  """
+  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[2] % k.shape[2]:
+    raise ValueError(
+      f"attention wants q [b, l, heads, d] and k, v [b, l, kv_heads, d] with kv_heads "
+      f"dividing heads; got {q.shape=} {k.shape=} {v.shape=}"
+    )
+  length = q.shape[1]
+  choice = choose_kernel(
+    kernel,
+    platform=current_platform(),
+    length=length,
+    dtype=q.dtype,
+    segments=segment_ids is not None,
+  )
+  _announce(choice)
+  if choice.kernel == "splash":
+    return splash_attention(q, k, v, segment_ids, block=choice.block, interpret=choice.interpret)
+  if choice.kernel == "cudnn":
+    return cudnn_attention(q, k, v)
+  return xla_attention(q, k, v, causal_mask(segment_ids, length))

@@ -1,0 +1,202 @@
+"""Next-token cross-entropy that never holds the whole logits.
+
+A language model's logits are [batch, length, vocab] in float32: at 8192
+tokens and a 128k vocabulary that is 4 GiB per sequence, one of the largest
+buffers of a step, and its gradient is another. `chunked_cross_entropy_sums`
+takes the model's last hidden states and its output projection instead and
+computes the loss over chunks of the sequence: each chunk's logits exist
+only while that chunk is summed, and the backward pass computes them again,
+chunk by chunk (a `jax.custom_vjp`: the forward pass keeps only each
+token's log-normalizer, [batch, length] in float32). The projection is part
+of each chunk, so the full logits are never formed, forward or backward.
+
+The vocabulary is not chunked: a chunk of `chunk` tokens holds
+`chunk * vocab` logits per row, and `default_chunk` picks the chunk so that
+this stays under `CHUNK_LOGITS` (about 128 MiB of float32 per row). Under
+tensor-parallel rules the vocabulary axis of each chunk is split over the
+devices as the full logits would be.
+
+A sequence that fits in one chunk (every byte-level model here) takes the
+plain path: the logits of the whole sequence and `optax`'s cross-entropy,
+the program a task without chunking compiles.
+
+Example, any decoder's task loss from its hidden states and projection:
+
+  >>> import jax, jax.numpy as jnp
+  >>> hidden = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  >>> unembed = jax.random.normal(jax.random.key(1), (16, 1000))
+  >>> labels = jnp.arange(16).reshape(2, 8)
+  >>> mask = jnp.ones((2, 8))
+  >>> chunked = chunked_cross_entropy_sums(hidden, unembed, labels, mask, chunk=2)
+  >>> plain = cross_entropy_sums(hidden @ unembed, labels, mask)
+  >>> bool(jnp.allclose(chunked[0], plain[0], rtol=1e-5)), float(chunked[1])
+  (True, 16.0)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spmd.rules import constrain
+from trainers.tasks import cross_entropy_sums
+
+CHUNK_LOGITS = 2**25
+"""Logits per row of one chunk at most (`default_chunk`): 128 MiB in float32."""
+
+_LOGITS_AXES = ("batch", "length", "vocab")
+
+
+def default_chunk(length: int, vocab: int) -> int:
+  """The longest chunk that divides `length` and holds at most `CHUNK_LOGITS` logits per row.
+
+  Example:
+    >>> default_chunk(8192, 128256), default_chunk(128, 256)
+    (256, 128)
+  """
+  most = max(1, CHUNK_LOGITS // vocab)
+  return max(c for c in range(1, min(length, most) + 1) if length % c == 0)
+
+
+def chunked_cross_entropy_sums(
+  hidden: jax.Array,
+  unembed: jax.Array,
+  labels: jax.Array,
+  mask: jax.Array,
+  *,
+  chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """`cross_entropy_sums(hidden @ unembed, labels, mask)` without the whole logits.
+
+  Args:
+    hidden: the last hidden states [batch, length, d_model], in the compute dtype.
+    unembed: the output projection [d_model, vocab] (a tied embedding's
+      table transposed), in the compute dtype; the logits are accumulated in
+      float32.
+    labels: int [batch, length], the targets.
+    mask: [batch, length], 1.0 where a target counts.
+    chunk: tokens per chunk; it must divide `length`. None: `default_chunk`.
+
+  Returns:
+    `(loss_sum, weight, {"accuracy": correct_sum})`, as `cross_entropy_sums`.
+    The gradients reach `hidden` and `unembed`; the projection's is
+    accumulated over the chunks in float32.
+
+  Raises:
+    ValueError: the shapes disagree or `chunk` does not divide the length.
+
+  Example:
+    >>> hidden = jnp.ones((1, 4, 2))
+    >>> loss_sum, weight, sums = chunked_cross_entropy_sums(
+    ...   hidden, jnp.zeros((2, 3)), jnp.array([[0, 1, 2, 0]]), jnp.ones((1, 4)), chunk=2)
+    >>> round(float(loss_sum), 4), float(weight)  # 4 tokens, each log(3)
+    (4.3944, 4.0)
+  """
+  if hidden.ndim != 3 or unembed.ndim != 2 or unembed.shape[0] != hidden.shape[2]:
+    raise ValueError(
+      f"hidden must be [batch, length, d_model] and unembed [d_model, vocab]; got "
+      f"{hidden.shape=} {unembed.shape=}"
+    )
+  if labels.shape != hidden.shape[:2] or mask.shape != hidden.shape[:2]:
+    raise ValueError(
+      f"labels and mask must be [batch, length] = {hidden.shape[:2]}; got "
+      f"{labels.shape=} {mask.shape=}"
+    )
+  length, vocab = hidden.shape[1], unembed.shape[1]
+  chunk = default_chunk(length, vocab) if chunk is None else chunk
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or length % chunk:
+    raise ValueError(f"{chunk=} must be a positive integer dividing the length {length}")
+  weight = jnp.sum(mask)
+  if chunk == length:
+    logits = jnp.dot(
+      hidden.reshape(-1, hidden.shape[2]), unembed, preferred_element_type=jnp.float32
+    )
+    logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
+    return cross_entropy_sums(logits, labels, mask)
+  mask = mask.astype(jnp.float32)
+  loss_sum, correct = _chunked_sums(hidden, unembed, labels, mask, chunk)
+  return loss_sum, weight, {"accuracy": correct}
+
+
+def _chunk_logits(hidden: jax.Array, unembed: jax.Array) -> jax.Array:
+  """[b, c, d] @ [d, vocab] -> float32 [b, c, vocab], as one flat matmul (`layers.dense`'s reason)."""
+  b, c, d = hidden.shape
+  logits = jnp.dot(hidden.reshape(b * c, d), unembed, preferred_element_type=jnp.float32)
+  return constrain(logits.reshape(b, c, -1), _LOGITS_AXES)
+
+
+def _slice(x: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
+
+
+def _forward(hidden, unembed, labels, mask, chunk):
+  """(loss_sum, correct_sum, log-normalizers [n, b, chunk]) over the chunks."""
+
+  def body(totals, i):
+    logits = _chunk_logits(_slice(hidden, i, chunk), unembed)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    labels_c, mask_c = _slice(labels, i, chunk), _slice(mask, i, chunk)
+    # The target's logit by comparison with the vocabulary's iota rather
+    # than a gather: it fuses into one reduction, and a vocabulary split
+    # over devices stays split.
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_c[..., None]
+    target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    correct = (jnp.argmax(logits, axis=-1) == labels_c).astype(jnp.float32)
+    loss_sum, correct_sum = totals
+    return (
+      loss_sum + jnp.sum((lse - target) * mask_c),
+      correct_sum + jnp.sum(correct * mask_c),
+    ), lse
+
+  n = hidden.shape[1] // chunk
+  zero = jnp.zeros((), jnp.float32)
+  (loss_sum, correct_sum), lse = jax.lax.scan(body, (zero, zero), jnp.arange(n))
+  return loss_sum, correct_sum, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_sums(hidden, unembed, labels, mask, chunk):
+  loss_sum, correct_sum, _ = _forward(hidden, unembed, labels, mask, chunk)
+  return loss_sum, correct_sum
+
+
+def _chunked_sums_fwd(hidden, unembed, labels, mask, chunk):
+  loss_sum, correct_sum, lse = _forward(hidden, unembed, labels, mask, chunk)
+  return (loss_sum, correct_sum), (hidden, unembed, labels, mask, lse)
+
+
+def _chunked_sums_bwd(chunk, residuals, cotangents):
+  """The chunks again: softmax minus one-hot, times the mask, into both matmuls' gradients."""
+  hidden, unembed, labels, mask, lse = residuals
+  g = cotangents[0]  # the accuracy is piecewise constant: no gradient
+  b, length, d = hidden.shape
+
+  def body(carry, i):
+    d_unembed, d_hidden = carry
+    hidden_c = _slice(hidden, i, chunk)
+    logits = _chunk_logits(hidden_c, unembed)
+    probs = jnp.exp(logits - lse[i][..., None])
+    hit = (
+      jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == _slice(labels, i, chunk)[..., None]
+    )
+    d_logits = (probs - hit) * (g * _slice(mask, i, chunk))[..., None]
+    # The logits' gradient enters the two matmuls in the compute dtype, as
+    # the forward's operands did; the projection's gradient adds up over the
+    # chunks in float32 and is rounded once, at the end.
+    d_logits = constrain(d_logits.astype(hidden.dtype), _LOGITS_AXES)
+    flat = d_logits.reshape(b * chunk, -1)
+    d_hidden_c = jnp.dot(flat, unembed.T).reshape(b, chunk, d)
+    d_unembed = d_unembed + jnp.dot(
+      hidden_c.reshape(b * chunk, d).T, flat, preferred_element_type=jnp.float32
+    )
+    d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_hidden_c, i * chunk, axis=1)
+    return (d_unembed, d_hidden), None
+
+  zeros = (jnp.zeros(unembed.shape, jnp.float32), jnp.zeros_like(hidden))
+  (d_unembed, d_hidden), _ = jax.lax.scan(body, zeros, jnp.arange(length // chunk))
+  return d_hidden, d_unembed.astype(unembed.dtype), None, None
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)
