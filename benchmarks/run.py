@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -16,6 +16,9 @@ counts and process layouts):
   P10     benchmarks/llama.py       our Llama step vs a hand-written plain-JAX Llama
                                     step at MaxText's small shape (1 CPU device),
                                     and its model FLOP/s
+  M1      benchmarks/pod_memory.py  Llama-3-8B's bytes per device on v5p-256 (pure
+                                    FSDP, compiled through libtpu) vs MaxText's;
+                                    M1-xla the same with XLA's attention
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -52,6 +55,7 @@ BENCHMARKS = [
   ("launches", ("P6", "P8"), {}),
   ("memory", ("P7",), {}),
   ("llama", ("P10",), {}),
+  ("pod_memory", ("M1", "M1-xla"), {}),
 ]
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
@@ -68,9 +72,19 @@ def readme_block(rows: list[dict]) -> str:
   return common.markdown(rows) + f"\nMeasured on:{where}\n"
 
 
-def figure_order(row: dict) -> int:
-  """Sorts rows by figure number, so P10 follows P8 rather than P1."""
-  return int(row["id"].lstrip("P"))
+def figure_order(row: dict) -> tuple[bool, str, int, str]:
+  """Sorts rows by series (P before the others), then number, so P10 follows P8, not P1.
+
+  Example:
+    >>> ids = ["M1-xla", "P10", "M1", "P2"]
+    >>> sorted(ids, key=lambda i: figure_order({"id": i}))
+    ['P2', 'P10', 'M1', 'M1-xla']
+  """
+  found = re.fullmatch(r"([A-Z]+)(\d+)(.*)", row["id"])
+  if found is None:
+    raise ValueError(f"figure id {row['id']!r} is not a letter series and a number, e.g. P10")
+  series, number, suffix = found.groups()
+  return series != "P", series, int(number), suffix
 
 
 def update_readme(rows: list[dict], readme: str = README) -> None:

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from benchmarks import common, run
+from spmd.topology import libtpu_available
 from tests.multiprocess import ROOT
 from trainers import peaks
 
@@ -64,8 +65,9 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
   # devices when imported. This module sets up nothing, so its examples run here.
-  result = doctest.testmod(common)
-  assert result.attempted > 0 and result.failed == 0, common.__name__
+  for module in (common, run):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 @pytest.mark.multiprocess
@@ -109,6 +111,21 @@ def test_the_llama_figure_runs_end_to_end_on_a_shrunken_shape(tmp_path):
   [row] = json.loads(out.read_text())
   assert row["id"] == "P10" and row["value"] > 0, row
   assert "first losses agree" in row["detail"] and "GFLOP/s" in row["detail"], row["detail"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
+def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
+  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a tiny Llama at 256
+  # tokens on v5p-8 takes the same path: splash through libtpu, then xla.
+  out = tmp_path / "m1.json"
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256"]
+  done = _run_module("benchmarks.pod_memory", *shrunk, "--global-batch=8", f"--json={out}")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  rows = {r["id"]: r for r in json.loads(out.read_text())}
+  assert set(rows) == {"M1", "M1-xla"} and rows["M1"]["value"] > 0 and rows["M1-xla"]["value"] > 0
+  assert rows["M1"]["detail"].startswith("splash: "), rows["M1"]["detail"]
+  assert rows["M1-xla"]["detail"].startswith("xla: "), rows["M1-xla"]["detail"]
 
 
 def test_a_figure_without_a_goal_shows_a_dash():

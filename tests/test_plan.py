@@ -229,6 +229,9 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
     f"--topology={topology}",
     f"--num_slices={num_slices}",
     f"--config.global_batch={global_batch}",
+    # XLA's attention: its matmuls are HLO dots, which the FLOP check counts
+    # (splash's run inside its kernel; tests/test_benchmarks.py plans splash).
+    "--config.model.attention=xla",
     "--json",
   )
   assert done.returncode == 0, done.stdout + done.stderr[-4000:]
@@ -236,6 +239,7 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
   devices = {"v4-32": 16, "v5e-256": 256, "v5p-256": 128}[topology] * num_slices
   assert plan["num_devices"] == devices and plan["hosts"] == hosts
   assert plan["compiled"] and plan["fits"] and not plan["estimated"]
+  assert [a.split()[0] for a in plan["attention"]] == ["xla"], plan["attention"]
   assert plan["rows_per_host"] * plan["hosts_feeding"] == global_batch
   memory = plan["memory"]
   assert memory["params_bytes"] < memory["total_bytes"] < memory["device_bytes"]
@@ -293,12 +297,14 @@ def test_a_model_that_fits_with_more_fsdp_is_told_which_mesh():
 @pytest.mark.multiprocess
 @needs_libtpu
 def test_activations_the_compiler_refuses_are_measured_and_a_micro_batch_count_is_named():
-  # 8192-token rows, 8 to a v5e chip: libtpu refuses the step (its temporaries
-  # exceed HBM) and says by how much; the plan reports that as the verdict and
-  # compiles micro-batch counts until one fits.
+  # 8192-token rows, 8 to a v5e chip, with XLA's attention (its scores are
+  # [rows, heads, 8192, 8192] in float32): libtpu refuses the step (its
+  # temporaries exceed HBM) and says by how much; the plan reports that as the
+  # verdict and compiles micro-batch counts until one fits.
   done = _spmd_plan(
     "--config=configs/llama_tiny.py",
     "--topology=v5e-8",
+    "--config.model.attention=xla",
     "--config.model.seq_len=8192",
     "--config.global_batch=64",
     "--config.data.tokenizer=bytes",

@@ -41,6 +41,7 @@ import numpy as np
 from spmd import hlo
 from spmd.layout import batch_sharding, data_layout
 from trainers import peaks, plan_advice
+from trainers.models import attention
 from trainers.plan_targets import Target
 from trainers.state import make_state
 from trainers.step import abstract_batch, make_train_step
@@ -121,6 +122,7 @@ class Plan:
   suggestions: list[str]
   kv_cache: KVCachePlan | None = None  # None: the model has no KV-cache decoder
   compile_error: str | None = None  # the compiler's refusal, when it ran out of memory
+  attention: list[str] = dataclasses.field(default_factory=list)  # the kernels the step traced
 
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
@@ -195,8 +197,9 @@ def make_plan(
     return make_train_step(setup, task, changed, mesh, batch_axes)
 
   compiled = refusal = None
-  if compile_step:
-    compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
+  with attention.recorded_choices() as kernels:
+    if compile_step:
+      compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
     if keep_compiled is not None and compiled is not None:
       keep_compiled.append(compiled)
   step = _read_step(compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes)
@@ -238,6 +241,7 @@ def make_plan(
     suggestions=suggestions,
     kv_cache=kv_cache,
     compile_error=step.compile_error,
+    attention=[k.describe() for k in kernels],
   )
 
 

@@ -50,6 +50,7 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     f"{plan.unit} per step",
     f"data          {plan.hosts_feeding} distinct row blocks, {plan.rows_per_host} rows per host"
     + (" (estimate)" if plan.estimated else ""),
+    *(f"attention     {line}" for line in getattr(plan, "attention", [])),
     "memory per device"
     + (
       ""
@@ -84,9 +85,13 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     lines.append(f"  compiler         {plan.compile_error}")
   lines.append("compute per device per step")
   if c.compiled_flops is not None:
+    # A fused attention kernel is a custom call: its matmuls are not HLO dots.
+    fused = sorted({a.split()[0] for a in getattr(plan, "attention", [])} & {"splash", "cudnn"})
     lines.append(
       f"  compiled FLOPs   {c.compiled_flops / 1e12:.3f} TFLOP{est} (the program's matmuls, "
-      "recomputation included)"
+      "recomputation included"
+      + (f"; not those inside the {' and '.join(fused)} kernel" if fused else "")
+      + ")"
     )
   lines.append(f"  model FLOPs      {c.model_flops / 1e12:.3f} TFLOP (6N per token + attention)")
   if c.peak_flops_per_s:

@@ -35,11 +35,14 @@ Example, any decoder's task loss from its hidden states and projection:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from spmd import rules as rules_lib
 from spmd.rules import constrain
 from trainers.tasks import cross_entropy_sums
 
@@ -47,6 +50,10 @@ CHUNK_LOGITS = 2**25
 """Logits per row of one chunk at most (`default_chunk`): 128 MiB in float32."""
 
 _LOGITS_AXES = ("batch", "length", "vocab")
+# The projection whole along d_model: gathered once for all chunks (under FSDP
+# its d_model axis is split), not once per chunk inside the loop.
+_GATHERED = (None, "vocab")
+_PROJECTION = ("embed", "vocab")  # the output projection's parameter axes
 
 
 def default_chunk(length: int, vocab: int) -> int:
@@ -116,7 +123,11 @@ def chunked_cross_entropy_sums(
     logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
     return cross_entropy_sums(logits, labels, mask)
   mask = mask.astype(jnp.float32)
-  loss_sum, correct = _chunked_sums(hidden, unembed, labels, mask, chunk)
+  # JAX traces the backward pass after the loss returns, outside the rules
+  # the trainer entered for the loss: they go with it, so that its chunks are
+  # laid out as the forward pass's are.
+  placement = rules_lib.active_rules()
+  loss_sum, correct = _chunked_sums(hidden, unembed, labels, mask, chunk, placement)
   return loss_sum, weight, {"accuracy": correct}
 
 
@@ -131,8 +142,22 @@ def _slice(x: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
 
 
+def _row_shards(batch: int) -> int:
+  """How many pieces the active rules split the rows into (1 outside rules or in shard_map)."""
+  active = rules_lib.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return 1
+  rules, mesh = active
+  spec = rules_lib.logical_to_spec(("batch",), rules, mesh)
+  entry = spec[0] if len(spec) else None
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  shards = math.prod(mesh.shape[a] for a in axes)
+  return shards if batch % shards == 0 else 1
+
+
 def _forward(hidden, unembed, labels, mask, chunk):
   """(loss_sum, correct_sum, log-normalizers [n, b, chunk]) over the chunks."""
+  unembed = constrain(unembed, _GATHERED)
 
   def body(totals, i):
     logits = _chunk_logits(_slice(hidden, i, chunk), unembed)
@@ -156,22 +181,40 @@ def _forward(hidden, unembed, labels, mask, chunk):
   return loss_sum, correct_sum, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_sums(hidden, unembed, labels, mask, chunk):
+def _placed(placement: tuple[rules_lib.Rules, jax.sharding.Mesh] | None):
+  """The rules and mesh of `placement` active (`spmd.rules.activation_rules`), if any."""
+  return rules_lib.activation_rules(*placement) if placement else contextlib.nullcontext()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_sums(hidden, unembed, labels, mask, chunk, placement):
   loss_sum, correct_sum, _ = _forward(hidden, unembed, labels, mask, chunk)
   return loss_sum, correct_sum
 
 
-def _chunked_sums_fwd(hidden, unembed, labels, mask, chunk):
+def _chunked_sums_fwd(hidden, unembed, labels, mask, chunk, placement):
   loss_sum, correct_sum, lse = _forward(hidden, unembed, labels, mask, chunk)
   return (loss_sum, correct_sum), (hidden, unembed, labels, mask, lse)
 
 
-def _chunked_sums_bwd(chunk, residuals, cotangents):
+def _chunked_sums_bwd(chunk, placement, residuals, cotangents):
+  with _placed(placement):
+    return _backward(chunk, residuals, cotangents)
+
+
+def _backward(chunk, residuals, cotangents):
   """The chunks again: softmax minus one-hot, times the mask, into both matmuls' gradients."""
   hidden, unembed, labels, mask, lse = residuals
   g = cotangents[0]  # the accuracy is piecewise constant: no gradient
   b, length, d = hidden.shape
+  unembed = constrain(unembed, _GATHERED)
+  # The projection's gradient sums over every row. Summed across devices in
+  # each chunk, it would cost one all-reduce of the whole [d_model, vocab]
+  # per chunk; instead each device adds up its own rows' share in float32
+  # (a leading axis, one entry per row shard, split as the rows are), and
+  # the shares are summed once, after the last chunk.
+  shards = _row_shards(b)
+  share_axes = ("batch", None, "vocab")
 
   def body(carry, i):
     d_unembed, d_hidden = carry
@@ -188,15 +231,33 @@ def _chunked_sums_bwd(chunk, residuals, cotangents):
     d_logits = constrain(d_logits.astype(hidden.dtype), _LOGITS_AXES)
     flat = d_logits.reshape(b * chunk, -1)
     d_hidden_c = jnp.dot(flat, unembed.T).reshape(b, chunk, d)
-    d_unembed = d_unembed + jnp.dot(
-      hidden_c.reshape(b * chunk, d).T, flat, preferred_element_type=jnp.float32
-    )
+    if shards == 1:
+      share = jnp.dot(hidden_c.reshape(b * chunk, d).T, flat, preferred_element_type=jnp.float32)
+      share = share[None]
+    else:
+      rows = (shards, b // shards * chunk)
+      share = jnp.einsum(
+        "srd,srv->sdv",
+        constrain(hidden_c.reshape(*rows, d), ("batch", None, None)),
+        constrain(d_logits.reshape(*rows, -1), ("batch", None, "vocab")),
+        preferred_element_type=jnp.float32,
+      )
+    d_unembed = constrain(d_unembed + share, share_axes)
     d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_hidden_c, i * chunk, axis=1)
     return (d_unembed, d_hidden), None
 
-  zeros = (jnp.zeros(unembed.shape, jnp.float32), jnp.zeros_like(hidden))
+  zeros = (
+    constrain(jnp.zeros((shards, *unembed.shape), jnp.float32), share_axes),
+    jnp.zeros_like(hidden),
+  )
   (d_unembed, d_hidden), _ = jax.lax.scan(body, zeros, jnp.arange(length // chunk))
-  return d_hidden, d_unembed.astype(unembed.dtype), None, None
+  # Summed across the row shards straight into the projection's own layout (a
+  # reduce-scatter under FSDP), and before the layers' backward pass may use
+  # d_hidden: XLA would otherwise hold the float32 shares, the size of the
+  # whole projection, until it reduces every gradient at the step's end.
+  d_unembed = constrain(d_unembed.sum(0), _PROJECTION).astype(unembed.dtype)
+  d_hidden, d_unembed = jax.lax.optimization_barrier((d_hidden, d_unembed))
+  return d_hidden, d_unembed, None, None
 
 
 _chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)

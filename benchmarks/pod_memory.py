@@ -1,0 +1,114 @@
+"""M1: per-device memory of Llama-3-8B on v5p-256 under pure FSDP ÷ MaxText's, compiled ahead of time.
+
+  python -m benchmarks.pod_memory [--json=out.json] [--config=configs/llama3_8b.py]
+      [--topology=v5p-256] [--seq-len=N --num-layers=N --global-batch=N]
+
+Our side is `spmd-plan`'s total per device (arguments + outputs - donated +
+temporaries + code, from the compiled program's memory analysis) for
+
+  spmd-plan --config=configs/llama3_8b.py --topology=v5p-256 \\
+      --config.mesh.ici=data=1,fsdp=-1,tensor=1 --config.mesh.rules=fsdp
+
+compiled through libtpu for the slice's real device descriptions, with the
+model's attention kernel as "auto" gives it on TPU (splash) and the task's
+chunked cross-entropy. The same plan with `--config.model.attention=xla` is
+the second row (M1-xla), for what the kernel saves.
+
+MaxText's side is a constant, `MAXTEXT_BYTES`: MaxText 0.2.5's own ahead-of-time
+compile of the same model, batch and target (`MAXTEXT_COMMAND`), with its
+defaults (FSDP, scanned layers, full remat, bf16, its TPU attention): 13.37
+GiB of temporaries and 0.70 GiB of arguments, 14.1 GiB per device. It is not
+recomputed here: MaxText stays out of this project's dependencies.
+
+Goal: 1.0 (as much memory as MaxText needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+
+from benchmarks import common  # noqa: E402
+from trainers import plan as plan_lib  # noqa: E402
+from trainers import plan_targets  # noqa: E402
+
+GIB = 2**30
+MAXTEXT_BYTES = 14.1 * GIB
+"""MaxText 0.2.5's bytes per device for Llama-3-8B, 8192 tokens, global batch 256, v5p-256."""
+MAXTEXT_COMMAND = (
+  'pip install "maxtext[tpu]==0.2.5"  # in a Python 3.12 venv; then:\n'
+  "python -m maxtext.trainers.pre_train.train_compile <its configs/base.yml> "
+  "compile_topology=v5p-256 compile_topology_num_slices=1 model_name=llama3-8b "
+  "per_device_batch_size=2 max_target_length=8192 run_name=aot base_output_directory=OUT"
+)
+"""How `MAXTEXT_BYTES` was measured: it prints `Memory analysis` (temporaries + arguments)."""
+PURE_FSDP = {"ici": "data=1,fsdp=-1,tensor=1", "rules": "fsdp"}
+
+
+def plan_for(args: argparse.Namespace, attention: str) -> plan_lib.Plan:
+  """The plan of the config under pure FSDP on the topology, with this attention kernel."""
+  config = common.load_config(args.config)
+  config.mesh.ici, config.mesh.rules = PURE_FSDP["ici"], PURE_FSDP["rules"]
+  config.model.attention = attention
+  for name, value in (("seq_len", args.seq_len), ("num_layers", args.num_layers)):
+    if value:
+      config.model[name] = value
+  if args.global_batch:
+    config.global_batch = args.global_batch
+  return plan_lib.make_plan(
+    config, plan_targets.tpu_target(args.topology), compile_step=True, verify_suggestions=False
+  )
+
+
+def describe(plan: plan_lib.Plan) -> str:
+  m = plan.memory
+  kernel = plan.attention[0].split()[0] if plan.attention else "none"
+  return (
+    f"{kernel}: {m.total_bytes / GIB:.2f} GiB ({m.temp_bytes / GIB:.2f} GiB temporaries, "
+    f"{m.state_bytes / GIB:.2f} GiB parameters and optimizer state)"
+  )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/llama3_8b.py")
+  parser.add_argument("--topology", default="v5p-256")
+  parser.add_argument("--seq-len", type=int, default=0, help="shrink the model (tests)")
+  parser.add_argument("--num-layers", type=int, default=0, help="shrink the model (tests)")
+  parser.add_argument("--global-batch", type=int, default=0, help="shrink the batch (tests)")
+  parser.add_argument("--json")
+  args = parser.parse_args()
+  fused = plan_for(args, "auto")
+  xla = plan_for(args, "xla")
+  name = f"{os.path.basename(args.config)} on {args.topology}, pure FSDP"
+  where = common.machine(f"{args.topology} compiled ahead of time through libtpu")
+  maxtext = f"MaxText {MAXTEXT_BYTES / GIB:.1f} GiB"
+  rows = [
+    common.row(
+      "M1",
+      f"bytes per device, {name} ÷ MaxText's (its own AOT compile)",
+      fused.memory.total_bytes / MAXTEXT_BYTES,
+      1.0,
+      True,
+      f"{describe(fused)} vs {maxtext}; chunked loss",
+      where,
+    ),
+    common.row(
+      "M1-xla",
+      "M1 with `model.attention=xla` (the scores written out)",
+      xla.memory.total_bytes / MAXTEXT_BYTES,
+      None,
+      True,
+      f"{describe(xla)} vs {maxtext}; chunked loss",
+      where,
+    ),
+  ]
+  common.emit(rows, args.json)
+
+
+if __name__ == "__main__":
+  main()
