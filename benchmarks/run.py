@@ -119,8 +119,11 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(ROOT, "workdir", "bench"))
   parser.add_argument("--update-readme", action="store_true")
   args = parser.parse_args()
-  wanted = {f.strip().upper() for f in args.only.split(",") if f.strip()}
-  unknown = wanted - {f for _, ids, _ in BENCHMARKS for f in ids}
+  # Ids as registered, whatever their case on the command line (p4, M1-xla).
+  registered = {f.upper(): f for _, ids, _ in BENCHMARKS for f in ids}
+  asked = {f.strip().upper() for f in args.only.split(",") if f.strip()}
+  unknown = asked - set(registered)
+  wanted = {registered[f] for f in asked - unknown}
   if unknown:
     raise SystemExit(f"--only={args.only!r}: unknown figures {sorted(unknown)}")
   os.makedirs(args.out, exist_ok=True)
