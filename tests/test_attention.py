@@ -145,6 +145,10 @@ def test_each_platform_gets_its_kernel_and_falls_back_saying_why():
   packed = choose("cudnn", "gpu", segments=True)
   assert packed.kernel == "xla" and "segment ids" in packed.reason
   assert choose("auto", "gpu", dtype=jnp.float32).kernel == "xla"
+  odd_heads = attention.choose_kernel(
+    "auto", platform="gpu", length=512, dtype=jnp.bfloat16, segments=False, head_dim=12
+  )
+  assert odd_heads.kernel == "xla" and "head_dim" in odd_heads.reason
   assert choose("cudnn", "cpu").kernel == "xla"
   interpreted = choose("splash", "cpu")
   assert interpreted.kernel == "splash" and interpreted.interpret

@@ -13,8 +13,10 @@ what was asked, XLA runs it and the log says why (`choose_kernel`):
 - splash needs a sequence that is a multiple of 128 (its block size);
   on a platform other than TPU it runs in Pallas interpret mode: exact but
   slow, for checking its numerics on a CPU.
-- cuDNN's public API takes a causal mask but no segment ids, and computes
-  in bf16 or fp16 only; on other platforms there is no cuDNN.
+- cuDNN's public API takes a causal mask but no segment ids, computes in
+  bf16 or fp16 only, and takes a head_dim that is a multiple of 8 and at
+  most 128 (what every GPU takes; Hopper's 256 is not used); on other
+  platforms there is no cuDNN.
 
 All kernels take queries [batch, length, heads, head_dim] and keys and
 values [batch, length, kv_heads, head_dim], with `heads` a multiple of
@@ -106,7 +108,13 @@ def check_kernel(value: str) -> None:
 
 
 def choose_kernel(
-  requested: str, *, platform: str, length: int, dtype: jnp.dtype, segments: bool
+  requested: str,
+  *,
+  platform: str,
+  length: int,
+  dtype: jnp.dtype,
+  segments: bool,
+  head_dim: int = 128,
 ) -> Choice:
   """The kernel that runs attention over `length` tokens on `platform`, and why.
 
@@ -149,6 +157,11 @@ def choose_kernel(
     return Choice(
       "xla", requested, f"cuDNN's flash attention computes in bf16 or fp16, not {dtype}"
     )
+  if head_dim % 8 or head_dim > 128:
+    why = (
+      f"cuDNN's flash attention takes a head_dim that is a multiple of 8 up to 128, not {head_dim}"
+    )
+    return Choice("xla", requested, why)
   return Choice("cudnn", requested, "GPU, causal")
 
 
@@ -398,6 +411,7 @@ def attend(
     length=length,
     dtype=q.dtype,
     segments=segment_ids is not None,
+    head_dim=q.shape[3],
   )
   _announce(choice)
   if choice.kernel == "splash":
