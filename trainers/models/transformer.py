@@ -6,11 +6,12 @@ GELU MLP, a final LayerNorm and an untied output projection. There are no
 biases outside the norms (as in PaLM), which keeps `param_count` short.
 
 Rows may be packed, several documents cut and concatenated: the forward pass
-then takes each token's `segment_ids` and `positions`, builds one
-`attention_mask` (causal and same-segment) for all layers, and gathers the
-position embeddings at `positions`, so that no document attends to another
-and each starts at position 0. Unpacked rows pass neither and run the same
-program as before packing existed.
+then takes each token's `segment_ids` and `positions`: each layer's
+attention keeps to the query's segment (causal and same-segment, as
+`attention_mask` shows), and the position embeddings are gathered at
+`positions`, so that no document attends to another and each starts at
+position 0. Unpacked rows pass neither and run the same program as before
+packing existed.
 
 Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
 
