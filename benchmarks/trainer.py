@@ -2,7 +2,7 @@
 
   python -m benchmarks.trainer [--rounds=10] [--json=out.json]
   # on one GPU (the H200 check): lm_small in bf16, MFU against the
-  # chip's dense bf16 peak from `trainers.peaks` (989 TFLOP/s on H100/H200 SXM)
+  # chip's dense bf16 peak from `trainers.reporting.peaks` (989 TFLOP/s on H100/H200 SXM)
   BENCH_PLATFORM=cuda python -m benchmarks.trainer --model=lm_small --json=gpu.json
 
 One process, in one run:
@@ -30,7 +30,7 @@ One process, in one run:
       but the matmuls were free.
       On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
       against the chip's dense peak for the model's dtype from the table in
-      `trainers.peaks` (a sampled matmul where the chip is not in it), with
+      `trainers.reporting.peaks` (a sampled matmul where the chip is not in it), with
       tokens/s; rows `P1-cuda` and `P3-cuda` (`-tpu` on TPU), no goal for the MFU.
 `--global-batch`, `--seq-len` and `--num-layers` shrink the model for a quick
 check that the script runs (`tests/test_benchmarks.py` runs it so on CPU).
@@ -58,10 +58,10 @@ from benchmarks import common  # noqa: E402
 from configs import lm_small, lm_tiny_bytes  # noqa: E402
 from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
-from trainers.state import model_from_params  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.reporting import peaks  # noqa: E402
+from trainers.step.state import model_from_params  # noqa: E402
+from trainers.step.steps import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 

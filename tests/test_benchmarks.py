@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import common, run
 from tests.multiprocess import ROOT
-from trainers import peaks
+from trainers.reporting import peaks
 
 
 def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from trainers import metrics, peaks
-from trainers.metrics import MetricsWriter, Progress, format_summary, read_metrics
+from trainers.reporting import metrics, peaks
+from trainers.reporting.metrics import MetricsWriter, Progress, format_summary, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -44,7 +44,7 @@ def measure(rounds: int) -> dict[str, float]:
   key = jax.random.key(0)
   a, b = (jax.random.normal(k, (256, 64, 64)) for k in jax.random.split(key))
   from benchmarks import common
-  from trainers import peaks  # after the platform is set
+  from trainers.reporting import peaks  # after the platform is set
 
   batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
   ways = {

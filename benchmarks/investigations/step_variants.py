@@ -54,10 +54,10 @@ from benchmarks import common  # noqa: E402
 from benchmarks.trainer import model_config_for  # noqa: E402
 from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.models.layers import dense  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.reporting import peaks  # noqa: E402
+from trainers.step.steps import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 

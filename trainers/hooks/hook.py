@@ -3,7 +3,7 @@
 A hook is a function of a `StepInfo`, wrapped in a `Hook` that says when it
 runs: every N steps (and after the last), at given steps, or both. The
 built-in metrics, eval, checkpoint and profile work are hooks of the same
-kind (`trainers.loop`); yours come from the task (`Task.hooks`) or the config
+kind (`trainers.run.loop`); yours come from the task (`Task.hooks`) or the config
 (`config.hooks`, specs like `config.task`'s: "package.module:function" or
 "file.py:function" beside the config file, each `function(config)` returning
 a `Hook` or a list of them).
@@ -31,15 +31,13 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 
 
-class _Rows(Sequence):
-  """A read-only view of the fetched metric rows (no copy per step)."""
+class ReadOnlyRows(Sequence):
+  """A read-only view of the fetched metric rows (no copy per step): `StepInfo.history`."""
 
   def __init__(self, rows: list[dict]):
     self._rows = rows
@@ -131,46 +129,3 @@ class Hook:
 
   def __repr__(self) -> str:
     return f"Hook({self.name}, every={self.every}, at={sorted(self.at)}, metrics={self.metrics})"
-
-
-def _as_hooks(made: Any, spec: str) -> list[Hook]:
-  hooks = [made] if isinstance(made, Hook) else list(made or ())
-  for hook in hooks:
-    if not isinstance(hook, Hook):
-      raise TypeError(f"config.hooks: {spec} returned {hook!r}, not a trainers.hooks.Hook")
-  return hooks
-
-
-def resolve_hook_specs(specs: Sequence[str], config_dir: str | Path | None) -> tuple[str, ...]:
-  """`config.hooks` with file specs made absolute (as `config.task`'s are)."""
-  from trainers.tasks import resolve_task_spec
-
-  return tuple(resolve_task_spec(spec, config_dir) for spec in specs)
-
-
-def load_hooks(config: ml_collections.ConfigDict, task_hooks: Sequence[Hook] = ()) -> list[Hook]:
-  """The task's hooks, then those `config.hooks` names, each factory called with `config`.
-
-  Example:
-    >>> from configs import default
-    >>> config = default.get_config()
-    >>> config.hooks = ("trainers.hooks:example_hooks",)
-    >>> load_hooks(config)
-    [Hook(log_step, every=100, at=[], metrics=True)]
-  """
-  from trainers.tasks import load_task_factory
-
-  hooks = _as_hooks(list(task_hooks), "Task.hooks")
-  for spec in config.get("hooks", ()):
-    hooks += _as_hooks(load_task_factory(spec)(config), spec)
-  return hooks
-
-
-def example_hooks(config: ml_collections.ConfigDict) -> Hook:
-  """A `config.hooks` factory: the loss at info level every 100 steps (for the docs)."""
-  import logging
-
-  def log_step(info: StepInfo) -> None:
-    logging.info("step %d: loss %.4f", info.step, info.metrics["loss"])
-
-  return Hook(log_step, every=100, metrics=True)

@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from trainers import metrics, task_metrics
-from trainers.loop import LoopState
-from trainers.state import StateSetup, build_model
+from trainers.reporting import metrics
+from trainers.reporting.throughput import Throughput
+from trainers.run.loop import LoopState
+from trainers.step import task_metrics
+from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
-from trainers.throughput import Throughput
 
 log = logging.getLogger(__name__)
 

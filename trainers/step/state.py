@@ -46,7 +46,7 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
-from trainers import optim
+from trainers.step import optim
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def make_state(
 
   abstract = in_context(jax.eval_shape)(init_values)
   # From each leaf's own shape: moments follow their parameters, factored ones
-  # and a task's own state are split too (trainers/optim.py).
+  # and a task's own state are split too (trainers/step/optim.py).
   opt_shardings = optim.opt_state_shardings(
     abstract["opt_state"], abstract["params"], param_shardings, mesh, batch_axes
   )

@@ -4,7 +4,7 @@
 the config they loaded, before any data preparation or restore:
 
   1. every key set in the config file (or by an override) must exist in the
-     defaults (`configs/default.py`) with a value of the same type; a
+     defaults (`trainers/config/defaults.py`) with a value of the same type; a
      misspelt key is an error naming it and the nearest valid key. The
      task's own section, `config.model`, is the task's to check. A test
      config may add a `debug` section (fault injection, `trainers/debug.py`),
@@ -35,19 +35,13 @@ from typing import Any
 
 import ml_collections
 
-from trainers import optim
+from trainers.config import defaults
 from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
+from trainers.step import optim
 from trainers.tasks import make_task, resolve_task_spec
 
 TASK_SECTION = "model"  # the task's own section: keys and values are the task's to check
-
-
-def defaults() -> ml_collections.ConfigDict:
-  """The default config, the reference for which keys exist and their types."""
-  from configs import default  # the documented defaults live with the configs
-
-  return default.get_config()
 
 
 def _flat(config: Mapping, prefix: str = "config") -> dict[str, Any]:
@@ -122,7 +116,7 @@ def _one_of(value: Any, name: str, choices: tuple) -> None:
 def check_values(config: ml_collections.ConfigDict) -> None:
   """Raises `ValueError` naming the first value the trainer cannot run with."""
   from spmd import rules
-  from trainers.state import UNANNOTATED_RULES
+  from trainers.step.state import UNANNOTATED_RULES
 
   _positive(config, "global_batch", "train.steps", "train.micro_batches", "log_every")
   if config.global_batch % config.train.micro_batches:
@@ -173,7 +167,7 @@ def resolve(
   config: ml_collections.ConfigDict, config_file: str | Path | None = None
 ) -> ml_collections.ConfigDict:
   """The complete, checked config, with `config.task` resolved (see the module docstring)."""
-  reference = defaults()
+  reference = defaults.get_config()
   if "debug" in config:  # a test config's fault injection: the only section not in the defaults
     from trainers import debug
 

@@ -9,7 +9,7 @@
 6. final eval, a greedy sample, the summary and the loss curve.
 
 Each step is a function below; what the run sets up besides data, state
-and steps is in `run_setup.py`, the throughput figures in `throughput.py`
+and steps is in `startup.py`, the throughput figures in `throughput.py`
 and the end of the run in `summary.py`.
 """
 
@@ -31,22 +31,21 @@ from etils import epath
 import spmd
 from spmd import multihost
 from spmd.mesh import create_mesh
-from trainers import checkpoint, metrics, paths, run_setup, summary, task_metrics
+from trainers import paths
+from trainers.checkpoints import checkpoint
 from trainers.data import pipeline
 from trainers.hooks import Hook, load_hooks
-from trainers.loop import (
-  CheckpointSaves,
-  Evaluations,
-  LoopState,
-  MetricsHook,
-  Preempted,
-  Profile,
-  train_loop,
-)
-from trainers.preemption import PreemptionWatch
-from trainers.run_setup import save_run_files
-from trainers.state import StateSetup, build_model, make_state
-from trainers.step import (
+from trainers.hooks.builtin import CheckpointSaves, Evaluations, MetricsHook, Profile
+from trainers.reporting import metrics, summary
+from trainers.reporting.throughput import Throughput, measure_throughput
+from trainers.run import startup
+from trainers.run.loop import LoopState, Preempted, train_loop
+from trainers.run.preemption import PreemptionWatch
+from trainers.run.startup import save_run_files
+from trainers.run.watchdog import ProgressWatchdog
+from trainers.step import task_metrics
+from trainers.step.state import StateSetup, build_model, make_state
+from trainers.step.steps import (
   eval_inputs,
   flat_gradient_reduction,
   make_eval_step,
@@ -54,8 +53,6 @@ from trainers.step import (
   per_device_blocker,
 )
 from trainers.tasks import Task, make_task
-from trainers.throughput import Throughput, measure_throughput
-from trainers.watchdog import ProgressWatchdog
 
 __all__ = ["Preempted", "save_run_files", "train_and_evaluate"]
 log = logging.getLogger(__name__)
@@ -184,7 +181,7 @@ def _train_and_evaluate(
   """The steps of the module docstring, in order; `started` is when training began."""
   chief = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)  # local or a URL (gs://...): trainers/paths.py
-  cache_dir = run_setup.use_compilation_cache(config, workdir)
+  cache_dir = startup.use_compilation_cache(config, workdir)
 
   # 1-2. Mesh, task, the state's shapes and the task's metric names (checked
   # before any data is prepared), then the data.
@@ -194,7 +191,7 @@ def _train_and_evaluate(
   metric_names = task_metrics.loss_metric_names(setup, task, config.global_batch)
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
 
-  # 3. State: resume, warm start or fresh (order in trainers/checkpoint.py).
+  # 3. State: resume, warm start or fresh (order in trainers/checkpoints/checkpoint.py).
   manager, restored = _restore(config, workdir, setup)
   if chief:
     _log_start(workdir, mesh, restored.source)
@@ -246,11 +243,11 @@ def _open_run_data(config, task: Task, workdir: epath.Path, mesh, batch_axes, wa
   """`open_data` under the watchdog, with the run's files saved around it (process 0)."""
   chief = jax.process_index() == 0
   if chief:
-    run_setup.save_run_files(config, workdir)
+    startup.save_run_files(config, workdir)
   with watchdog.phase("data preparation", 0, "none"):  # as long as it takes, the first time
     train_batches, eval_batches = open_data(config, task, workdir, mesh, batch_axes)
   if chief:
-    run_setup.save_task_files(task, workdir)
+    startup.save_task_files(task, workdir)
   return train_batches, eval_batches
 
 
@@ -298,7 +295,7 @@ def _make_steps(setup: StateSetup, task: Task, config, mesh, batch_axes) -> _Ste
   blocker = per_device_blocker(setup, task, config.global_batch)
   flat_reduce = flat_gradient_reduction(setup, config, batch_axes, blocker)
   if jax.process_index() == 0:
-    run_setup.log_placement(setup)
+    startup.log_placement(setup)
     if blocker and config.train.flat_grad_reduce == "auto":
       log.warning("spmd-train: train.flat_grad_reduce is off for this model: %s", blocker)
 

@@ -32,8 +32,8 @@ from jax.flatten_util import ravel_pytree
 import spmd
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
-from trainers.state import StateSetup, build_model
-from trainers.task_metrics import check_names
+from trainers.step.state import StateSetup, build_model
+from trainers.step.task_metrics import check_names
 from trainers.tasks import Task
 
 

@@ -2,7 +2,7 @@
 
   spmd-export --workdir=W [--step=N] [--checkpoint=DIR] [--out=FILE]
 
-writes `W/export/params_step_<N>.npz` (or `--out`) with `trainers.export.export`;
+writes `W/export/params_step_<N>.npz` (or `--out`) with `trainers.checkpoints.export.export`;
 that module describes the file and loads it back (`load_params`, `load_model`).
 """
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from spmd import errors
-from trainers import export
+from trainers.checkpoints import export
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@
   spmd-train --mode=eval --workdir=W --config=W/code/config.py [--config.x=...]
 
 Without `--config` the run's own resolved config (`W/config.json`) is used
-(see `trainers.saved_run`). The parameters (and model state) alone are
+(see `trainers.checkpoints.saved_run`). The parameters (and model state) alone are
 restored, into the current mesh's shardings: the checkpoint may come from
 any mesh and process count, and no optimizer state is read. The eval split
 is read once, in order, each example exactly once (the last batch padded
@@ -40,12 +40,14 @@ from etils import epath
 
 import spmd
 from spmd import multihost
-from trainers import paths, saved_run, task_metrics
-from trainers.state import make_state
-from trainers.step import make_eval_step
+from trainers import paths
+from trainers.checkpoints import saved_run
+from trainers.run.train import build_mesh, config_hash, evaluate_batches, open_data
+from trainers.run.watchdog import ProgressWatchdog
+from trainers.step import task_metrics
+from trainers.step.state import make_state
+from trainers.step.steps import make_eval_step
 from trainers.tasks import make_task
-from trainers.train import build_mesh, config_hash, evaluate_batches, open_data
-from trainers.watchdog import ProgressWatchdog
 
 log = logging.getLogger(__name__)
 EVAL_DIR = "eval"

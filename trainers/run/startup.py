@@ -25,7 +25,7 @@ import ml_collections
 from etils import epath
 
 from trainers import paths
-from trainers.state import StateSetup
+from trainers.step.state import StateSetup
 from trainers.tasks import Task, task_files
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from spmd import multihost
-from trainers import checkpoint, checkpoint_steps, paths
-from trainers.checkpoint_steps import step_of
+from trainers import paths
+from trainers.checkpoints import checkpoint, step_folders
+from trainers.checkpoints.step_folders import step_of
 from trainers.config import resolve
 
 CONFIG_FILE = "config.json"
@@ -154,7 +155,7 @@ def _look(workdir: str | epath.Path, checkpoint_path: str) -> dict[str, Any]:
     "base": str(base),
     "named": named,
     "exists": base.exists(),
-    "steps": checkpoint_steps.list_steps(base).to_json(),
+    "steps": step_folders.list_steps(base).to_json(),
   }
 
 
@@ -183,7 +184,7 @@ def find_checkpoint(
     if step is not None and step != named:
       raise ValueError(f"--step={step} contradicts {given}, which is step {named}")
     step = named
-  steps = checkpoint_steps.StepDirs.from_json(seen["steps"])
+  steps = step_folders.StepDirs.from_json(seen["steps"])
   done = list(steps.committed)
   mine = {step_of(n) for n in steps.unfinished} - set(done)
   others = {step_of(n) for n in steps.foreign} - set(done) - mine
@@ -205,8 +206,8 @@ def find_checkpoint(
   if step in others:
     raise checkpoint.CheckpointError(
       f"--step={step}: {base / str(step)} was not written by this harness (not in "
-      f"{checkpoint_steps.LEDGER}, and not a committed checkpoint of its items "
-      f"{checkpoint_steps.ITEMS}); committed steps: {done}"
+      f"{step_folders.LEDGER}, and not a committed checkpoint of its items "
+      f"{step_folders.ITEMS}); committed steps: {done}"
     )
   if step not in done:
     raise FileNotFoundError(f"--step={step}: {base} has no step {step}; committed steps: {done}")

@@ -303,7 +303,7 @@ def check_schedule(steps: StepDirs, every: int) -> None:
     >>> check_schedule(StepDirs("/ckpt", committed=(2,), foreign=("4",)), every=2)
     Traceback (most recent call last):
     ...
-    trainers.checkpoint_steps.ForeignStepError: /ckpt/4 is not this run's (a step folder it did not write: not in spmd_saves.json), and the save every 2 steps would write checkpoint step 4 there. Nothing was deleted. Move it out of /ckpt, or use another --workdir.
+    trainers.checkpoints.step_folders.ForeignStepError: /ckpt/4 is not this run's (a step folder it did not write: not in spmd_saves.json), and the save every 2 steps would write checkpoint step 4 there. Nothing was deleted. Move it out of /ckpt, or use another --workdir.
   """
   start = -1 if steps.latest is None else steps.latest
   for step in sorted({step_of(n) for n in steps.foreign}):

@@ -65,13 +65,14 @@ from jax.sharding import PartitionSpec as P
 from spmd import compat, multihost
 from spmd.errors import UserError
 from spmd.partition import axis_names, spec_axis_names
-from trainers import checkpoint_steps, paths
+from trainers import paths
+from trainers.checkpoints import step_folders
 
 log = logging.getLogger(__name__)
 
-COMMIT_MARKER = checkpoint_steps.COMMIT_MARKER  # orbax writes it last, before the final rename
+COMMIT_MARKER = step_folders.COMMIT_MARKER  # orbax writes it last, before the final rename
 WEIGHTS = ("params", "model_state")  # the part of the train state a model needs
-# The applied-update count (trainers/state.py), which older checkpoints lack.
+# The applied-update count (trainers/step/state.py), which older checkpoints lack.
 UPDATES = "updates"
 
 
@@ -145,7 +146,7 @@ class JudgedManager(ocp.CheckpointManager):
   `Saver` refuses to save into a folder it judged foreign.
   """
 
-  def __init__(self, directory: epath.Path, steps: checkpoint_steps.StepDirs, **kwargs: Any):
+  def __init__(self, directory: epath.Path, steps: step_folders.StepDirs, **kwargs: Any):
     super().__init__(directory, **kwargs)
     self.steps = steps
 
@@ -157,23 +158,23 @@ def make_manager(
 
   Every process must call it (together): process 0 judges the step folders
   there and removes the unfinished ones the harness wrote, and every process
-  gets its answer (`checkpoint_steps.decide`).
+  gets its answer (`step_folders.decide`).
 
   Raises:
-    checkpoint_steps.ForeignStepError: a step folder the harness did not
+    step_folders.ForeignStepError: a step folder the harness did not
       write lies where the run would save every `every` steps.
   """
   _register_array_handler()
   _barriers_through_the_coordination_service()
   directory = paths.user_path(directory)
-  steps = checkpoint_steps.decide(directory)
-  checkpoint_steps.check_schedule(steps, every)
+  steps = step_folders.decide(directory)
+  step_folders.check_schedule(steps, every)
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=max(every, 1),
     max_to_keep=keep,
     keep_period=keep_period or None,
     enable_async_checkpointing=async_save,
-    # Off: `checkpoint_steps.decide` has removed the unfinished steps the
+    # Off: `step_folders.decide` has removed the unfinished steps the
     # harness wrote, once, for every host. orbax's own clean-up runs
     # asynchronously on process 0 alone (the other hosts cannot wait for it)
     # and, on an object store, deletes every folder without a commit marker,
@@ -181,7 +182,7 @@ def make_manager(
     cleanup_tmp_directories=False,
     # orbax lists only the committed steps of that decision: its `max_to_keep`
     # rotation never sees, so never deletes, a folder the run did not write.
-    step_name_format=checkpoint_steps.JudgedNameFormat(steps.committed),
+    step_name_format=step_folders.JudgedNameFormat(steps.committed),
     create=True,
   )
   return JudgedManager(directory, steps, options=options, item_handlers=_handlers())
@@ -236,14 +237,14 @@ class Saver:
     """Starts saving `state` at `step`; returns at once. False if `step` is not new.
 
     Raises:
-      checkpoint_steps.ForeignStepError: a folder the harness did not write
+      step_folders.ForeignStepError: a folder the harness did not write
         holds `step` (it is never written into).
     """
     if self._last is not None and step <= self._last:
       return False
     steps = getattr(self.manager, "steps", None)
     if steps is not None and steps.foreign_at(step):  # the same answer on every host
-      raise checkpoint_steps.foreign_error(steps, step, f"the save of step {step}")
+      raise step_folders.foreign_error(steps, step, f"the save of step {step}")
     self._take_pending()
     snapshot = self._copy_for(state)(state)
     # A daemon thread: after an error elsewhere (a host gone, the run
@@ -320,7 +321,7 @@ class Saver:
       # Before orbax creates anything for the step (its folder is made on
       # process 0, after this, behind its barrier): so a folder a kill leaves
       # is known to be the harness's own at the next start.
-      checkpoint_steps.record_save(self.manager.directory, step, self.manager.all_steps())
+      step_folders.record_save(self.manager.directory, step, self.manager.all_steps())
       # force: the caller decided the step (orbax's interval check would
       # otherwise decide a second time, in another thread).
       self.manager.save(step, args=args, force=True)
@@ -691,7 +692,7 @@ def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
   """The newest committed step of the run's own, or None.
 
   The manager of `make_manager` lists only the committed steps of the
-  judgment every host shares (`checkpoint_steps.decide`, which also removed
+  judgment every host shares (`step_folders.decide`, which also removed
   the unfinished steps the harness wrote), so this is orbax's latest step.
   """
   return manager.latest_step()
@@ -699,7 +700,7 @@ def latest_committed_step(manager: ocp.CheckpointManager) -> int | None:
 
 def checked_step(manager: ocp.CheckpointManager, directory: str, step: int) -> str:
   what = f"checkpoint step {step} in {directory}"
-  if not checkpoint_steps.is_committed(directory, step):  # init_from: another run's, read only
+  if not step_folders.is_committed(directory, step):  # init_from: another run's, read only
     raise CheckpointError(
       f"{what} has no commit marker ({COMMIT_MARKER}): that save never finished; "
       f"it is not restored (steps there: {list(manager.all_steps())})."
@@ -739,7 +740,7 @@ def restore_or_init(
   """Resumes, warm-starts or initialises, in the order in the module docstring.
 
   `init_with_weights(weights)`, for a warm start, is the initial state built
-  around the restored weights (`trainers.state.StateSetup.init_with_weights`:
+  around the restored weights (`trainers.step.state.StateSetup.init_with_weights`:
   the optimizer initialised from them); None initialises fresh (`init`) and
   puts the weights in.
 
@@ -779,7 +780,7 @@ def restore_or_init(
         # would take another tool's digit-named folder for a checkpoint.
         # Process 0 reads it for every host, so all warm-start from one step.
         other_step = multihost.from_process_0(
-          "init_from step", lambda: checkpoint_steps.list_steps(directory).latest
+          "init_from step", lambda: step_folders.list_steps(directory).latest
         )
       if other_step is None:
         raise FileNotFoundError(

@@ -1,4 +1,4 @@
-"""`spmd-plan`'s output: the plan (`trainers.plan.Plan`) as a table, the compiled step as a file.
+"""`spmd-plan`'s output: the plan (`trainers.planning.plan.Plan`) as a table, the compiled step as a file.
 
 Example:
   >>> _bytes(3 * 2**30), _bytes(1536), _seconds(0.0123)
@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-  from trainers.plan import Plan
+  from trainers.planning.plan import Plan
 
 
 def _bytes(n: float | None) -> str:

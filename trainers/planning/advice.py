@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-  from trainers import plan
+  from trainers.planning import plan
 
 
 def suggestions_to_fit(

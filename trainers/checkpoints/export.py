@@ -2,7 +2,7 @@
 
   spmd-export --workdir=W [--step=N] [--checkpoint=DIR] [--out=FILE]
 
-(trainers/export_cli.py) calls `export`, which writes
+(trainers/checkpoints/export_cli.py) calls `export`, which writes
 `W/export/params_step_<N>.npz` (or `--out`): one array per parameter,
 keyed by its path joined with '/' and prefixed with `params/` (and
 `model_state/...` for models with batch statistics or other variables), plus
@@ -18,7 +18,7 @@ trainer does not store shardings), and the optimizer state is never read.
 
 Then, in any Python process (one CPU device, no `jax.distributed`):
 
-  >>> from trainers import export
+  >>> from trainers.checkpoints import export
   >>> params = export.load_params("W/export/params_step_200.npz")  # doctest: +SKIP
   >>> params["token_embed"].shape  # doctest: +SKIP
   (256, 128)
@@ -39,7 +39,8 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from trainers import paths, saved_run
+from trainers import paths
+from trainers.checkpoints import saved_run
 
 META_KEY = "__meta__"
 EXPORT_DIR = "export"
@@ -216,7 +217,7 @@ def build_model(
 ) -> Any:
   """The run's NNX model with these weights, on one CPU device, in eval mode.
 
-  `config` is the run's resolved config (`trainers.saved_run.saved_config`,
+  `config` is the run's resolved config (`trainers.checkpoints.saved_run.saved_config`,
   or `config_from_json` of an export's); `params` (and `model_state`) nested
   or '/'-keyed dicts of arrays, e.g. `load_params`' result. The model is
   built from the task the config names, exactly as the trainer builds it,
@@ -225,8 +226,8 @@ def build_model(
   Raises:
     ValueError: the arrays do not fit the model (names the keys and shapes).
   """
-  from trainers.state import build_model as merge_model
-  from trainers.state import make_state
+  from trainers.step.state import build_model as merge_model
+  from trainers.step.state import make_state
   from trainers.tasks import make_task
 
   mesh = _single_device_mesh(config)

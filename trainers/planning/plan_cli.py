@@ -6,8 +6,8 @@
   spmd-plan --config=configs/lm_small.py --topology=v5p-256 \\
       --config.mesh.ici=data=-1,fsdp=8,tensor=1 --save_executable=/tmp/step.xla
 
-Compiles the real train step ahead of time for the target (`trainers.plan`)
-and prints (`trainers.plan_report`) memory per device against the device's
+Compiles the real train step ahead of time for the target (`trainers.planning.plan`)
+and prints (`trainers.planning.report`) memory per device against the device's
 HBM, FLOPs, the expected step time and MFU under a stated efficiency
 assumption, the collectives per step and whether they cross DCN, and the
 per-host data layout. For a decoder with a KV-cache sampler
@@ -28,7 +28,7 @@ from absl import flags, logging
 
 from spmd import errors
 from spmd.cli_help import parse_or_help
-from trainers.plan_report import format_plan, save_executable
+from trainers.planning.report import format_plan, save_executable
 
 
 def _flags(argv: list[str]) -> flags.FlagValues | None:
@@ -110,17 +110,17 @@ def _main(argv: list[str]) -> int:
     jax.config.update("jax_num_cpu_devices", max(fv.num_gpus, 1))
   from ml_collections import config_flags
 
-  from trainers import plan as plan_lib
-  from trainers import plan_targets
   from trainers.config import resolve
+  from trainers.planning import plan as plan_lib
+  from trainers.planning import targets
 
   with errors.user_input(ValueError, TypeError, FileNotFoundError):  # the config given
     config = resolve(fv.config, config_flags.get_config_filename(fv["config"]))
   with errors.user_input(ValueError):  # the target given: --topology or --gpu
     target = (
-      plan_targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
+      targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
       if fv.gpu
-      else plan_targets.tpu_target(fv.topology, fv.num_slices)
+      else targets.tpu_target(fv.topology, fv.num_slices)
     )
   compiled: list = []
   plan = plan_lib.make_plan(

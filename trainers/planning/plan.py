@@ -20,7 +20,7 @@ well-tuned LM training reaches on TPUs and H100s).
 
 Example:
   >>> from configs import lm_tiny
-  >>> from trainers.plan_targets import gpu_target
+  >>> from trainers.planning.targets import gpu_target
   >>> plan = make_plan(lm_tiny.get_config(), gpu_target("h100", 8))   # 8 CPU devices
   >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4  # data parallel: replicated
   (True, True)
@@ -40,12 +40,13 @@ import numpy as np
 
 from spmd import hlo
 from spmd.layout import batch_sharding, data_layout
-from trainers import peaks, plan_advice
-from trainers.plan_targets import Target
-from trainers.state import make_state
-from trainers.step import abstract_batch, make_train_step
+from trainers.planning import advice
+from trainers.planning.targets import Target
+from trainers.reporting import peaks
+from trainers.run.train import build_mesh
+from trainers.step.state import make_state
+from trainers.step.steps import abstract_batch, make_train_step
 from trainers.tasks import make_task
-from trainers.train import build_mesh
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ def _read_step(
 ) -> _StepReading:
   """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
   if refusal is not None:
-    temp = plan_advice.out_of_memory_temps(refusal)
+    temp = advice.out_of_memory_temps(refusal)
     return _StepReading(
       temp_bytes=temp,
       # Code size unknown: counted as none.
@@ -337,10 +338,10 @@ def _advice(
   layout: Any,
   compile_total: Callable[[int], int | None] | None,
 ) -> list[str]:
-  """`plan_advice.suggestions_to_fit` for a plan that does not fit; none for one that fits or may."""
+  """`advice.suggestions_to_fit` for a plan that does not fit; none for one that fits or may."""
   if fits is not False:
     return []
-  return plan_advice.suggestions_to_fit(
+  return advice.suggestions_to_fit(
     memory,
     dict(mesh.shape),
     config.mesh.rules,

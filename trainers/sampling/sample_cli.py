@@ -4,7 +4,7 @@
   spmd-sample --workdir=W --prompt="def f(" --num_tokens=40 --temperature=0.8 --top_k=20 --seed=1
   spmd-sample --workdir=W --prompt=import --step=200      # a named checkpoint step
 
-Parses the flags and calls `trainers.sample.sample_text`, which says how the
+Parses the flags and calls `trainers.sampling.sample.sample_text`, which says how the
 checkpoint is read and the prompt encoded; prints the text on stdout and what
 made it (step, tokens, decoding, seconds) on stderr.
 """
@@ -16,7 +16,7 @@ import sys
 import jax
 
 from spmd import errors
-from trainers.sample import DEFAULT_TOKENS, sample_text
+from trainers.sampling.sample import DEFAULT_TOKENS, sample_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ cluster's own.
 
   spmd-train --mode=eval --workdir=workdir/lm_tiny [--step=N] [--checkpoint=DIR] [--eval_batches=0]
 
-evaluates a saved checkpoint instead (`trainers/evaluate.py`); `--config` is
+evaluates a saved checkpoint instead (`trainers/run/evaluate.py`); `--config` is
 optional there (default: the run's own `<workdir>/config.json`).
 """
 
@@ -55,8 +55,8 @@ def _main(argv: list[str]) -> None:
     # the progress bar and what matters unless asked otherwise.
     logging.set_verbosity(logging.WARNING)
   from trainers.config import resolve
-  from trainers.train import Preempted, train_and_evaluate
-  from trainers.watchdog import EXIT_PEER_FAILED, leave, peer_failed_first, publish_failure
+  from trainers.run.train import Preempted, train_and_evaluate
+  from trainers.run.watchdog import EXIT_PEER_FAILED, leave, peer_failed_first, publish_failure
 
   try:
     # Checked once, up front: keys, types and values, before any data or restore.
@@ -65,7 +65,7 @@ def _main(argv: list[str]) -> None:
       with user_input(ValueError, FileNotFoundError):  # the config given
         config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
     if evaluating:
-      from trainers.evaluate import evaluate_run
+      from trainers.run.evaluate import evaluate_run
 
       with user_input(ValueError, FileNotFoundError):  # the workdir, checkpoint or step given
         evaluate_run(_WORKDIR.value, config, **eval_flags)

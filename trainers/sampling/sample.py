@@ -4,13 +4,13 @@
 checkpoint's parameters (the latest committed step, or `step`; `checkpoint`
 for another location), on this one host: orbax's numpy restore reads them
 whatever mesh and process count saved them, and they are placed on one CPU
-device as `spmd-export` places them (`trainers.export.build_model`); no
+device as `spmd-export` places them (`trainers.checkpoints.export.build_model`); no
 optimizer state is read. The prompt is encoded through the run's tokenizer
 (the copy the run keeps in `W`, e.g. `W/tokenizer.json`), or as UTF-8 bytes
 for a byte-level run, and the tokens are decoded the same way. Decoding is
 `trainers.models.decode.generate`: greedy by default, else drawn at
 `temperature` from the `top_k` largest logits. The command
-`spmd-sample --workdir=W --prompt=import` (trainers/sample_cli.py) prints it.
+`spmd-sample --workdir=W --prompt=import` (trainers/sampling/sample_cli.py) prints it.
 
 Example:
   >>> sample_text("W", "import", num_tokens=16)  # doctest: +SKIP
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from trainers import paths, saved_run
+from trainers import paths
+from trainers.checkpoints import saved_run
 from trainers.tasks import lm as lm_task
 
 DEFAULT_TOKENS = 64
@@ -90,7 +91,7 @@ def sample_text(
     ValueError: the prompt is empty, too long, or has ids outside the vocabulary.
     FileNotFoundError: no config, checkpoint, step or tokenizer (named).
   """
-  from trainers import export
+  from trainers.checkpoints import export
   from trainers.models import decode
 
   if num_tokens < 1:

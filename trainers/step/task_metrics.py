@@ -34,14 +34,14 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.errors import UserError
-from trainers.state import StateSetup, build_model
+from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
 
-# Means the eval writes itself (trainers/train.py `evaluate_batches`), as `eval_<name>`.
+# Means the eval writes itself (trainers/run/train.py `evaluate_batches`), as `eval_<name>`.
 TRAINER_EVAL_METRICS = ("loss", "perplexity", "weight")
 
 RESERVED_METRICS: tuple[str, ...] = (
-  # The train step's own metrics (trainers/step.py).
+  # The train step's own metrics (trainers/step/steps.py).
   "loss",
   "grad_norm",
   "learning_rate",
@@ -49,19 +49,19 @@ RESERVED_METRICS: tuple[str, ...] = (
   "bad_steps",
   "weight",
   "units",
-  # Added to every fetched row (trainers/loop.py, trainers/throughput.py; the
+  # Added to every fetched row (trainers/run/loop.py, trainers/reporting/throughput.py; the
   # rate `<unit>_per_s` too, see `reserved_names`) and to every JSONL record
-  # (trainers/metrics.py).
+  # (trainers/reporting/metrics.py).
   "step",
   "step_time_s",
   "mfu",
   "hfu",
   "time",
-  # The eval step's sums (trainers/step.py), and the eval's own means
+  # The eval step's sums (trainers/step/steps.py), and the eval's own means
   # `eval_loss`, `eval_perplexity`, `eval_weight` (`TRAINER_EVAL_METRICS`).
   "loss_sum",
   "perplexity",
-  # The record of `spmd-train --mode=eval` (trainers/evaluate.py): `eval_<name>`.
+  # The record of `spmd-train --mode=eval` (trainers/run/evaluate.py): `eval_<name>`.
   "batches",
   "batches_in_split",
   "split",

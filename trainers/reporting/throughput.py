@@ -5,7 +5,7 @@ The share is MFU when the task counts its model FLOPs per step
 train step. Only process 0 measures the peak and reports the share.
 
 Example:
-  >>> from trainers.peaks import PeakInfo
+  >>> from trainers.reporting.peaks import PeakInfo
   >>> rate = Throughput("tokens_per_s", "mfu", 4e12, PeakInfo(1e12, "table"), peak_total=8e12)
   >>> row = {"units": 512.0, "step_time_s": 0.5}
   >>> rate.annotate(row)
@@ -22,9 +22,9 @@ import jax
 import ml_collections
 
 from spmd import multihost
-from trainers import peaks
-from trainers.state import StateSetup
-from trainers.step import abstract_batch
+from trainers.reporting import peaks
+from trainers.step.state import StateSetup
+from trainers.step.steps import abstract_batch
 from trainers.tasks import Task
 
 
