@@ -42,7 +42,7 @@ from spmd import hlo
 from spmd.layout import batch_sharding, data_layout
 from trainers.planning import advice
 from trainers.planning.targets import Target
-from trainers.reporting import peaks
+from trainers.reporting import chips
 from trainers.run.train import build_mesh
 from trainers.step.state import make_state
 from trainers.step.steps import abstract_batch, make_train_step
@@ -186,7 +186,7 @@ def make_plan(
   layout = data_layout(mesh, config.global_batch, batch_axes)
   params_bytes = _per_device_bytes(state["params"])
   optimizer_bytes = _per_device_bytes({k: v for k, v in state.items() if k != "params"})
-  device_bytes = peaks.device_memory_bytes(target.device_kind)
+  device_bytes = chips.device_memory_bytes(target.device_kind)
   if compile_step is None:
     compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
   batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
@@ -306,7 +306,7 @@ def _compute(
   task: Any, target: Target, num_devices: int, efficiency: tuple[float, float], flops: float | None
 ) -> Compute:
   """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak."""
-  peak = peaks.table_peak(target.device_kind, task.compute_dtype)
+  peak = chips.table_peak(target.device_kind, task.compute_dtype)
   # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
   model_flops = (task.flops_per_step or (flops or 0.0) * num_devices) / num_devices
   step_time = achieved = None
