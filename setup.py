@@ -63,7 +63,7 @@ setup(
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
   },
   entry_points={
-    # `spmd-NAME` is the `main()` of `<package>/NAME_cli.py` (CONTRIBUTING.md, "House rules").
+    # `spmd-NAME` is the `main()` of `NAME_cli.py` in its job's package (CONTRIBUTING.md, "House rules").
     "console_scripts": [
       "spmd-launch=launch.launch_cli:main",
       "spmd-mesh=spmd.mesh_cli:main",

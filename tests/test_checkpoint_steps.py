@@ -15,7 +15,11 @@ from etils import epath
 
 from tests.configs import train_tiny
 from tests.data_fixtures import training_data
-from trainers.checkpoints import checkpoint, saved_run, step_folders
+from trainers.checkpoints import saved_run, step_folders
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.restore import latest_committed_step
+from trainers.checkpoints.saver import Saver
 from trainers.checkpoints.step_folders import COMMIT_MARKER, LEDGER, ForeignStepError
 from trainers.run.train import train_and_evaluate
 
@@ -100,10 +104,10 @@ def test_the_save_schedule_into_a_foreign_folder_is_an_error_at_start(tmp_path):
   _ledger(root, 2)
   _folder(root, "1", "foreign.bin")  # before the resumed step: never written to
   _folder(root, "5", "other.txt")  # not on the schedule
-  checkpoint.make_manager(str(root), every=2, keep=1).close()
+  make_manager(str(root), every=2, keep=1).close()
   _folder(root, "6", "other.txt")  # on the schedule
   with pytest.raises(ForeignStepError) as raised:
-    checkpoint.make_manager(str(root), every=2, keep=1)
+    make_manager(str(root), every=2, keep=1)
   message = str(raised.value)
   assert f"{root / '6'} is not this run's" in message and "every 2 steps" in message
   assert f"Move it out of {root}, or use another --workdir" in message
@@ -120,7 +124,7 @@ def test_saves_past_keep_rotate_the_run_s_steps_and_never_a_foreign_folder(tmp_p
   for name, f in foreign.items():
     _folder(root, name, f)
   _folder(root, "5", COMMIT_MARKER, "default/x")  # another tool's committed orbax step
-  saver = checkpoint.Saver(checkpoint.make_manager(str(root), every=2, keep=1))
+  saver = Saver(make_manager(str(root), every=2, keep=1))
   try:
     for step in (2, 4, 6, 8, 10):
       assert saver.save(step, _state(), {"position": step})
@@ -135,8 +139,8 @@ def test_saves_past_keep_rotate_the_run_s_steps_and_never_a_foreign_folder(tmp_p
   assert (root / "5" / COMMIT_MARKER).exists()
   assert step_folders.list_steps(root).committed == (10,)
   assert not step_folders.read_ledger(root) & {1, 3, 5, 7, 13}  # never taken for the run's
-  reopened = checkpoint.make_manager(str(root), every=2, keep=1)
-  assert reopened.all_steps() == [10] and checkpoint.latest_committed_step(reopened) == 10
+  reopened = make_manager(str(root), every=2, keep=1)
+  assert reopened.all_steps() == [10] and latest_committed_step(reopened) == 10
   reopened.close()
 
 
@@ -179,7 +183,7 @@ def test_a_run_beside_another_tool_s_step_folders_keeps_them_all(data, tmp_path)
   steps = step_folders.list_steps(root)
   assert steps.committed == (12,) and steps.unfinished == ()
   assert saved_run.find_checkpoint(workdir).step == 12
-  with pytest.raises(checkpoint.CheckpointError, match="was not written by this harness"):
+  with pytest.raises(CheckpointError, match="was not written by this harness"):
     saved_run.find_checkpoint(workdir, step=7)
 
 

@@ -178,8 +178,9 @@ def test_unfinished_and_damaged_steps_are_named_never_restored(trained, tmp_path
   import numpy as np
 
   from trainers.checkpoints import saved_run
-  from trainers.checkpoints.checkpoint import COMMIT_MARKER, CheckpointError
+  from trainers.checkpoints.damage import CheckpointError
   from trainers.checkpoints.export import flatten
+  from trainers.checkpoints.step_folders import COMMIT_MARKER
 
   copy = tmp_path / "run"
   shutil.copytree(trained, copy)

@@ -26,7 +26,7 @@ from trainers.models import llama, logical_axes
 from trainers.planning import plan as plan_lib
 from trainers.planning import targets
 from trainers.step.state import make_state
-from trainers.step.steps import make_train_step
+from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
 from trainers.tasks.llama import llama_config
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from trainers.reporting import chips, matmul_peak, metrics, peaks
-from trainers.reporting.metrics import MetricsWriter, Progress, format_summary, read_metrics
+from trainers.reporting import chips, loss_curve, matmul_peak, peaks
+from trainers.reporting.console import Progress, format_summary
+from trainers.reporting.metrics import MetricsWriter, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -102,11 +103,11 @@ def test_loss_curve_png_with_train_and_eval_lines(tmp_path):
       if step % 10 == 0:
         writer.write(step, {"eval_loss": 3.5 / step})
   records = read_metrics(tmp_path / "metrics.jsonl")
-  lines = metrics.loss_figure(records).axes[0].get_lines()
+  lines = loss_curve.loss_figure(records).axes[0].get_lines()
   assert [line.get_label() for line in lines] == ["loss", "eval_loss"]
   assert list(lines[1].get_xdata()) == [10, 20]
 
-  png = metrics.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
+  png = loss_curve.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
   data = png.read_bytes()
   assert data[:8] == PNG_SIGNATURE and len(data) > 1000
 
@@ -115,11 +116,11 @@ def test_loss_curve_keeps_the_last_record_of_a_repeated_step():
   # A run resumed from step 2 logs steps 3 and 4 again.
   records = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
   records += [{"step": 3, "loss": 30.0}, {"step": 4, "loss": 40.0}]
-  (line,) = metrics.loss_figure(records).axes[0].get_lines()
+  (line,) = loss_curve.loss_figure(records).axes[0].get_lines()
   assert list(line.get_xdata()) == [1, 2, 3, 4]
   assert list(line.get_ydata()) == [1.0, 2.0, 30.0, 40.0]
   with pytest.raises(ValueError, match=r"none of keys=\('eval_loss',\).*\['loss'\]"):
-    metrics.loss_figure(records, keys=("eval_loss",))
+    loss_curve.loss_figure(records, keys=("eval_loss",))
 
 
 def test_progress_disabled_prints_nothing(capsys):

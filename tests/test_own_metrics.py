@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from spmd.mesh import create_mesh
-from tests.faults import harness
+from tests.faults import harness, injection
 from trainers.step import task_metrics
 from trainers.step.state import make_state
 from trainers.tasks import Task
@@ -151,7 +151,6 @@ CONFIG = """
 import ml_collections
 
 from configs import default
-from trainers import debug
 
 
 def get_config():
@@ -167,10 +166,10 @@ def get_config():
   config.eval_batches = 0  # the whole test split: 4 batches
   config.sample_tokens = 0
   config.transfer_guard = "disallow"
-  config.debug = debug.section()
-  config.debug.report_param_hash = True
+  config.hooks = (HOOK_SPEC,)  # the param hash (tests/faults/injection.py)
+  config.hook_settings.faults = ml_collections.ConfigDict({"report_param_hash": True})
   return config
-"""
+""".replace("HOOK_SPEC", repr(injection.HOOK_SPEC))
 
 
 def real_runs(test):

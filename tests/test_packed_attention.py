@@ -17,7 +17,7 @@ from trainers.models.transformer import (
   attention_mask,
 )
 from trainers.step.state import make_state
-from trainers.step.steps import make_train_step
+from trainers.step.train_step import make_train_step
 from trainers.tasks import lm, make_task
 
 LENGTH = 16

@@ -57,7 +57,7 @@ from spmd.mesh import create_mesh  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.models.layers import dense  # noqa: E402
 from trainers.reporting import matmul_peak  # noqa: E402
-from trainers.step.steps import make_train_step  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 

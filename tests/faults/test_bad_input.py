@@ -108,7 +108,7 @@ def test_a_host_whose_batch_changes_mid_run_stops_every_host_naming_it(
     data,
     workdir,
     *harness.long_run(every=1000),
-    f"--config.debug.inject_bad_batch=(1, {bad_step}, '{kind}')",
+    f"--config.hook_settings.faults.inject_bad_batch=(1, {bad_step}, '{kind}')",
     timeout_s=BOUND_S + 60,
   )
   code = job.wait(BOUND_S + 90)

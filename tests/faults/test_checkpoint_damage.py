@@ -21,8 +21,11 @@ import pytest
 from tests.configs import train_tiny
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers.checkpoints import checkpoint, step_folders
-from trainers.checkpoints.checkpoint import COMMIT_MARKER, CheckpointError
+from trainers.checkpoints import step_folders
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.restore import restore_or_init
+from trainers.checkpoints.step_folders import COMMIT_MARKER
+from trainers.run import train as train_lib
 from trainers.run.train import train_and_evaluate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
@@ -39,10 +42,10 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed; this one only records
 
 
 def watch_restores(monkeypatch) -> list:
-  """Records any unpickling inside `checkpoint.restore_or_init`: pickle's entry points,
+  """Records any unpickling inside `restore_or_init`: pickle's entry points,
   and every class any unpickler asks for (an audit event). Returns the record."""
   seen: list = []
-  restore = checkpoint.restore_or_init
+  restore = restore_or_init
   originals = {name: getattr(pickle, name) for name in ("load", "loads", "Unpickler")}
 
   def refuse(name):
@@ -64,7 +67,7 @@ def watch_restores(monkeypatch) -> list:
       for name, original in originals.items():
         setattr(pickle, name, original)
 
-  monkeypatch.setattr(checkpoint, "restore_or_init", watched)
+  monkeypatch.setattr(train_lib, "restore_or_init", watched)  # where the run calls it
   return seen
 
 

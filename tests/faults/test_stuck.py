@@ -29,7 +29,9 @@ def _overrides(*extra):
 
 
 def test_a_process_stuck_in_python_ends_the_job_naming_it(data, tmp_path, record):
-  job = harness.start(data, tmp_path / "run", *_overrides("--config.debug.inject_stall=(1, 6)"))
+  job = harness.start(
+    data, tmp_path / "run", *_overrides("--config.hook_settings.faults.inject_stall=(1, 6)")
+  )
   try:
     harness.wait_for(lambda: harness.last_step(tmp_path / "run") >= 5, 240, "step 5")
     stalled_at = time.monotonic()

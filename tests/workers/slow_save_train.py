@@ -10,12 +10,12 @@ faster than the test can react.
 import os
 import time
 
-from trainers.checkpoints import checkpoint
+from trainers.checkpoints.saver import Saver
 from trainers.run import train, train_cli
 
 _DELAY_S = float(os.environ["SPMD_TEST_SAVE_DELAY_S"])
 _STEP_DELAY_S = float(os.environ.get("SPMD_TEST_STEP_DELAY_S", "0"))
-_write = checkpoint.Saver._orbax_save
+_write = Saver._orbax_save
 _loop = train.train_loop
 
 
@@ -32,7 +32,7 @@ def _slow_loop(loop, train_step, batches, hooks, preempted, progress=lambda step
   return _loop(loop, train_step, batches, hooks, preempted, slow_progress)
 
 
-checkpoint.Saver._orbax_save = _slow_write
+Saver._orbax_save = _slow_write
 if _STEP_DELAY_S:
   train.train_loop = _slow_loop
 

@@ -39,8 +39,12 @@ import ml_collections
 import numpy as np
 from etils import epath
 
+from spmd.mesh import parse_axes
 from trainers import paths
 from trainers.checkpoints import saved_run
+from trainers.step.state import build_model as merge_model
+from trainers.step.state import make_state
+from trainers.tasks import make_task
 
 META_KEY = "__meta__"
 EXPORT_DIR = "export"
@@ -177,8 +181,6 @@ def load_params(path: str) -> dict[str, Any]:
 
 def _single_device_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
   """The config's mesh axes, each of size 1, on this host's first CPU device."""
-  from spmd.mesh import parse_axes
-
   names = list(
     dict.fromkeys(n for n, _ in parse_axes(config.mesh.ici) + parse_axes(config.mesh.dcn or None))
   )
@@ -226,10 +228,6 @@ def build_model(
   Raises:
     ValueError: the arrays do not fit the model (names the keys and shapes).
   """
-  from trainers.step.state import build_model as merge_model
-  from trainers.step.state import make_state
-  from trainers.tasks import make_task
-
   mesh = _single_device_mesh(config)
   batch_axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
   setup = make_state(make_task(config).model, config, mesh, batch_axes)

@@ -41,13 +41,16 @@ from etils import epath
 
 from spmd import multihost
 from trainers import paths
-from trainers.checkpoints import checkpoint, step_folders
-from trainers.checkpoints.step_folders import step_of
+from trainers.checkpoints import reading, step_folders
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.manager import read_only_manager
+from trainers.checkpoints.restore import checked_step
+from trainers.checkpoints.step_folders import COMMIT_MARKER, step_of
 from trainers.config import resolve
 
 CONFIG_FILE = "config.json"
 CODE_DIR = "code"
-WEIGHTS = checkpoint.WEIGHTS  # the part of the train state a model needs
+WEIGHTS = reading.WEIGHTS  # the part of the train state a model needs
 
 
 def _tuples(value: Any) -> Any:
@@ -199,12 +202,12 @@ def find_checkpoint(
       )
     return CheckpointRef(base, done[-1])
   if step in mine:
-    raise checkpoint.CheckpointError(
+    raise CheckpointError(
       f"--step={step}: checkpoint step {step} in {base} has no commit marker "
-      f"({checkpoint.COMMIT_MARKER}): that save never finished; committed steps: {done}"
+      f"({COMMIT_MARKER}): that save never finished; committed steps: {done}"
     )
   if step in others:
-    raise checkpoint.CheckpointError(
+    raise CheckpointError(
       f"--step={step}: {base / str(step)} was not written by this harness (not in "
       f"{step_folders.LEDGER}, and not a committed checkpoint of its items "
       f"{step_folders.ITEMS}); committed steps: {done}"
@@ -216,14 +219,14 @@ def find_checkpoint(
 
 def _manager(directory: epath.Path) -> ocp.CheckpointManager:
   # Read only, the state restorable in part: the one reader warm starts use too.
-  return checkpoint.read_only_manager(directory)
+  return read_only_manager(directory)
 
 
 def saved_weights_metadata(ref: CheckpointRef) -> dict[str, Any]:
   """The saved shapes and dtypes of the parameters (and model state), read from the step."""
   with _manager(ref.directory) as manager:
-    what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
-    return checkpoint.weights_metadata(manager, ref.step, what)
+    what = checked_step(manager, str(ref.directory), ref.step)
+    return reading.weights_metadata(manager, ref.step, what)
 
 
 def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -234,11 +237,11 @@ def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) ->
   shardings, whatever mesh saved them (every process must call this), after
   a check that the saved names, shapes and dtypes are the target's. None:
   numpy arrays on this host alone, shaped as saved (no devices, no mesh).
-  The same partial restore as a warm start's (`checkpoint.restore_weights`).
+  The same partial restore as a warm start's (`reading.restore_weights`).
 
   Raises:
     CheckpointError: the step is unfinished, damaged or of another model.
   """
   with _manager(ref.directory) as manager:
-    what = checkpoint.checked_step(manager, str(ref.directory), ref.step)
-    return checkpoint.restore_weights(manager, ref.step, target, what)
+    what = checked_step(manager, str(ref.directory), ref.step)
+    return reading.restore_weights(manager, ref.step, target, what)

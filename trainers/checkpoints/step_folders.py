@@ -37,7 +37,7 @@ ledger, and shares that one answer with every process through the
 coordination service (`spmd.multihost.from_process_0`); the others wait for
 it and list nothing. So hosts cannot disagree about which steps exist (each
 listing a store at another moment), and nothing is deleted twice. orbax's
-own clean-up of temporary folders is switched off (`checkpoint.make_manager`
+own clean-up of temporary folders is switched off (`manager.make_manager`
 passes `cleanup_tmp_directories=False`): it runs asynchronously on process 0
 alone, with nothing the other hosts can wait on, so it raced this decision;
 and on an object store it counts every folder without a commit marker as

@@ -6,14 +6,13 @@ the config they loaded, before any data preparation or restore:
   1. every key set in the config file (or by an override) must exist in the
      defaults (`trainers/config/defaults.py`) with a value of the same type; a
      misspelt key is an error naming it and the nearest valid key. The
-     task's own section, `config.model`, is the task's to check. A test
-     config may add a `debug` section (fault injection, `trainers/debug.py`),
-     which the defaults lack: its keys are checked against that module's;
+     task's own section, `config.model`, is the task's to check, and
+     `config.hook_settings` the hook factories';
   2. keys the file leaves out take their default;
-  3. `config.task` is resolved: a file task relative to the config file's
-     folder, as an absolute path;
-  4. the values the trainer reads are checked, and the task is built once
-     from the config, which checks its section.
+  3. `config.task` and `config.hooks` are resolved: a file relative to the
+     config file's folder, as an absolute path;
+  4. the values the trainer reads are checked, and the task and the hooks
+     are built once from the config, which checks their sections.
 
 Example:
   >>> from configs import mlp
@@ -35,20 +34,24 @@ from typing import Any
 
 import ml_collections
 
+from spmd import rules
 from trainers.config import defaults
 from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.step import optim
+from trainers.step.state import UNANNOTATED_RULES
 from trainers.tasks import make_task, resolve_task_spec
 
 TASK_SECTION = "model"  # the task's own section: keys and values are the task's to check
+HOOK_SECTION = "hook_settings"  # the hook factories' own section, theirs to check
+OWN_SECTIONS = (TASK_SECTION, HOOK_SECTION)
 
 
 def _flat(config: Mapping, prefix: str = "config") -> dict[str, Any]:
   out = {}
   for key, value in config.items():
     path = f"{prefix}.{key}"
-    if isinstance(value, Mapping | ml_collections.ConfigDict) and key != TASK_SECTION:
+    if isinstance(value, Mapping | ml_collections.ConfigDict) and key not in OWN_SECTIONS:
       out.update(_flat(value, path))
     else:
       out[path] = value
@@ -85,10 +88,10 @@ def check_keys(config: ml_collections.ConfigDict, reference: ml_collections.Conf
 
 
 def _merged(config: ml_collections.ConfigDict, reference: ml_collections.ConfigDict):
-  """`reference` with every value `config` sets; the task's section is taken whole."""
+  """`reference` with every value `config` sets; the task's and the hooks' sections are taken whole."""
   out = ml_collections.ConfigDict(reference.to_dict())
   for key, value in config.items():
-    if key == TASK_SECTION:
+    if key in OWN_SECTIONS:
       out[key] = ml_collections.ConfigDict(
         value.to_dict() if hasattr(value, "to_dict") else dict(value)
       )
@@ -115,9 +118,6 @@ def _one_of(value: Any, name: str, choices: tuple) -> None:
 
 def check_values(config: ml_collections.ConfigDict) -> None:
   """Raises `ValueError` naming the first value the trainer cannot run with."""
-  from spmd import rules
-  from trainers.step.state import UNANNOTATED_RULES
-
   _positive(config, "global_batch", "train.steps", "train.micro_batches", "log_every")
   if config.global_batch % config.train.micro_batches:
     raise ValueError(
@@ -157,10 +157,6 @@ def check_values(config: ml_collections.ConfigDict) -> None:
       f"checkpoint.every={config.checkpoint.every} must be >= 0 and "
       f"checkpoint.keep={config.checkpoint.keep} >= 1"
     )
-  if "debug" in config:
-    from trainers import debug
-
-    debug.check(config.debug)
 
 
 def resolve(
@@ -168,10 +164,6 @@ def resolve(
 ) -> ml_collections.ConfigDict:
   """The complete, checked config, with `config.task` resolved (see the module docstring)."""
   reference = defaults.get_config()
-  if "debug" in config:  # a test config's fault injection: the only section not in the defaults
-    from trainers import debug
-
-    reference.debug = debug.section()
   check_keys(config, reference)
   resolved = _merged(config, reference)
   folder = Path(config_file).resolve().parent if config_file else None

@@ -85,11 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.grad_clip_norm = 1.0  # 0 = no clipping
   config.train.micro_batches = 1  # gradient accumulation
   # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
-  # with replicated parameters (gloo pays per array; see trainers/step/steps.py).
+  # with replicated parameters (gloo pays per array; see trainers/step/gradient_reduction.py).
   config.train.flat_grad_reduce = "auto"
   # How a step with a non-finite loss or gradient keeps the old state: "auto" =
   # a branch (lax.cond), except on GPU, where a conditional blocks the host every
-  # step, a select (see trainers/step/steps.py).
+  # step, a select (see trainers/step/train_step.py).
   config.train.nonfinite_guard = "auto"
   config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
   config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
@@ -99,9 +99,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.first_step_timeout_s = 3600.0
 
   # Periodic work: each hook has its own schedule (0 = never).
-  # Your own hooks (trainers/hooks.py): "package.module:function" or
-  # "file.py:function" beside the config file; function(config) -> Hook(s).
+  # Your own hooks and wrappers (trainers/hooks/): "package.module:function" or
+  # "file.py:function" beside the config file; function(config) -> Hook(s) or
+  # Wrapper(s). Their settings go in hook_settings, a section the trainer does
+  # not check (as config.model is the task's): each factory checks what it reads.
   config.hooks = ()
+  config.hook_settings = ml_collections.ConfigDict()
   config.log_every = 10
   config.eval_every = 200
   config.eval_batches = 8  # 0 = the whole eval split

@@ -54,9 +54,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainers.data import text_corpus
+from trainers.data import datasets, text_corpus
+from trainers.data.datasets import open_source
 from trainers.data.records import RecordPlan
-from trainers.data.tokenizer import Tokenizer
+from trainers.data.tokenizer import Tokenizer, read_text
 
 NAME = "packed_lm"
 _READ_BATCH = 1024  # source records per batched read
@@ -266,8 +267,6 @@ def _dataset_info(config: PackedConfig) -> tfds.core.DatasetInfo:
   """The source dataset's info, from its files (nothing downloads)."""
   from tensorflow_datasets.core import read_only_builder
 
-  from trainers.data import datasets
-
   try:
     return read_only_builder.builder_from_files(config.dataset, data_dir=config.dataset_dir).info
   except tfds.core.DatasetNotFoundError:
@@ -414,8 +413,6 @@ def _text_documents(
 ) -> list[np.ndarray]:
   if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
     return [np.fromfile(f.path, np.uint8) for f in files]
-  from trainers.data.tokenizer import read_text
-
   texts = [read_text(f.path) for f in files]
   return [_framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
 
@@ -423,8 +420,6 @@ def _text_documents(
 def _dataset_documents(
   config: PackedConfig, split: str, tokenizer: Tokenizer | None
 ) -> list[np.ndarray]:
-  from trainers.data.datasets import open_source
-
   records = open_source(config.dataset, split, config.dataset_dir, ["tokens"])
   documents = []
   for start in range(0, len(records), _READ_BATCH):

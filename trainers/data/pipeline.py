@@ -194,6 +194,7 @@ class GlobalBatches:
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
     self._example_spec = self._example(records[0], 0)
+    self._host_rows: list[Callable[[int, Example], Example]] = []  # `wrap_host_rows`
     self.plan = plan or RecordPlan(
       examples_per_record=examples_per_record,
       total=self.num_records,
@@ -317,6 +318,14 @@ class GlobalBatches:
       return self._to_example(record)
     return self._to_example(record, window)
 
+  def wrap_host_rows(self, wrap: Callable[[int, Example], Example]) -> None:
+    """From now on, this host's rows of each step pass through `wrap(step, rows)` before placement.
+
+    After the wrappers added before it; the shape check of `global_batch_arrays`
+    sees what they return (`trainers.hooks.Wrapper.host_rows`).
+    """
+    self._host_rows.append(wrap)
+
   def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
     """The global batch at `step` as `jax.Array`s split over the batch axes.
 
@@ -325,6 +334,8 @@ class GlobalBatches:
     would otherwise hang in a collective or compute garbage.
     """
     local = self.host_batch(step)
+    for wrap in self._host_rows:
+      local = wrap(step, local)
     for key, value in local.items():
       spec = self._example_spec.get(key)
       if spec is None:  # the mask of eval padding, for examples without one (`host_batch`)

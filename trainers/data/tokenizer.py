@@ -34,6 +34,7 @@ import hashlib
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from etils import epath
@@ -232,3 +233,8 @@ def check_spec(spec: str) -> None:
       f"data.tokenizer={spec!r} is not {BYTES!r}, {BPE!r} or an existing tokenizer file "
       f"(tokenizer.json or SentencePiece {SENTENCEPIECE_SUFFIX})"
     )
+
+
+def tokenizer_spec(config: Any) -> str:
+  """`config.data.tokenizer`: "bytes", "bpe", or a tokenizer file's path/URL."""
+  return config.data.get("tokenizer", "bytes") or "bytes"

@@ -68,7 +68,7 @@ class CheckpointSaves:
   """Starts an asynchronous save when due and at the end; waits at the end.
 
   `save(step, state)` starts a save and returns whether it began. It refuses
-  a step not after the last saved (`checkpoint.Saver`), so the end of a run
+  a step not after the last saved (`trainers.checkpoints.saver.Saver`), so the end of a run
   resumed at its last step, or just saved, saves nothing twice.
   """
 

@@ -93,9 +93,12 @@ class Hook:
     every: run every this many steps, and after the last step (0 = never).
     at: steps to run at as well (e.g. where a profile starts and stops).
     metrics: fetch the metrics for `info.metrics` (one host sync when due).
-    end: optional `(info, ok) -> None`, called once after the loop, on every
-      process; `ok` is False after an error (then other hosts may be gone,
-      so it must not run collectives). A preemption is ok.
+    end: optional `(info, ok) -> None | Mapping`, called once after the loop,
+      on every process; `ok` is False after an error (then other hosts may be
+      gone, so it must not run collectives). A preemption is ok. The mapping
+      it returns, if any, joins the run's summary (`summary.json` and the
+      printed table): entries of your own, under names the summary does not
+      already use.
     name: for logs and errors (default: `fn`'s name).
 
   Example:
@@ -110,7 +113,7 @@ class Hook:
     every: int = 0,
     at: Collection[int] = (),
     metrics: bool = False,
-    end: Callable[[StepInfo, bool], None] | None = None,
+    end: Callable[[StepInfo, bool], Mapping[str, Any] | None] | None = None,
     name: str = "",
   ):
     if not callable(fn):

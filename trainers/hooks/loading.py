@@ -1,8 +1,10 @@
 """Hooks from the config: `config.hooks` specs resolved and their factories called.
 
 A spec is "package.module:function" or "file.py:function" beside the config
-file (as `config.task`'s); each `function(config)` returns a `Hook` or a list
-of them.
+file (as `config.task`'s); each `function(config)` returns a `Hook`, a
+`Wrapper`, or a list of them. Their settings may live in
+`config.hook_settings`, a section the trainer leaves to them (as
+`config.model` is the task's).
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from typing import Any
 import ml_collections
 
 from trainers.hooks.hook import Hook, StepInfo
+from trainers.hooks.wrapper import Wrapper
 from trainers.tasks import load_task_factory, resolve_task_spec
 
 
-def _as_hooks(made: Any, spec: str) -> list[Hook]:
-  hooks = [made] if isinstance(made, Hook) else list(made or ())
+def _as_hooks(made: Any, spec: str) -> list[Hook | Wrapper]:
+  hooks = [made] if isinstance(made, Hook | Wrapper) else list(made or ())
   for hook in hooks:
-    if not isinstance(hook, Hook):
-      raise TypeError(f"config.hooks: {spec} returned {hook!r}, not a trainers.hooks.Hook")
+    if not isinstance(hook, Hook | Wrapper):
+      raise TypeError(
+        f"config.hooks: {spec} returned {hook!r}, not a trainers.hooks.Hook or Wrapper"
+      )
   return hooks
 
 
@@ -31,8 +36,10 @@ def resolve_hook_specs(specs: Sequence[str], config_dir: str | Path | None) -> t
   return tuple(resolve_task_spec(spec, config_dir) for spec in specs)
 
 
-def load_hooks(config: ml_collections.ConfigDict, task_hooks: Sequence[Hook] = ()) -> list[Hook]:
-  """The task's hooks, then those `config.hooks` names, each factory called with `config`.
+def load_hooks(
+  config: ml_collections.ConfigDict, task_hooks: Sequence[Hook | Wrapper] = ()
+) -> list[Hook | Wrapper]:
+  """The task's hooks and wrappers, then those `config.hooks` names, each factory called with `config`.
 
   Example:
     >>> from configs import default

@@ -10,14 +10,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-  from trainers.planning import plan
+from trainers.planning.figures import Memory
 
 
 def suggestions_to_fit(
-  plan_memory: plan.Memory,
+  plan_memory: Memory,
   mesh: dict[str, int],
   rules: str,
   num_devices: int,

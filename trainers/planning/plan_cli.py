@@ -110,6 +110,8 @@ def _main(argv: list[str]) -> int:
     jax.config.update("jax_num_cpu_devices", max(fv.num_gpus, 1))
   from ml_collections import config_flags
 
+  # Here, not at the top: --help and a bad flag answer without importing the
+  # trainer (Flax, the models, TFDS), which takes seconds.
   from trainers.config import resolve
   from trainers.planning import plan as plan_lib
   from trainers.planning import targets

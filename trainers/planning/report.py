@@ -1,4 +1,4 @@
-"""`spmd-plan`'s output: the plan (`trainers.planning.plan.Plan`) as a table, the compiled step as a file.
+"""`spmd-plan`'s output: the plan (`trainers.planning.figures.Plan`) as a table, the compiled step as a file.
 
 Example:
   >>> _bytes(3 * 2**30), _bytes(1536), _seconds(0.0123)
@@ -8,10 +8,9 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-  from trainers.planning.plan import Plan
+from trainers.planning.figures import Plan
 
 
 def _bytes(n: float | None) -> str:

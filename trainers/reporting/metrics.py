@@ -1,14 +1,10 @@
-"""What a run reports: metrics files, a loss curve, a progress bar, a summary.
+"""A run's metrics files: one JSON line per logged step, and the same scalars for TensorBoard.
 
-Only process 0 writes or prints; every other process builds the same objects
-with `enabled=False` and they do nothing, so callers need no `if` around them.
+Only process 0 writes; every other process builds the same writer with
+`enabled=False` and it does nothing, so callers need no `if` around it.
 
-  * `MetricsWriter`: one JSON line per logged step in `workdir/metrics.jsonl`
-    and the same scalars as TensorBoard events in `workdir/tensorboard/`.
-  * `read_metrics`, `loss_figure`, `plot_loss_curve`: read the JSONL back and
-    draw loss (and eval loss) against step as a PNG.
-  * `Progress`: a tqdm bar with loss, tokens/s, the task's metrics and ETA.
-  * `format_summary`: the aligned end-of-run summary.
+  * `MetricsWriter`: `workdir/metrics.jsonl` and `workdir/tensorboard/`.
+  * `read_metrics`: the JSONL read back (`loss_curve.py` draws it).
 
 Example:
   >>> import tempfile
@@ -24,26 +20,21 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
-import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Self
 
-import jax
-import tqdm
-
 if TYPE_CHECKING:
-  import matplotlib.figure
+  pass
 from tensorboardX import SummaryWriter
 
 from trainers import paths
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-_RESERVED = ("step", "time")
+RESERVED_KEYS = ("step", "time")  # what each record holds besides its metrics
 
 
 def _drop_cut_last_line(path: Path) -> None:
@@ -106,9 +97,9 @@ class MetricsWriter:
       return
     if self._file is None or self._tb is None:
       raise ValueError(f"MetricsWriter for {str(self.workdir)!r} is closed; cannot write {step=}")
-    clash = [k for k in metrics if k in _RESERVED]
+    clash = [k for k in metrics if k in RESERVED_KEYS]
     if clash:
-      raise ValueError(f"metric names {clash} are reserved for the record itself ({_RESERVED})")
+      raise ValueError(f"metric names {clash} are reserved for the record itself ({RESERVED_KEYS})")
     values = {}
     for key, value in metrics.items():
       try:
@@ -204,244 +195,3 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         break
       raise ValueError(f"{str(path)!r} line {number} is not JSON: {line[:80]!r}") from e
   return records
-
-
-def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
-  # A resumed run logs again the steps between its checkpoint and the crash;
-  # the later record of a step wins, so the curve never runs backwards.
-  by_step = {int(r["step"]): float(r[key]) for r in records if key in r and "step" in r}
-  steps = sorted(by_step)
-  return steps, [by_step[s] for s in steps]
-
-
-def loss_figure(
-  records: Iterable[Mapping[str, Any]],
-  keys: Iterable[str] = ("loss", "eval_loss"),
-  title: str = "Loss",
-) -> matplotlib.figure.Figure:
-  """A matplotlib figure with one line per key of `keys` found in `records`.
-
-  Made without pyplot, so it touches no global backend state.
-
-  Example:
-    >>> fig = loss_figure([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0, "eval_loss": 1.5}])
-    >>> [line.get_label() for line in fig.axes[0].get_lines()]
-    ['loss', 'eval_loss']
-  """
-  records = list(records)
-  keys = tuple(keys)
-  series = {key: _series(records, key) for key in keys}
-  series = {key: s for key, s in series.items() if s[0]}
-  if not series:
-    present = sorted({k for r in records for k in r} - set(_RESERVED))
-    raise ValueError(f"none of {keys=} is in the records; they have {present}")
-  from matplotlib.figure import Figure  # here: a slow import that only the plot needs
-
-  fig = Figure(figsize=(7, 4.5), layout="tight")
-  ax = fig.subplots()
-  for key, (steps, values) in series.items():
-    # Eval points are few and far apart: markers show where they really are.
-    marker = "o" if key != "loss" and len(steps) <= 50 else None
-    ax.plot(steps, values, label=key, marker=marker)
-  ax.set_title(title)
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss")
-  ax.grid(True, alpha=0.3)
-  ax.legend()
-  return fig
-
-
-def plot_loss_curve(
-  jsonl_path: str | os.PathLike,
-  png_path: str | os.PathLike,
-  keys: Iterable[str] = ("loss", "eval_loss"),
-) -> Path:
-  """Draws `keys` from a metrics JSONL file against step into a PNG; returns its path.
-
-  Keys missing from the file are left out; if all are missing it is a
-  ValueError naming the keys the file does have.
-
-  Example:
-    >>> import tempfile
-    >>> workdir = Path(tempfile.mkdtemp())
-    >>> with MetricsWriter(workdir, enabled=True) as w:
-    ...   w.write(1, {"loss": 2.0})
-    >>> plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png").read_bytes()[:4]
-    b'\\x89PNG'
-  """
-  png_path = paths.user_path(png_path)
-  title = f"Loss: {paths.user_path(jsonl_path).parent.name}"
-  fig = loss_figure(read_metrics(jsonl_path), keys, title=title)
-  png_path.parent.mkdir(parents=True, exist_ok=True)
-  with png_path.open("wb") as f:
-    fig.savefig(f, format="png", dpi=100)
-  return png_path
-
-
-def _short(value: float) -> str:
-  if abs(value) >= 1000:
-    return tqdm.tqdm.format_sizeof(value, divisor=1000)
-  return f"{value:.4g}"
-
-
-class Progress:
-  """A tqdm progress bar over training steps, shown on process 0 only.
-
-  `initial` is the step a resumed run starts from: the bar starts there, so
-  the rate and ETA count only this run's steps. `update(step, loss=...,
-  tokens_per_s=...)` moves the bar to `step` and shows the given values; they
-  must be plain numbers the caller already has on the host: a jax array is a
-  TypeError, because converting it here would wait for the device each step.
-  With `enabled=False` nothing is printed.
-
-  Example:
-    >>> import io
-    >>> out = io.StringIO()
-    >>> with Progress(total_steps=100, initial=10, enabled=True, file=out) as bar:
-    ...   bar.update(20, loss=2.5, tokens_per_s=12345.0)
-    >>> "20/100" in out.getvalue() and "loss=2.5" in out.getvalue()
-    True
-  """
-
-  def __init__(
-    self,
-    total_steps: int,
-    initial: int = 0,
-    enabled: bool = True,
-    file: IO[str] | None = None,
-    mininterval_s: float = 1.0,
-  ) -> None:
-    if not 0 <= initial <= total_steps:
-      raise ValueError(f"{initial=} must be within 0..{total_steps=}")
-    self.enabled = enabled
-    self._bar: tqdm.tqdm | None = None
-    if enabled:
-      self._bar = tqdm.tqdm(
-        total=total_steps,
-        initial=initial,
-        unit="step",
-        file=sys.stderr if file is None else file,
-        dynamic_ncols=True,
-        mininterval=mininterval_s,
-      )
-
-  def update(self, step: int, /, **postfix: float) -> None:
-    """Moves the bar to `step` (absolute, not a delta) and shows `postfix` (name -> number)."""
-    if self._bar is None:
-      return
-    shown = {}
-    for key, value in postfix.items():
-      if isinstance(value, jax.Array):
-        raise TypeError(
-          f"Progress.update({key}=<jax.Array>): pass a host float, not a device value"
-        )
-      label = "tok/s" if key == "tokens_per_s" else key
-      shown[label] = _short(float(value))
-    self._bar.set_postfix(shown, refresh=False)
-    self._bar.update(step - self._bar.n)
-
-  def close(self) -> None:
-    if self._bar is not None:
-      self._bar.close()
-      self._bar = None
-
-  def __enter__(self) -> Self:
-    return self
-
-  def __exit__(self, *exc_info: object) -> None:
-    self.close()
-
-
-def _duration(seconds: float) -> str:
-  seconds = round(seconds)
-  hours, rest = divmod(seconds, 3600)
-  minutes, secs = divmod(rest, 60)
-  return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
-
-
-def _flops(value: float) -> str:
-  for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
-    if value >= scale:
-      return f"{value / scale:.4g} {prefix}FLOP/s"
-  return f"{value:.4g} FLOP/s"
-
-
-# Summary entries in print order: key -> (label, formatter). The trainer fills
-# what it has; a key it does not set (or sets to None) is left out.
-_SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
-  "steps": ("steps", lambda v: f"{int(v):,}"),
-  "train_loss": ("final train loss", lambda v: f"{v:.4f}"),
-  "eval_loss": ("eval loss", lambda v: f"{v:.4f}"),
-  "eval_accuracy": ("eval accuracy", lambda v: f"{100 * v:.2f}%"),
-  "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
-  "examples_per_s": ("examples/s", lambda v: f"{v:,.0f}"),
-  "real_token_share": ("real tokens per batch", lambda v: f"{100 * v:.1f}%"),
-  "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
-  "hfu": ("HFU (compiled matmul FLOPs)", lambda v: f"{100 * v:.1f}%"),
-  "peak_flops_per_s": ("peak per device", _flops),
-  "peak_source": ("peak source", str),
-  "wall_time_s": ("wall time", _duration),
-  "first_step_s": ("first step done after", _duration),
-  "resumed_from": ("state from", str),
-  "workdir": ("workdir", str),
-  "checkpoints": ("checkpoints", str),
-  "metrics": ("metrics", str),
-  "tensorboard": ("tensorboard", str),
-  "loss_curve": ("loss curve", str),
-  "param_hash": ("param hash", str),
-}
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def format_summary(d: Mapping[str, Any]) -> str:
-  """An aligned end-of-run summary of the known entries of `d`.
-
-  Known keys, in print order: steps, train_loss, eval_loss, the task's eval
-  metrics (`eval_<name>`, whatever the names: "eval <name>" with 4
-  significant digits; `eval_accuracy`, a fraction, as %), tokens_per_s (any
-  `<unit>_per_s`), mfu (a fraction, printed as %), peak_flops_per_s,
-  peak_source, wall_time_s, first_step_s, resumed_from, workdir, and the
-  paths checkpoints, metrics, tensorboard, loss_curve. Entries that are absent
-  or None are skipped, and so are other keys, because the same dict is also
-  the trainer's result (loss history, samples). Non-finite numbers print as
-  "nan"/"inf".
-
-  Example:
-    >>> print(format_summary({"steps": 1000, "train_loss": 2.34567, "eval_mae": 0.012341,
-    ...                       "mfu": 0.4123, "x": [1]}))
-    run summary
-      steps            : 1,000
-      final train loss : 2.3457
-      eval mae         : 0.01234
-      MFU              : 41.2%
-  """
-  rows = []
-  table = dict(_SUMMARY)
-  # Where an entry the table does not name goes: "<unit>_per_s" (any task's
-  # unit) as "<unit>/s" beside the built-in rates, a task's eval metric
-  # "eval_<name>" as "eval <name>" beside the eval loss.
-  anchor = {}
-  for key, value in d.items():
-    if key in table:
-      continue
-    if key.endswith("_per_s") and key != "peak_flops_per_s":
-      table[key] = (key[: -len("_per_s")] + "/s", lambda v: f"{v:,.0f}")
-      anchor[key] = "tokens_per_s"
-    elif key.startswith("eval_") and _is_number(value):
-      table[key] = ("eval " + key[len("eval_") :], lambda v: f"{v:.4g}")
-      anchor[key] = "eval_accuracy"
-  ordered = sorted(table, key=lambda k: list(_SUMMARY).index(anchor.get(k, k)))
-  for key in ordered:
-    label, fmt = table[key]
-    value = d.get(key)
-    if value is None:
-      continue
-    if isinstance(value, float) and not math.isfinite(value):
-      rows.append((label, str(value)))
-    else:
-      rows.append((label, fmt(value)))
-  width = max((len(label) for label, _ in rows), default=0)
-  return "\n".join(["run summary", *(f"  {label:<{width}} : {text}" for label, text in rows)])

@@ -16,15 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from etils import epath
 
-from trainers.reporting import metrics
+from trainers.reporting import console, loss_curve
 from trainers.reporting.throughput import Throughput
-from trainers.run.loop import LoopState
 from trainers.step import task_metrics
 from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
@@ -32,7 +31,7 @@ from trainers.tasks import Task
 log = logging.getLogger(__name__)
 
 
-def real_unit_share(task: Task, history: list[dict]) -> dict[str, float]:
+def real_unit_share(task: Task, history: Sequence[dict]) -> dict[str, float]:
   """`{"real_<unit>_share": mean units per step / Task.units_per_batch}`, when the task says.
 
   The units are the step's own sum (already fetched with the metrics), so
@@ -46,7 +45,8 @@ def real_unit_share(task: Task, history: list[dict]) -> dict[str, float]:
 
 
 def summarize(
-  loop: LoopState,
+  steps: int,
+  history: Sequence[dict],
   final_eval: dict,
   throughput: Throughput,
   *,
@@ -55,24 +55,28 @@ def summarize(
   resumed_from: str,
   started: float,
   first_step: dict[str, float],
-  extra: Callable[[], dict] = dict,
+  extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-  """The run's summary: losses, throughput, timings, where its files are; `extra()` last.
+  """The run's summary after `steps` steps: losses, throughput, timings, where its files are.
+
+  `history` is every fetched metrics row, oldest first (the loop's).
+  `extra`: entries the hooks returned (`Hook.end`), last; one whose name the
+  summary already uses is left out, with a warning naming it.
 
   Of the final eval it takes the loss and every metric of the task's loss,
   `eval_<name>` by the task's own names (none, if the loss returns none).
   """
   rate, flops_metric = throughput.rate, throughput.flops_metric
-  last = loop.history[-1] if loop.history else {}
-  rates = [h[rate] for h in loop.history[1:]] or [last.get(rate, 0.0)]
-  return {
-    "steps": loop.step,
+  last = history[-1] if history else {}
+  rates = [h[rate] for h in history[1:]] or [last.get(rate, 0.0)]
+  summary = {
+    "steps": steps,
     "train_loss": last.get("loss"),
     "eval_loss": final_eval["eval_loss"],
     **task_metrics.eval_metrics_of_task(final_eval),  # the task's own, by their names
     rate: float(np.median(rates)) if rates else None,
     flops_metric: (
-      float(np.median([h.get(flops_metric, 0.0) for h in loop.history])) if loop.history else None
+      float(np.median([h.get(flops_metric, 0.0) for h in history])) if history else None
     ),
     "peak_source": throughput.peak.source,
     "wall_time_s": time.perf_counter() - started,
@@ -82,28 +86,40 @@ def summarize(
     "checkpoints": str(workdir / "checkpoints"),
     "metrics": str(workdir / "metrics.jsonl"),
     "resumed_from": resumed_from,
-    "loss_history": [(h["step"], h["loss"]) for h in loop.history],
-    **real_unit_share(task, loop.history),
-    **extra(),
+    "loss_history": [(h["step"], h["loss"]) for h in history],
+    **real_unit_share(task, history),
   }
+  for name, value in (extra or {}).items():
+    if name in summary:
+      log.warning(
+        "spmd-train: a hook's summary entry %r is the trainer's own; it is left out", name
+      )
+    else:
+      summary[name] = value
+  return summary
 
 
 def publish(
-  summary: dict[str, Any], workdir: epath.Path, chief: bool, report: Callable[[], str]
+  summary: dict[str, Any],
+  workdir: epath.Path,
+  chief: bool,
+  report: Callable[[], str],
+  own_entries: Sequence[str] = (),
 ) -> dict[str, Any]:
   """Process 0 writes the loss curve and `summary.json`; then the report joins the summary.
 
   `report()` runs on every process, after the files are written; process 0
   prints the summary and the report. Returns `summary` with `report` added.
+  `own_entries`: the hooks' entries of the summary, printed after the trainer's.
   """
   if chief:
     summary["loss_curve"] = str(
-      metrics.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
+      loss_curve.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
     )
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
   summary["report"] = text = report()
   if chief:
-    print(metrics.format_summary(summary), flush=True)
+    print(console.format_summary(summary, own_entries), flush=True)
     if text:
       print(text, flush=True)
   return summary

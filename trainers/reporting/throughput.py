@@ -21,10 +21,11 @@ from collections.abc import Callable
 import jax
 import ml_collections
 
-from spmd import multihost
+from spmd import hlo, multihost
+from spmd.layout import batch_sharding
 from trainers.reporting import peaks
+from trainers.step.loss import abstract_batch
 from trainers.step.state import StateSetup
-from trainers.step.steps import abstract_batch
 from trainers.tasks import Task
 
 
@@ -88,9 +89,6 @@ def compiled_flops(
   batch_axes: tuple[str, ...],
 ) -> float:
   """The compiled train step's matmul FLOPs over all devices (hardware FLOPs)."""
-  from spmd import hlo
-  from spmd.layout import batch_sharding
-
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )

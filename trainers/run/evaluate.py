@@ -36,21 +36,45 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from etils import epath
 
 import spmd
 from spmd import multihost
 from trainers import paths
 from trainers.checkpoints import saved_run
-from trainers.run.train import build_mesh, config_hash, evaluate_batches, open_data
+from trainers.data import pipeline
+from trainers.run.data import open_data
+from trainers.run.startup import config_hash
 from trainers.run.watchdog import ProgressWatchdog
 from trainers.step import task_metrics
+from trainers.step.eval_step import eval_inputs, make_eval_step
+from trainers.step.mesh import build_mesh
 from trainers.step.state import make_state
-from trainers.step.steps import make_eval_step
 from trainers.tasks import make_task
 
 log = logging.getLogger(__name__)
 EVAL_DIR = "eval"
+
+
+def evaluate_batches(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
+  """Exact means over the eval batches: the task's sums, divided by their total weight.
+
+  `eval_loss`, `eval_perplexity` and `eval_weight` are the trainer's own
+  (`task_metrics.TRAINER_EVAL_METRICS`); each metric of the task's loss is
+  `eval_<its name>`, whatever the names (none at all included).
+  """
+  steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
+  inputs = eval_inputs(state)
+  sums = [eval_step(inputs, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
+  totals = jax.device_get(sums)  # one transfer for the whole eval
+  added = {k: sum(float(t[k]) for t in totals) for k in totals[0]}
+  weight = max(added.pop("weight"), 1e-9)
+  loss = added.pop("loss_sum") / weight
+  out = {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 50.0)))}
+  out.update({f"eval_{k}": v / weight for k, v in added.items()})
+  out["eval_weight"] = weight
+  return out
 
 
 def eval_file(workdir: str | epath.Path, step: int) -> epath.Path:

@@ -45,6 +45,8 @@ class LoopState:
   history: list[dict] = dataclasses.field(default_factory=list)  # fetched metrics
   last_fetch: float = dataclasses.field(default_factory=time.perf_counter)
   last_fetch_step: int = 0
+  # What the hooks' `end`s returned for the run's summary, by name.
+  summary_entries: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def fetch(self) -> None:
     """Moves the pending steps' metrics to `history`: one transfer for all of them."""
@@ -129,5 +131,7 @@ def train_loop(
     info = loop.info(ok and bool(loop.history))
     for hook in hooks:
       if hook.end is not None:
-        hook.end(info, ok)
+        entries = hook.end(info, ok)
+        if entries:
+          loop.summary_entries.update(entries)
   return loop

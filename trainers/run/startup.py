@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
@@ -94,3 +95,8 @@ def log_placement(setup: StateSetup) -> None:
     log.warning("spmd-train:   %s -> %s: %s", path, spec, why)
   if len(unnamed) > _PLACEMENT_ROWS:
     log.warning("spmd-train:   ... and %d more without names", len(unnamed) - _PLACEMENT_ROWS)
+
+
+def config_hash(config: ml_collections.ConfigDict) -> str:
+  """A short hash of the resolved config, which every host must agree on before a step."""
+  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]

@@ -25,101 +25,37 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from etils import epath
 
 import spmd
 from spmd import multihost
-from spmd.mesh import create_mesh
 from trainers import paths
-from trainers.checkpoints import checkpoint
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.restore import restore_or_init
+from trainers.checkpoints.saver import Saver
 from trainers.data import pipeline
-from trainers.hooks import Hook, load_hooks
+from trainers.hooks import Hook, StepContext, Wrapper, load_hooks
 from trainers.hooks.builtin import CheckpointSaves, Evaluations, MetricsHook, Profile
-from trainers.reporting import metrics, summary
+from trainers.hooks.wrapper import wrap_batches, wrap_train_step
+from trainers.reporting import console, metrics, summary
 from trainers.reporting.throughput import Throughput, measure_throughput
 from trainers.run import startup
+from trainers.run.data import open_data
+from trainers.run.evaluate import evaluate_batches
 from trainers.run.loop import LoopState, Preempted, train_loop
 from trainers.run.preemption import PreemptionWatch
 from trainers.run.startup import save_run_files
 from trainers.run.watchdog import ProgressWatchdog
 from trainers.step import task_metrics
+from trainers.step.eval_step import make_eval_step
+from trainers.step.gradient_reduction import flat_gradient_reduction, per_device_blocker
+from trainers.step.mesh import build_mesh
 from trainers.step.state import StateSetup, build_model, make_state
-from trainers.step.steps import (
-  eval_inputs,
-  flat_gradient_reduction,
-  make_eval_step,
-  make_train_step,
-  per_device_blocker,
-)
+from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, make_task
 
 __all__ = ["Preempted", "save_run_files", "train_and_evaluate"]
 log = logging.getLogger(__name__)
-
-
-def config_hash(config: ml_collections.ConfigDict) -> str:
-  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
-
-
-def build_mesh(
-  config: ml_collections.ConfigDict, devices=None
-) -> tuple[jax.sharding.Mesh, tuple[str, ...]]:
-  """The run's mesh and the mesh axes that split the batch (also `spmd-plan`'s)."""
-  mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None, devices=devices)
-  return mesh, tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
-
-
-def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
-  """(train batches, eval batches); process 0 prepares the data first.
-
-  A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
-  local cache and uploads it; every host then copies `data.dir` to its own
-  local cache (`paths.local_cache`) and reads from there, since ArrayRecord
-  reads local files only. A file already there is kept when it is a copy of
-  the same version (`paths.copy_tree`).
-  """
-  data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
-  local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
-  # Process 0 builds; the others wait, then find it built (no race on files).
-  if jax.process_index() == 0:
-    if local != data_dir and data_dir.exists():
-      paths.copy_tree(data_dir, epath.Path(local))
-    name = task.prepare_data(str(local))
-    if local != data_dir:
-      uploaded = paths.copy_tree(epath.Path(local), data_dir)
-      log.warning(
-        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
-      )
-  multihost.barrier("data_prepared", timeout_s=3600)
-  if jax.process_index() != 0:
-    if local != data_dir:
-      paths.copy_tree(data_dir, epath.Path(local))
-    name = task.prepare_data(str(local))
-  data_dir = local
-  common = dict(
-    global_batch=config.global_batch,
-    mesh=mesh,
-    batch_axes=batch_axes,
-    examples_per_record=task.examples_per_record,
-    plan_records=task.plan_records,  # windows per record from the data itself
-    features=tuple(task.record_template),  # decode only what the task reads
-    shuffle_block=config.data.shuffle_block,
-    to_batch=task.to_batch,
-  )
-  train = pipeline.open_global_batches(
-    name,
-    config.data.train_split,
-    str(data_dir),
-    task.to_example,
-    seed=config.seed,
-    train=True,
-    **common,
-  )
-  evaluation = pipeline.open_global_batches(
-    name, config.data.eval_split, str(data_dir), task.to_example, train=False, **common
-  )
-  return train, evaluation
 
 
 def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
@@ -127,33 +63,13 @@ def _check_hosts_agree(config, setup, train_batches, start_step: int) -> None:
   multihost.check_agreement(
     "spmd-train start",
     {
-      "config": config_hash(config),
+      "config": startup.config_hash(config),
       "state": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16],
       "data": train_batches.fingerprint,
       "rows_per_host": train_batches.layout.per_host_batch,
       "start_step": start_step,
     },
   )
-
-
-def evaluate_batches(eval_step, batches: pipeline.GlobalBatches, state, max_batches: int) -> dict:
-  """Exact means over the eval batches: the task's sums, divided by their total weight.
-
-  `eval_loss`, `eval_perplexity` and `eval_weight` are the trainer's own
-  (`task_metrics.TRAINER_EVAL_METRICS`); each metric of the task's loss is
-  `eval_<its name>`, whatever the names (none at all included).
-  """
-  steps = batches.steps_per_epoch if max_batches <= 0 else min(max_batches, batches.steps_per_epoch)
-  inputs = eval_inputs(state)
-  sums = [eval_step(inputs, batch) for _, batch in batches.iterator(0, prefetch=1, num_steps=steps)]
-  totals = jax.device_get(sums)  # one transfer for the whole eval
-  added = {k: sum(float(t[k]) for t in totals) for k in totals[0]}
-  weight = max(added.pop("weight"), 1e-9)
-  loss = added.pop("loss_sum") / weight
-  out = {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 50.0)))}
-  out.update({f"eval_{k}": v / weight for k, v in added.items()})
-  out["eval_weight"] = weight
-  return out
 
 
 # What common platforms allow between a preemption notice and the kill, for the log.
@@ -191,7 +107,7 @@ def _train_and_evaluate(
   metric_names = task_metrics.loss_metric_names(setup, task, config.global_batch)
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
 
-  # 3. State: resume, warm start or fresh (order in trainers/checkpoints/checkpoint.py).
+  # 3. State: resume, warm start or fresh (order in trainers/checkpoints/restore.py).
   manager, restored = _restore(config, workdir, setup)
   if chief:
     _log_start(workdir, mesh, restored.source)
@@ -217,14 +133,17 @@ def _train_and_evaluate(
   )
   watch = PreemptionWatch()
   loop = _loop_state(config, setup, restored.step, restored.state, mesh, workdir, throughput)
-  train_step, batches, injected = _step_and_batches(config, task, steps, restored, train_batches)
+  train_step, batches = _step_and_batches(
+    config, task, steps, restored, train_batches, run.wrappers
+  )
   first_step = _run_loop(config, loop, train_step, batches, run, watch, watchdog, workdir, started)
 
   # 6. Final eval, summary, loss curve, then the sample: the results are on
   # disk before the task's report runs, whatever it does.
   final_eval = _final_eval(loop, run)
   results = summary.summarize(
-    loop,
+    loop.step,
+    loop.history,
     final_eval,
     throughput,
     task=task,
@@ -232,10 +151,14 @@ def _train_and_evaluate(
     resumed_from=restored.source,
     started=started,
     first_step=first_step,
-    extra=lambda: injected.summary(loop.state) if injected else {},  # the test configs' param hash
+    extra=loop.summary_entries,  # what the hooks' ends returned
   )
   return summary.publish(
-    results, workdir, chief, lambda: summary.task_report(task, setup, loop.state, loop.step)
+    results,
+    workdir,
+    chief,
+    lambda: summary.task_report(task, setup, loop.state, loop.step),
+    own_entries=[k for k, v in loop.summary_entries.items() if results.get(k) is v],
   )
 
 
@@ -253,13 +176,13 @@ def _open_run_data(config, task: Task, workdir: epath.Path, mesh, batch_axes, wa
 
 def _restore(config, workdir: epath.Path, setup: StateSetup):
   """(checkpoint manager, the restored or initialised state)."""
-  manager = checkpoint.make_manager(
+  manager = make_manager(
     workdir / "checkpoints",
     config.checkpoint.every,
     config.checkpoint.keep,
     config.checkpoint.keep_period,
   )
-  restored = checkpoint.restore_or_init(
+  restored = restore_or_init(
     manager,
     setup.abstract,
     setup.shardings,
@@ -283,7 +206,7 @@ def _log_start(workdir: epath.Path, mesh, source: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Steps:
-  """The compiled steps, and how to build the train step for another task (fault injection)."""
+  """The compiled steps, and how to build the train step for another task (`StepContext.build`)."""
 
   train: Callable
   eval: Callable
@@ -310,9 +233,10 @@ class _RunHooks:
   """The loop's hooks, and what the end of the run reads back from them."""
 
   hooks: list[Hook]
+  wrappers: list[Wrapper]  # the task's and the config's (`trainers.hooks.Wrapper`)
   writer: metrics.MetricsWriter
-  progress: metrics.Progress
-  saver: checkpoint.Saver
+  progress: console.Progress
+  saver: Saver
   evaluations: Evaluations
   saves: CheckpointSaves
   evaluate: Callable[[Any], dict]
@@ -331,11 +255,11 @@ def _make_hooks(
   train_batches: pipeline.GlobalBatches,
   eval_batches: pipeline.GlobalBatches,
 ) -> _RunHooks:
-  """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's."""
+  """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's, and their wrappers."""
   chief = jax.process_index() == 0
   writer = metrics.MetricsWriter(workdir, enabled=chief)
-  progress = metrics.Progress(config.train.steps, initial=start, enabled=chief)
-  saver = checkpoint.Saver(manager)
+  progress = console.Progress(config.train.steps, initial=start, enabled=chief)
+  saver = Saver(manager)
   save_budget = (
     f"a checkpoint save to {workdir / 'checkpoints'}",
     config.checkpoint.save_timeout_s,
@@ -369,9 +293,11 @@ def _make_hooks(
     Hook(evaluations, every=config.eval_every, name="eval"),
     Hook(saves, every=config.checkpoint.every, end=saves.end, name="checkpoint"),
     Profile(config.profile.start_step, config.profile.num_steps, str(workdir / "profile")).hook(),
-    *load_hooks(config, task.hooks),
   ]
-  return _RunHooks(hooks, writer, progress, saver, evaluations, saves, evaluate)
+  loaded = load_hooks(config, task.hooks)
+  hooks += [h for h in loaded if isinstance(h, Hook)]
+  wrappers = [w for w in loaded if isinstance(w, Wrapper)]
+  return _RunHooks(hooks, wrappers, writer, progress, saver, evaluations, saves, evaluate)
 
 
 def _loop_state(
@@ -397,33 +323,20 @@ def _loop_state(
   )
 
 
-def _step_and_batches(config, task: Task, steps: _Steps, restored, train_batches):
-  """(train step, `(step, batch)` iterator, the injected faults or None).
-
-  Only test configs have a `debug` section: then `trainers.debug` wraps the
-  step and the batches with the faults it asks for.
-  """
+def _step_and_batches(
+  config, task: Task, steps: _Steps, restored, train_batches, wrappers: list[Wrapper]
+):
+  """(train step, `(step, batch)` iterator), with the wrappers of the task and config applied."""
   data_start: int | pipeline.PipelineState = restored.step
   if restored.data_state is not None:
     data_start = pipeline.PipelineState.from_dict(restored.data_state)
-
-  def start_batches():
-    return train_batches.iterator(data_start, prefetch=config.data.prefetch)
-
-  if "debug" not in config:
-    return steps.train, start_batches(), None
-  from trainers import debug
-
-  injected = debug.inject(
-    config.debug,
-    task=task,
-    train_step=steps.train,
-    make_step=steps.train_for,
-    first_step=restored.step,
-    train_batches=train_batches,
-    start_batches=start_batches,
-  )
-  return injected.train_step, injected.batches, injected
+  # Before the iterator starts: its prefetch thread builds batches at once.
+  for wrapper in wrappers:
+    if wrapper.host_rows is not None:
+      train_batches.wrap_host_rows(wrapper.host_rows)
+  batches = train_batches.iterator(data_start, prefetch=config.data.prefetch)
+  context = StepContext(task=task, build=steps.train_for, first_step=restored.step)
+  return wrap_train_step(steps.train, context, wrappers), wrap_batches(batches, wrappers)
 
 
 def _run_loop(

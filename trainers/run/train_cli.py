@@ -21,6 +21,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from spmd import multihost
 from spmd.errors import EXIT_USER_ERROR, UserError, one_line, parse_flags, run, user_input
 
 FLAGS = flags.FLAGS
@@ -54,6 +55,8 @@ def _main(argv: list[str]) -> None:
     # orbax and tfds log every file they touch at INFO; keep the console for
     # the progress bar and what matters unless asked otherwise.
     logging.set_verbosity(logging.WARNING)
+  # Here, not at the top: --help and a bad flag answer without importing the
+  # trainer (Flax, orbax, TFDS), which takes seconds.
   from trainers.config import resolve
   from trainers.run.train import Preempted, train_and_evaluate
   from trainers.run.watchdog import EXIT_PEER_FAILED, leave, peer_failed_first, publish_failure
@@ -65,7 +68,7 @@ def _main(argv: list[str]) -> None:
       with user_input(ValueError, FileNotFoundError):  # the config given
         config = resolve(_CONFIG.value, config_flags.get_config_filename(FLAGS["config"]))
     if evaluating:
-      from trainers.run.evaluate import evaluate_run
+      from trainers.run.evaluate import evaluate_run  # as above
 
       with user_input(ValueError, FileNotFoundError):  # the workdir, checkpoint or step given
         evaluate_run(_WORKDIR.value, config, **eval_flags)
@@ -103,8 +106,6 @@ def _main(argv: list[str]) -> None:
 
 
 def _multi_process() -> bool:
-  from spmd import multihost
-
   if multihost.runtime_client() is None:  # before the distributed runtime: no backend started
     return False
   import jax

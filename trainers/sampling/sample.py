@@ -28,8 +28,10 @@ import ml_collections
 import numpy as np
 
 from trainers import paths
-from trainers.checkpoints import saved_run
-from trainers.tasks import lm as lm_task
+from trainers.checkpoints import export, saved_run
+from trainers.data import tokenizer as tok
+from trainers.data.token_codec import TokenCodec, token_codec, tokenizer_codec
+from trainers.models import decode
 
 DEFAULT_TOKENS = 64
 
@@ -46,26 +48,24 @@ class Sample:
   seconds: float  # decoding, compilation included
 
 
-def run_codec(config: ml_collections.ConfigDict, workdir: str) -> lm_task.TokenCodec:
+def run_codec(config: ml_collections.ConfigDict, workdir: str) -> TokenCodec:
   """The run's text <-> ids: its tokenizer file (the workdir's copy first), or bytes.
 
   Raises:
     FileNotFoundError: the run used a tokenizer and neither its copy in the
       workdir nor the original file is there.
   """
-  from trainers.data import tokenizer as tok
-
-  spec = lm_task.tokenizer_spec(config)
+  spec = tok.tokenizer_spec(config)
   vocab = config.model.vocab_size
   if spec == tok.BYTES:
-    return lm_task.token_codec(vocab)
+    return token_codec(vocab)
   suffix = ".json" if spec == tok.BPE else (paths.user_path(spec).suffix or ".json")
   candidates = [paths.user_path(workdir) / f"tokenizer{suffix}"]
   if spec != tok.BPE:
     candidates.append(paths.user_path(spec))
   for path in candidates:
     if path.exists():
-      return lm_task.tokenizer_codec(tok.Tokenizer(str(path)))
+      return tokenizer_codec(tok.Tokenizer(str(path)))
   raise FileNotFoundError(
     f"data.tokenizer={spec!r}: the run's tokenizer is not at {[str(p) for p in candidates]} "
     "(a run keeps a copy in its workdir when it starts)"
@@ -91,9 +91,6 @@ def sample_text(
     ValueError: the prompt is empty, too long, or has ids outside the vocabulary.
     FileNotFoundError: no config, checkpoint, step or tokenizer (named).
   """
-  from trainers.checkpoints import export
-  from trainers.models import decode
-
   if num_tokens < 1:
     raise ValueError(f"--num_tokens={num_tokens} must be >= 1")
   config = saved_run.saved_config(workdir)

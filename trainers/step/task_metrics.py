@@ -37,11 +37,11 @@ from spmd.errors import UserError
 from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
 
-# Means the eval writes itself (trainers/run/train.py `evaluate_batches`), as `eval_<name>`.
+# Means the eval writes itself (`trainers.run.evaluate.evaluate_batches`), as `eval_<name>`.
 TRAINER_EVAL_METRICS = ("loss", "perplexity", "weight")
 
 RESERVED_METRICS: tuple[str, ...] = (
-  # The train step's own metrics (trainers/step/steps.py).
+  # The train step's own metrics (trainers/step/train_step.py).
   "loss",
   "grad_norm",
   "learning_rate",
@@ -57,7 +57,7 @@ RESERVED_METRICS: tuple[str, ...] = (
   "mfu",
   "hfu",
   "time",
-  # The eval step's sums (trainers/step/steps.py), and the eval's own means
+  # The eval step's sums (trainers/step/eval_step.py), and the eval's own means
   # `eval_loss`, `eval_perplexity`, `eval_weight` (`TRAINER_EVAL_METRICS`).
   "loss_sum",
   "perplexity",

@@ -131,7 +131,9 @@ class Task:
       (`trainers.step.optim.opt_state_shardings`). `trainers.step.optim.decay_mask`
       gives the default weight-decay mask.
     hooks: optional `Hook`s (`trainers.hooks`), each with its own schedule,
-      run on every process after the built-in ones; `config.hooks` adds more.
+      run on every process after the built-in ones, and `Wrapper`s of this
+      process's rows, the batch stream or the train step (a data check of
+      your own, say); `config.hooks` adds more.
 
   Reporting:
     unit: what throughput counts: "tokens", "examples", "images", ...
