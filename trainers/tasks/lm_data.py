@@ -26,14 +26,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from trainers.data import lm_examples, packed, text_corpus
+from trainers.data import lm_examples
 from trainers.data import tokenizer as tok
-from trainers.data.datasets import prepare_text_corpus
 from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec, tokenizer_codec
 
 log = logging.getLogger(__name__)
 
 CORPUS_RECORD_BYTES = 4096  # text_corpus records; LM examples are windows of them
+
+# The dataset modules (text_corpus, packed, datasets) import TFDS; they are
+# imported in the functions that prepare or read data, so that building a
+# task's model, config or step (a notebook, `spmd-plan`, the accelerator
+# check on a machine without TFDS) needs no TFDS.
 
 
 def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
@@ -43,6 +47,8 @@ def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
   files at a small `data.validation_percent` may hold out none; the error
   says how many files there are and the least percentage that holds one out.
   """
+  from trainers.data import text_corpus  # TFDS: see the top
+
   parts = [part.split("[")[0].strip() for part in config.data.eval_split.split("+")]
   if text_corpus.VALIDATION not in parts:
     return
@@ -129,6 +135,8 @@ def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
 
 def _tokenizer(config: ml_collections.ConfigDict, data_dir: str, vocab_size: int):
   """The run's tokenizer in `data_dir` (trained or copied on first use), None for bytes."""
+  from trainers.data import text_corpus  # TFDS: see the top
+
   spec = tok.tokenizer_spec(config)
   if spec == tok.BYTES:
     return None
@@ -157,6 +165,7 @@ def packed_prepare(
   `check()` runs once the tokenizer is known, before any step (the sample's
   prompt must encode).
   """
+  from trainers.data import packed  # TFDS: see the top
 
   def prepare(data_dir: str) -> str:
     name = config.data.name
@@ -187,6 +196,7 @@ def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
   """`Task.prepare_data` for `config.data`: builds text_corpus, or names a prepared dataset."""
   name = config.data.name
   if name == "text_corpus":
+    from trainers.data.datasets import prepare_text_corpus  # TFDS: see the top
 
     def prepare(data_dir: str) -> str:
       check_held_out(config, data_dir)  # before a build that could not be evaluated
@@ -270,6 +280,8 @@ def lm_data(
       units_per_batch=units,
     )
     return LmData(fields=fields, codec=lambda: fixed)
+
+  from trainers.data import packed  # TFDS: see the top
 
   prepared = PreparedData()
 
