@@ -196,9 +196,10 @@ def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
   """`Task.prepare_data` for `config.data`: builds text_corpus, or names a prepared dataset."""
   name = config.data.name
   if name == "text_corpus":
-    from trainers.data.datasets import prepare_text_corpus  # TFDS: see the top
 
     def prepare(data_dir: str) -> str:
+      from trainers.data.datasets import prepare_text_corpus  # TFDS: see the top
+
       check_held_out(config, data_dir)  # before a build that could not be evaluated
       return prepare_text_corpus(
         data_dir,
