@@ -204,6 +204,59 @@ def test_loop_bodies_count_once_per_iteration_without_a_known_trip_count():
   assert (c.kind, c.count, c.bytes) == ("all-reduce", 12, 12 * 16)
 
 
+def test_a_loop_that_counts_by_two_runs_half_its_bound():
+  # As libtpu writes a windowed ("collective") matmul: the induction variable
+  # starts at a copied 0 and the body adds 2 (a shard from each neighbour per
+  # iteration), so `i < 16` means 8 iterations of its two dots.
+  loop = """ENTRY %main (x: f32[4,8], w: f32[8,2]) -> f32[4,2] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,2]{1,0} parameter(1)
+  %zero = u32[] constant(0)
+  %start = u32[] copy(%zero)
+  %init = (u32[], f32[4,8], f32[8,2]) tuple(%start, %x, /*index=2*/%w)
+  %loop = (u32[], f32[4,8], f32[8,2]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[4,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+%body (p: (u32[], f32[4,8], f32[8,2])) -> (u32[], f32[4,8], f32[8,2]) {
+  %two = u32[] constant(2)
+  %p = (u32[], f32[4,8], f32[8,2]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %a = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %b = f32[8,2]{1,0} get-tuple-element(%p), index=2
+  %d0 = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %d1 = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %next = u32[] add(%i, %two)
+  ROOT %t = (u32[], f32[4,8], f32[8,2]) tuple(%next, %a, %b)
+}
+%cond (c: (u32[], f32[4,8], f32[8,2])) -> pred[] {
+  %bound = u32[] constant(16)
+  %c = (u32[], f32[4,8], f32[8,2]) parameter(0)
+  %k = u32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%k, %bound), direction=LT
+}"""
+  one_dot = 2 * 4 * 2 * 8
+  assert hlo.matmul_flops(loop) == one_dot * (1 + 8 * 2)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_windowed_matmul_on_a_pod_counts_each_product_once():
+  """libtpu overlaps a large FSDP all-gather with its matmul in a loop that counts by 2."""
+  from jax.sharding import NamedSharding
+
+  from spmd.topology import topology_devices
+
+  mesh = create_mesh("data=1,fsdp=32,tensor=4", devices=topology_devices("v5p-256"))
+  b, length, d, f = 256, 8192, 4096, 14336  # one of Llama-3-8B's MLP matmuls
+  x = jax.ShapeDtypeStruct((b, length, d), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  w = jax.ShapeDtypeStruct((d, f), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+  out = NamedSharding(mesh, P("fsdp", None, "tensor"))
+  matmul = jax.jit(lambda x, w: jnp.einsum("bld,df->blf", x, w), out_shardings=out)
+  text = matmul.lower(x, w).compile().as_text()
+  assert "windowed_dot_general" in text  # else this test no longer tests the loop
+  assert hlo.matmul_flops(text) == 2 * b * length * d * f / mesh.devices.size
+
+
 def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.run(
