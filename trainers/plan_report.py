@@ -123,7 +123,7 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     lines.append(
       f"warning: XLA copies {fallback.operation} {fallback.shape} whole to every device "
       "(Involuntary full rematerialization): "
-      + (f"from {fallback.source}, " if fallback.source else "")
+      + (f"from {fallback.source}, " if fallback.source else f"HLO %{fallback.name}, ")
       + f"sharding {fallback.from_sharding} -> {fallback.to_sharding}"
     )
   for s in plan.suggestions:
