@@ -67,10 +67,10 @@ setup(
     "console_scripts": [
       "spmd-launch=launch.launch_cli:main",
       "spmd-mesh=spmd.mesh_cli:main",
-      "spmd-plan=trainers.plan_cli:main",
-      "spmd-train=trainers.train_cli:main",
-      "spmd-export=trainers.export_cli:main",
-      "spmd-sample=trainers.sample_cli:main",
+      "spmd-plan=trainers.planning.plan_cli:main",
+      "spmd-train=trainers.run.train_cli:main",
+      "spmd-export=trainers.checkpoints.export_cli:main",
+      "spmd-sample=trainers.sampling.sample_cli:main",
     ]
   },
 )

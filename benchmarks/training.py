@@ -40,11 +40,11 @@ jax.config.update("jax_platforms", "cpu")
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from trainers import checkpoint  # noqa: E402
-from trainers.state import make_state  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.checkpoints import checkpoint  # noqa: E402
+from trainers.run.train import build_mesh, open_data  # noqa: E402
+from trainers.step.state import make_state  # noqa: E402
+from trainers.step.steps import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
-from trainers.train import build_mesh, open_data  # noqa: E402
 
 
 def pipeline_cost(step_fn, state, train, prefetch: int, steps: int, rounds: int):

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import common, run
 from tests.multiprocess import ROOT
-from trainers import peaks
+from trainers.reporting import matmul_peak
 
 
 def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -124,6 +124,6 @@ def test_the_onednn_options_hand_every_dot_to_onednn():
   x = jnp.ones((4, 8, 8))
   batched = jax.jit(lambda a, b: jnp.einsum("nqs,nsd->nqd", a, b)).lower(x, x)
   assert "__onednn_fusion" not in batched.compile().as_text()
-  compiled = batched.compile(peaks.ONEDNN_DOTS)
+  compiled = batched.compile(matmul_peak.ONEDNN_DOTS)
   assert '"kind":"__onednn_fusion"' in compiled.as_text()
   assert jnp.array_equal(compiled(x, x), jnp.full((4, 8, 8), 8.0))

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.mesh import create_mesh
 from tests.multiprocess import assert_ok, run_worker
-from trainers import checkpoint
+from trainers.checkpoints import checkpoint
 
 
 def _state(mesh):

@@ -76,7 +76,7 @@ def example(tmp_path_factory):
 def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0, extra=()):
   """`spmd-launch local -- spmd-train --config=<copy>/debug_config.py`, from the copy's folder."""
   train = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={example['folder'] / 'debug_config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={example['data']}",

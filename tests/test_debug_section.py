@@ -6,8 +6,8 @@ import pytest
 
 from configs import default
 from tests.configs import train_tiny
-from trainers import config as config_lib
 from trainers import debug
+from trainers.config import checks as config_lib
 
 
 def test_the_default_config_has_no_fault_injection():
@@ -21,7 +21,7 @@ def test_debug_keys_are_not_settings_against_the_defaults():
   config = default.get_config()
   config.debug = debug.section()  # resolve() takes it only as the config file's own section
   with pytest.raises(ValueError, match=r"config\.debug\.inject_\w+ is not a setting"):
-    config_lib.check_keys(config, config_lib.defaults())
+    config_lib.check_keys(config, config_lib.defaults.get_config())
 
 
 def test_the_section_is_checked_by_name_type_and_value():

@@ -95,7 +95,7 @@ def test_user_hooks_run_on_schedule_on_every_process_without_extra_syncs(tmp_pat
     [
       sys.executable,
       "-m",
-      "trainers.train_cli",
+      "trainers.run.train_cli",
       f"--config={folder / 'config.py'}",
       f"--workdir={workdir}",
       f"--config.data.dir={data['dir']}",

@@ -8,7 +8,7 @@ descriptor 2, libtpu to its log folder (`spmd.compiler_log` reads both), with
 the persistent compilation cache off, since a cache hit compiles nothing.
 Each check first proves it can see a fallback, on a program made to have one.
 
-The steps are `trainers.step.make_train_step`'s, the trainer's own, for the
+The steps are `trainers.step.steps.make_train_step`'s, the trainer's own, for the
 Llama and the transformer at tiny shapes whose head counts divide 4, on
 packed rows (token and position lookups both).
 """
@@ -27,10 +27,10 @@ from spmd.compiler_log import capture_compiler_log
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
-from trainers.state import make_state
-from trainers.step import abstract_batch, make_train_step
+from trainers.run.train import build_mesh
+from trainers.step.state import make_state
+from trainers.step.steps import abstract_batch, make_train_step
 from trainers.tasks import make_task
-from trainers.train import build_mesh
 
 MESHES = [
   "data=8,fsdp=1,tensor=1",

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from trainers import metrics, peaks
-from trainers.metrics import MetricsWriter, Progress, format_summary, read_metrics
+from trainers.reporting import chips, matmul_peak, metrics, peaks
+from trainers.reporting.metrics import MetricsWriter, Progress, format_summary, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -196,16 +196,16 @@ def test_format_summary_aligns_and_skips_missing():
   ],
 )
 def test_table_lookups_for_real_device_kinds(kind, dtype, expected):
-  assert peaks.table_peak(kind, dtype) == expected
+  assert chips.table_peak(kind, dtype) == expected
 
 
 def test_full_float32_precision_changes_the_gpu_peak_and_tpu_falls_back():
   with jax.default_matmul_precision("highest"):
-    assert peaks.table_peak("NVIDIA H100 80GB HBM3", "float32") == 67e12
-    assert peaks.table_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
-    assert peaks.table_peak("TPU v5 lite", "float32") is None  # 6 bf16 passes: measure
+    assert chips.table_peak("NVIDIA H100 80GB HBM3", "float32") == 67e12
+    assert chips.table_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert chips.table_peak("TPU v5 lite", "float32") is None  # 6 bf16 passes: measure
   with pytest.raises(ValueError, match="dtype='int32' is not a floating-point"):
-    peaks.table_peak("TPU v4", "int32")
+    chips.table_peak("TPU v4", "int32")
 
 
 def test_accelerator_peak_comes_from_the_table_without_measuring(monkeypatch, tmp_path):
@@ -246,17 +246,17 @@ def test_cpu_peak_is_the_better_of_xla_and_onednn_matmuls(monkeypatch):
     def sampler(dtype, size, device, compiler_options=None, rates=rates):
       return lambda repeats, budget_s: rates["onednn" if compiler_options else None]
 
-    monkeypatch.setattr(peaks, "matmul_sampler", sampler)
-    assert peaks.measure_matmul_peak(size=64, repeats=1) == max(xla, onednn)
+    monkeypatch.setattr(matmul_peak, "matmul_sampler", sampler)
+    assert matmul_peak.measure_matmul_peak(size=64, repeats=1) == max(xla, onednn)
 
 
 def test_a_jaxlib_without_onednn_falls_back_to_the_default_matmul(monkeypatch):
-  assert peaks.onednn_matmul_sampler(size=64) is not None  # this jaxlib has it
+  assert matmul_peak.onednn_matmul_sampler(size=64) is not None  # this jaxlib has it
   # An option this XLA does not know makes the oneDNN compile fail, as it
   # would on a jaxlib built without oneDNN: the peak is then XLA's alone.
-  monkeypatch.setattr(peaks, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
-  assert peaks.onednn_matmul_sampler(size=64) is None
-  assert peaks.measure_matmul_peak(size=64, repeats=1) > 0
+  monkeypatch.setattr(matmul_peak, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
+  assert matmul_peak.onednn_matmul_sampler(size=64) is None
+  assert matmul_peak.measure_matmul_peak(size=64, repeats=1) > 0
 
 
 def test_mfu_arithmetic():

@@ -11,10 +11,11 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from trainers import debug, optim
+from trainers import debug
 from trainers.config import check_values
-from trainers.state import make_state
-from trainers.step import make_train_step
+from trainers.step import optim
+from trainers.step.state import make_state
+from trainers.step.steps import make_train_step
 from trainers.tasks import make_task
 
 AXES = ("data", "fsdp")

@@ -21,8 +21,8 @@ from spmd import hlo
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available
 from tests.multiprocess import ROOT
-from trainers import plan as plan_lib
-from trainers import plan_targets
+from trainers.planning import plan as plan_lib
+from trainers.planning import targets
 
 needs_libtpu = pytest.mark.skipif(
   not libtpu_available(), reason="needs libtpu: pip install -e '.[tpu]' (CI installs it)"
@@ -82,7 +82,7 @@ def _lm_tiny_matmul_flops(tokens: int, recomputed_attention_dots: int = 0) -> in
 
 
 def test_small_lm_state_bytes_match_hand_computed():
-  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.gpu_target("h100", 8))
+  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
   assert plan.num_params == LM_TINY_PARAMS
   assert plan.memory.params_bytes == LM_TINY_PARAMS * 4
   # adamw's two moments, plus five int32 counters (adam, schedule, step, updates, bad_steps).
@@ -100,11 +100,11 @@ def test_small_lm_state_bytes_match_hand_computed():
 def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
   config = _tiny("dp", "data=-1")
   config.model.scan_layers = False
-  unrolled = plan_lib.make_plan(config, plan_targets.gpu_target("h100", 8))
+  unrolled = plan_lib.make_plan(config, targets.gpu_target("h100", 8))
   assert unrolled.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
   # A fully unrolled scan keeps the layer remat (only the unused weighted sum
   # goes), unless told to keep everything.
-  h100 = plan_targets.gpu_target("h100", 8)
+  h100 = targets.gpu_target("h100", 8)
   scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS), h100)
   assert scan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 1)
   scan = plan_lib.make_plan(_tiny("dp", "data=-1", LAYERS, "none"), h100)
@@ -117,7 +117,7 @@ def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
 def test_tpu_matmuls_written_as_convolutions_count_the_same():
   # libtpu writes most of the step's matmuls as convolutions with padded,
   # dilated or strided windows; counted right, they are the same FLOPs.
-  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.tpu_target("v5e-8"))
+  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.tpu_target("v5e-8"))
   assert plan.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8, 2)
 
 
@@ -153,8 +153,8 @@ def test_matmul_flops_of_a_matmul_written_as_a_padded_convolution():
 
 @pytest.mark.slow
 def test_fsdp_splits_state_about_evenly():
-  replicated = plan_lib.make_plan(_tiny("dp", "data=-1"), plan_targets.gpu_target("h100", 8))
-  fsdp = plan_lib.make_plan(_tiny("fsdp", "data=1,fsdp=8"), plan_targets.gpu_target("h100", 8))
+  replicated = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
+  fsdp = plan_lib.make_plan(_tiny("fsdp", "data=1,fsdp=8"), targets.gpu_target("h100", 8))
   ratio = fsdp.memory.state_bytes / (replicated.memory.state_bytes / 8)
   assert 1.0 <= ratio <= 1.05, ratio  # small vectors (norms) may stay replicated
   kinds = {c.kind for c in fsdp.collectives}
@@ -260,7 +260,7 @@ def test_a_windowed_matmul_on_a_pod_counts_each_product_once():
 def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.run(
-    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.plan_cli", *args],
+    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainers.planning.plan_cli", *args],
     capture_output=True,
     text=True,
     env=env,

@@ -11,8 +11,8 @@ from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers import debug
-from trainers.state import make_state
-from trainers.step import branch_on_nonfinite, flat_gradient_reduction, make_train_step
+from trainers.step.state import make_state
+from trainers.step.steps import branch_on_nonfinite, flat_gradient_reduction, make_train_step
 from trainers.tasks import make_task
 
 

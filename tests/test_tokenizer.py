@@ -115,7 +115,7 @@ def test_the_config_check_names_the_key_and_value(files, tmp_path):
 
 
 def test_a_saved_run_decodes_with_its_own_copy_when_the_original_is_gone(files, tmp_path):
-  from trainers import saved_run
+  from trainers.checkpoints import saved_run
 
   original = tmp_path / "gone" / "tokenizer.json"
   tok.train_bpe(open(files[0]).read().splitlines(), 300, original)

@@ -21,9 +21,10 @@ import pytest
 from tests.configs import train_tiny
 from tests.data_fixtures import training_data
 from tests.faults import harness
-from trainers import checkpoint, optim
-from trainers.metrics import read_metrics
-from trainers.train import train_and_evaluate
+from trainers.checkpoints import checkpoint
+from trainers.reporting.metrics import read_metrics
+from trainers.run.train import train_and_evaluate
+from trainers.step import optim
 
 SKIPPED = (3, 6)  # metrics steps (1-based) whose gradients are poisoned
 STOP = 8

@@ -29,8 +29,8 @@ from spmd.mesh import create_mesh
 from tests.configs import stateful_classifier
 from tests.faults import harness
 from tests.multiprocess import ROOT
-from trainers import checkpoint
-from trainers.state import make_state
+from trainers.checkpoints import checkpoint
+from trainers.step.state import make_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ WARM = (
 
 def start(env: dict, workdir: Path, processes: int, devices: int, *overrides: str):
   train = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={CONFIG}",
     f"--workdir={workdir}",
     f"--config.data.dir={env['data']}",

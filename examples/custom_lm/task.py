@@ -31,9 +31,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from trainers import optim
 from trainers.data import lm_examples
 from trainers.hooks import Hook, StepInfo
+from trainers.step import optim
 from trainers.tasks import Task, config_section, lm
 
 import model as model_lib

@@ -21,9 +21,9 @@ import pytest
 from tests.configs import train_tiny
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers import checkpoint, checkpoint_steps
-from trainers.checkpoint import COMMIT_MARKER, CheckpointError
-from trainers.train import train_and_evaluate
+from trainers.checkpoints import checkpoint, step_folders
+from trainers.checkpoints.checkpoint import COMMIT_MARKER, CheckpointError
+from trainers.run.train import train_and_evaluate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
@@ -97,7 +97,7 @@ def test_another_mesh_restores_exactly_a_leftover_temp_dir_is_ignored_nothing_un
   leftover = workdir / "checkpoints" / f"{step + 2}.orbax-checkpoint-tmp-1234567"
   leftover.mkdir()
   (leftover / "half_written").write_text("x")
-  checkpoint_steps.record_save(workdir / "checkpoints", step + 2)  # as the run does before a save
+  step_folders.record_save(workdir / "checkpoints", step + 2)  # as the run does before a save
   # Another tool's (not in the run's ledger), off the save schedule: kept.
   foreign = workdir / "checkpoints" / f"{step + 1}.orbax-checkpoint-tmp-99"
   foreign.mkdir()

@@ -18,7 +18,7 @@ import pytest
 
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers.metrics import read_metrics
+from trainers.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 

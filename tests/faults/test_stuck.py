@@ -1,7 +1,7 @@
 """Fault 5: a process stuck in Python, or stopped with SIGSTOP, ends the job within a bound.
 
 JAX's heartbeat does not notice a process that is alive but stuck; the
-step-progress watchdog (trainers/watchdog.py) does, and says which process
+step-progress watchdog (trainers/run/watchdog.py) does, and says which process
 fell behind.
 """
 

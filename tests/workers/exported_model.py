@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 
-from trainers import export, saved_run
+from trainers.checkpoints import export, saved_run
 from trainers.data import lm_examples
 from trainers.data.datasets import open_source
 from trainers.tasks import lm, make_task

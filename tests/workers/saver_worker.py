@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import checkpoint  # noqa: E402
+from trainers.checkpoints import checkpoint  # noqa: E402
 
 checkpoint.SNAPSHOT_SPREAD_MIN_BYTES = 1024  # "large" (8 KB) is spread for the copy
 mesh = create_mesh("data=-1,fsdp=1,tensor=1")

@@ -10,7 +10,8 @@ faster than the test can react.
 import os
 import time
 
-from trainers import checkpoint, train, train_cli
+from trainers.checkpoints import checkpoint
+from trainers.run import train, train_cli
 
 _DELAY_S = float(os.environ["SPMD_TEST_SAVE_DELAY_S"])
 _STEP_DELAY_S = float(os.environ.get("SPMD_TEST_STEP_DELAY_S", "0"))

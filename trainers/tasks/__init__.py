@@ -91,7 +91,7 @@ class Task:
       `k` in the train metrics and the progress bar, `eval_k` in the evals
       and the run's summary (`{}` reports none). Names the trainer writes
       itself (`loss`, `perplexity`, `learning_rate`, ...:
-      `trainers.task_metrics.RESERVED_METRICS`) are an error at startup.
+      `trainers.step.task_metrics.RESERVED_METRICS`) are an error at startup.
       Padding rows (eval) carry `mask == 0` and must add nothing.
     compute_dtype: the dtype of the model's matmuls ("float32", "bfloat16"),
       for the peak FLOP/s behind MFU.
@@ -128,7 +128,7 @@ class Task:
       replacing the optimizer named by `config.train.optimizer`. The trainer
       still clips first (`train.grad_clip_norm`) and logs `schedule` as the
       learning rate; its state is placed from its leaves' shapes
-      (`trainers.optim.opt_state_shardings`). `trainers.optim.decay_mask`
+      (`trainers.step.optim.opt_state_shardings`). `trainers.step.optim.decay_mask`
       gives the default weight-decay mask.
     hooks: optional `Hook`s (`trainers.hooks`), each with its own schedule,
       run on every process after the built-in ones; `config.hooks` adds more.
