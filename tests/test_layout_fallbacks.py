@@ -9,8 +9,8 @@ the persistent compilation cache off, since a cache hit compiles nothing.
 Each check first proves it can see a fallback, on a program made to have one.
 
 The steps are `trainers.step.steps.make_train_step`'s, the trainer's own, for the
-Llama and the transformer at tiny shapes whose head counts divide 4, on
-packed rows (token and position lookups both).
+Llama (layers scanned) and the transformer (unrolled) at tiny shapes whose
+head counts divide 4, on packed rows (token and position lookups both).
 """
 
 import types
@@ -38,6 +38,8 @@ MESHES = [
   "data=2,fsdp=2,tensor=2",
   "data=1,fsdp=2,tensor=4",
 ]
+# Where XLA fell back before the embedding lookups were laid out by the rules.
+FALLBACK_MESHES = ["data=2,fsdp=4,tensor=1", "data=2,fsdp=2,tensor=2"]
 # The mesh and preset the fallbacks were first seen on; the rest are slow.
 FIRST_SEEN = ("data=2,fsdp=2,tensor=2", "fsdp_tp")
 needs_libtpu = pytest.mark.skipif(
@@ -53,7 +55,8 @@ def _config(model: str, ici: str, rules_name: str):
   config.model.num_heads = 8 if model == "llama" else 4
   if model == "llama":
     config.model.num_kv_heads = 4
-  config.model.scan_layers = True
+  # Both layer layouts: the Llama scanned (as llama3_8b), the transformer unrolled (as lm_tiny).
+  config.model.scan_layers = model == "llama"
   config.global_batch = 8
   config.mesh.ici, config.mesh.rules = ici, rules_name
   return config
@@ -100,10 +103,10 @@ def _layout(ici: str, rules_name: str) -> tuple:
   return tuple(str(rules.logical_to_spec((n,), preset, shape_only)) for n in rules.LOGICAL_AXES)
 
 
-def _cases():
+def _cases(meshes=MESHES):
   """(model, mesh, preset) for every preset on every mesh, once per distinct layout."""
   for model in ("llama", "transformer"):
-    for ici in MESHES:
+    for ici in meshes:
       layouts = set()
       for rules_name in sorted(rules.PRESETS):
         layout = _layout(ici, rules_name)
@@ -131,8 +134,9 @@ def test_the_tpu_check_sees_a_forced_fallback_in_libtpus_log_folder():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("model,ici,rules_name", list(_cases()))
+@pytest.mark.parametrize("model,ici,rules_name", list(_cases(FALLBACK_MESHES)))
 def test_train_step_compiles_without_a_fallback_on_tpu(model, ici, rules_name):
-  # v5p-16: 8 chips, one device each, 2 hosts.
+  # v5p-16: 8 chips, one device each, 2 hosts. The meshes where the CPU
+  # compiles fell back: CI's time goes to the layouts that can.
   config = _config(model, ici, rules_name)
   assert _fallbacks_of_train_step(config, topology_devices("v5p-16")) == []

@@ -420,3 +420,68 @@ def test_a_packed_lm_plan_counts_the_tokens_a_step_holds():
   config = lm_tiny.get_config()
   assert plan["unit"] == "tokens", plan
   assert plan["units_per_step"] == config.global_batch * config.model.seq_len, plan
+
+
+# A user's task whose loss adds a penalty on the batch's embedding rows, read
+# with XLA's own gather from the FSDP-split table: a reshard XLA can only make
+# by copying the whole [batch, length, d_model] array, forward and backward.
+_GATHER_PENALTY_TASK = """
+import dataclasses
+
+import jax.numpy as jnp
+
+from spmd.rules import constrain
+from trainers.tasks import llama
+
+
+def make_task(config):
+  task = llama.make_task(config)
+
+  def loss(model, batch, rngs, train):
+    loss_sum, weight, sums = llama.next_token_loss(model, batch, rngs, train)
+    rows = jnp.take(model.token_embed[...], batch["inputs"], axis=0)
+    penalty = jnp.sum(jnp.square(constrain(rows, ("batch", "length", "embed"))))
+    return loss_sum + 1e-4 * penalty, weight, dict(sums, embed_penalty=penalty)
+
+  return dataclasses.replace(task, loss=loss)
+"""
+_GATHER_PENALTY_CONFIG = """
+from configs import llama_tiny
+
+
+def get_config():
+  config = llama_tiny.get_config()
+  config.task = "task.py:make_task"
+  config.data.tokenizer, config.model.vocab_size = "bytes", 256
+  config.mesh.ici, config.mesh.rules = "data=2,fsdp=2,tensor=2", "fsdp_tp"
+  return config
+"""
+
+
+@pytest.mark.multiprocess
+@needs_libtpu
+def test_a_fallback_to_full_copies_is_a_warning_row_next_to_the_verdict(tmp_path):
+  (tmp_path / "task.py").write_text(_GATHER_PENALTY_TASK)
+  (tmp_path / "config.py").write_text(_GATHER_PENALTY_CONFIG)
+  scratch = tmp_path / "tmp"  # where spmd-plan makes libtpu's log folder
+  scratch.mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in ("TPU_LOG_DIR", "LIBTPU_INIT_ARGS")}
+  command = [sys.executable, "-m", "trainers.planning.plan_cli", f"--config={tmp_path}/config.py"]
+  done = subprocess.run(
+    ["timeout", "-k", "5", "180", *command, "--topology=v5p-16"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(env, PYTHONPATH=str(ROOT), TMPDIR=str(scratch)),
+  )
+  out = done.stdout
+  assert done.returncode == 0, out + done.stderr[-3000:]
+  # libtpu wrote the warnings to the plan's own log folder, not to stderr,
+  # and the plan removed that folder when it was done.
+  assert "Involuntary full rematerialization" not in done.stderr
+  assert list(scratch.iterdir()) == []
+  verdict = next(line for line in out.splitlines() if "verdict" in line)
+  assert "FITS" in verdict and "but XLA copies" in verdict, out
+  rows = [line for line in out.splitlines() if line.startswith("warning: XLA copies")]
+  assert any(row.startswith("warning: XLA copies gather f32[") for row in rows), out
+  assert f"{len(rows)} arrays whole" in verdict, out
