@@ -25,7 +25,7 @@ a 128k vocabulary, for a lookup that needs none; and its gradient still
 falls back on some meshes. The `shard_map` costs no FLOPs and its
 collectives are the ones FSDP pays for every other weight.
 
-Outside the rules (a plain process, sampling, export) and inside a
+Outside any rules (a model called in a plain process) and inside a
 `shard_map` that already made the mesh axes manual, it is a plain gather.
 
 Example:
