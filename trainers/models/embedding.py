@@ -98,6 +98,8 @@ def lookup(
   ids_spec = rules_lib.logical_to_spec(ids_axes, rules, mesh)
   rules_lib.check_divisible(f"embedding table {tuple(table_axes)}", table.shape, table_spec, mesh)
   rules_lib.check_divisible(f"ids {tuple(ids_axes)}", ids.shape, ids_spec, mesh)
+  if not any(table_spec) and not any(ids_spec):
+    return _local_lookup(table, ids)  # nothing split (one device, or dp on a data=1 mesh)
   entries = (*table_spec, None, None)
   row_axes, column_axes = _mesh_axes(entries[0]), _mesh_axes(entries[1])
   ids_mesh_axes = {a for entry in ids_spec for a in _mesh_axes(entry)}
