@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M2) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -16,6 +16,8 @@ counts and process layouts):
   P10     benchmarks/llama.py       our Llama step vs a hand-written plain-JAX Llama
                                     step at MaxText's small shape (1 CPU device),
                                     and its model FLOP/s
+  M2      benchmarks/pod_flops.py   compiled FLOPs per device of llama3_8b on v5p-256
+                                    (libtpu), fsdp_tp vs pure FSDP: nothing timed
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -52,6 +54,7 @@ BENCHMARKS = [
   ("launches", ("P6", "P8"), {}),
   ("memory", ("P7",), {}),
   ("llama", ("P10",), {}),
+  ("pod_flops", ("M2",), {}),
 ]
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
@@ -68,9 +71,15 @@ def readme_block(rows: list[dict]) -> str:
   return common.markdown(rows) + f"\nMeasured on:{where}\n"
 
 
-def figure_order(row: dict) -> int:
-  """Sorts rows by figure number, so P10 follows P8 rather than P1."""
-  return int(row["id"].lstrip("P"))
+def figure_order(row: dict) -> tuple[int, int]:
+  """Sorts rows by figure number, timings (P) before compiled figures (M), so P10 follows P8.
+
+  Example:
+    >>> sorted(["M2", "P10", "P1"], key=lambda i: figure_order({"id": i}))
+    ['P1', 'P10', 'M2']
+  """
+  kind, number = row["id"][0], row["id"][1:]
+  return ("PM".index(kind), int(number))
 
 
 def update_readme(rows: list[dict], readme: str = README) -> None:

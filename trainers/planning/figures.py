@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd import hlo
+from spmd import compiler_log, hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,10 @@ class Plan:
   suggestions: list[str]
   kv_cache: KVCachePlan | None = None  # None: the model has no KV-cache decoder
   compile_error: str | None = None  # the compiler's refusal, when it ran out of memory
+  # Arrays the SPMD partitioner could not reshard cheaply, so it copies them
+  # whole onto every device ("Involuntary full rematerialization"), read from
+  # the compile's log (stderr and libtpu's log folder).
+  fallbacks: list[compiler_log.Fallback] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)

@@ -4,7 +4,9 @@
 the same functions `spmd-train` uses (`build_mesh`, `make_state`,
 `make_train_step`), then lowers and compiles the step against the target's
 device descriptions with shape-only inputs: nothing is allocated. From the
-compiled program it reads memory per device, FLOPs and the collectives.
+compiled program it reads memory per device, FLOPs and the collectives; from
+the compiler's log (`spmd.compiler_log`: stderr and libtpu's log folder) the
+arrays XLA could only reshard by copying them whole to every device.
 
 Targets:
   TPU slices (`tpu_target("v5p-256", num_slices=2)`): libtpu's real topology,
@@ -38,7 +40,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from spmd import hlo
+from spmd import compiler_log, hlo
 from spmd import rules as rules_lib
 from spmd.layout import batch_sharding, data_layout
 from trainers.models import decode
@@ -122,8 +124,12 @@ def make_plan(
     return make_train_step(setup, task, changed, mesh, batch_axes)
 
   compiled = refusal = None
+  fallbacks: list[compiler_log.Fallback] = []
   if compile_step:
-    compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
+    # The persistent cache is off for this compile: a hit would say nothing.
+    with compiler_log.capture_compiler_log() as log:
+      compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
+    fallbacks = log.fallbacks
     if keep_compiled is not None and compiled is not None:
       keep_compiled.append(compiled)
   step = _read_step(compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes)
@@ -165,6 +171,7 @@ def make_plan(
     suggestions=suggestions,
     kv_cache=kv_cache,
     compile_error=step.compile_error,
+    fallbacks=fallbacks,
   )
 
 

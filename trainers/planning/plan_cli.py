@@ -9,9 +9,11 @@
 Compiles the real train step ahead of time for the target (`trainers.planning.plan`)
 and prints (`trainers.planning.report`) memory per device against the device's
 HBM, FLOPs, the expected step time and MFU under a stated efficiency
-assumption, the collectives per step and whether they cross DCN, and the
-per-host data layout. For a decoder with a KV-cache sampler
-(`trainers.models.decode`) it also gives the cache's memory per device for a
+assumption, the collectives per step and whether they cross DCN, the
+per-host data layout, and a warning row for each array XLA can only
+reshard by copying it whole to every device (read from stderr and from
+libtpu's log folder: a fresh one per run, unless `TPU_LOG_DIR` names one).
+For a decoder with a KV-cache sampler (`trainers.models.decode`) it also gives the cache's memory per device for a
 decode of `--decode_batch` (default global_batch) sequences of seq_len tokens
 on the same mesh, from the cache's shapes and shardings (nothing extra is
 compiled). TPU targets need the `tpu` extra (libtpu); nothing runs on, or
@@ -118,22 +120,24 @@ def _main(argv: list[str]) -> int:
 
   with errors.user_input(ValueError, TypeError, FileNotFoundError):  # the config given
     config = resolve(fv.config, config_flags.get_config_filename(fv["config"]))
-  with errors.user_input(ValueError):  # the target given: --topology or --gpu
-    target = (
-      targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
-      if fv.gpu
-      else targets.tpu_target(fv.topology, fv.num_slices)
-    )
   compiled: list = []
-  plan = plan_lib.make_plan(
-    config,
-    target,
-    efficiency=efficiency,
-    margin=fv.margin,
-    compile_step={"auto": None, "always": True, "never": False}[fv.compile],
-    keep_compiled=compiled,
-    decode_batch=fv.decode_batch,
-  )
+  # libtpu logs the compiler's warnings to its folder: one of the plan's own.
+  with targets.own_libtpu_log_folder():
+    with errors.user_input(ValueError):  # the target given: --topology or --gpu
+      target = (
+        targets.gpu_target(fv.gpu, fv.num_gpus, fv.gpus_per_host)
+        if fv.gpu
+        else targets.tpu_target(fv.topology, fv.num_slices)
+      )
+    plan = plan_lib.make_plan(
+      config,
+      target,
+      efficiency=efficiency,
+      margin=fv.margin,
+      compile_step={"auto": None, "always": True, "never": False}[fv.compile],
+      keep_compiled=compiled,
+      decode_batch=fv.decode_batch,
+    )
   saved = ""
   if fv.save_executable:
     saved = (

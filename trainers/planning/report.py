@@ -78,6 +78,12 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
       if plan.fits
       else f"DOES NOT FIT: short by {_bytes(-spare)} (after a {m.margin:.0%} margin)"
     )
+  fallbacks = getattr(plan, "fallbacks", [])
+  if fallbacks:
+    verdict += (
+      f"; but XLA copies {len(fallbacks)} array{'s' if len(fallbacks) > 1 else ''} whole "
+      "to every device (see the warnings)"
+    )
   lines.append(f"  verdict          {verdict}")
   if plan.compile_error and m.total_bytes is not None:
     lines.append(f"  compiler         {plan.compile_error}")
@@ -112,6 +118,13 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
       )
   elif plan.compiled:
     lines.append("collectives per step: none")
+  for fallback in fallbacks:
+    lines.append(
+      f"warning: XLA copies {fallback.operation} {fallback.shape} whole to every device "
+      "(Involuntary full rematerialization): "
+      + (f"from {fallback.source}, " if fallback.source else f"HLO %{fallback.name}, ")
+      + f"sharding {fallback.from_sharding} -> {fallback.to_sharding}"
+    )
   for s in plan.suggestions:
     lines.append(f"suggestion: {s}")
   return "\n".join(lines)

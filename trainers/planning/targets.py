@@ -7,11 +7,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from spmd import topology
 from spmd.topology import topology_devices
 
 # `--gpu` names -> the device_kind JAX reports for that GPU (peaks and memory tables).
@@ -73,3 +79,27 @@ def gpu_target(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> Target:
     per_host,
     True,
   )
+
+
+@contextlib.contextmanager
+def own_libtpu_log_folder() -> Iterator[str | None]:
+  """Points libtpu's log at a fresh folder for the block, then removes the folder.
+
+  libtpu writes the compiler's warnings (the SPMD partitioner's fallbacks
+  among them) to its log folder, not to stderr, and shares `/tmp/tpu_logs`
+  with every other process on the machine unless told otherwise; the plan
+  reads them from a folder of its own (`spmd.compiler_log`). A folder the
+  user chose (`TPU_LOG_DIR`, or `--log_dir` in `LIBTPU_INIT_ARGS`) is kept
+  and read instead; so is the one of a libtpu this process already loaded.
+  Yields the folder libtpu will log to, None when it is the user's or fixed.
+  """
+  chosen = os.environ.get("TPU_LOG_DIR") or "--log_dir=" in os.environ.get("LIBTPU_INIT_ARGS", "")
+  if chosen or topology.libtpu_log_dir() is not None:
+    yield None
+    return
+  folder = tempfile.mkdtemp(prefix="spmd-plan-libtpu-logs-")
+  topology.point_libtpu_logs(folder)
+  try:
+    yield folder
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
