@@ -43,11 +43,12 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -94,7 +95,7 @@ def document_order(count: int, seed: int) -> np.ndarray:
 
 
 def pack_documents(
-  documents: Sequence[np.ndarray],
+  documents: Iterable[np.ndarray],
   seq_len: int,
   dtype: np.dtype | type = np.int32,
   run_windows: int | None = None,
@@ -102,28 +103,52 @@ def pack_documents(
   """The records of the concatenated `documents` (in the given order): runs of windows.
 
   `run_windows` (windows a record holds) defaults to `windows_per_record(seq_len)`.
+  Streamed: the documents are read once, in order, and memory holds one
+  record's run and the document being cut, never the whole stream, so a
+  corpus of any size packs in the same memory. Empty documents are skipped
+  (they do not count in `document`).
   """
   per = run_windows or windows_per_record(seq_len)
-  lengths = np.array([len(d) for d in documents], np.int64)
-  kept = [np.asarray(d) for d, n in zip(documents, lengths) if n]
-  if not kept:
-    return
-  stream = np.concatenate(kept)
-  offsets = np.concatenate([[0], np.cumsum(lengths[lengths > 0])[:-1]])
-  total = len(stream)
   run = per * seq_len
-  for k in range(-(-total // run)):
-    start = k * run
-    stop = min(start + run + 1, total)
-    tokens = np.zeros(run + 1, dtype)
-    tokens[: stop - start] = stream[start:stop]
-    first, last = np.searchsorted(offsets, [start, stop])
-    yield {
-      "tokens": tokens,
-      "starts": (offsets[first:last] - start).astype(np.int32),
-      "length": np.int32(stop - start),
-      "document": np.int64(np.searchsorted(offsets, start, side="right") - 1),
+  pending: list[np.ndarray] = []  # tokens from stream offset `base` on
+  buffered = 0
+  base = 0  # the stream offset of the next record's token 0
+  opened: collections.deque[tuple[int, int]] = collections.deque()  # (offset, document)
+  documents_seen = 0
+
+  def record(tokens: np.ndarray, start: int, length: int) -> dict[str, Any]:
+    while len(opened) > 1 and opened[1][0] <= start:
+      opened.popleft()  # documents that end before this run
+    run_tokens = np.zeros(run + 1, dtype)
+    run_tokens[:length] = tokens[:length]
+    starts = [o - start for o, _ in opened if start <= o < start + length]
+    return {
+      "tokens": run_tokens,
+      "starts": np.asarray(starts, np.int32),
+      "length": np.int32(length),
+      "document": np.int64(opened[0][1]),
     }
+
+  for document in documents:
+    document = np.asarray(document)
+    if not len(document):
+      continue
+    opened.append((base + buffered, documents_seen))
+    documents_seen += 1
+    pending.append(document)
+    buffered += len(document)
+    if buffered < run + 1:
+      continue
+    stream = np.concatenate(pending)  # once per document: the cost stays linear
+    offset = 0
+    while buffered - offset >= run + 1:
+      yield record(stream[offset : offset + run + 1], base, run + 1)
+      offset += run  # the run's last token is the next run's first
+      base += run
+    pending, buffered = [stream[offset:]], buffered - offset
+  if buffered:
+    stream = np.concatenate(pending)
+    yield record(stream, base, buffered)
 
 
 def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str, np.ndarray]]:
