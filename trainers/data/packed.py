@@ -255,9 +255,24 @@ def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
       example=f"windows of {seq_len + 1} tokens",
       detail=f"{documents} documents packed, {padding} padding tokens in the last window",
       identity=identity(),
+      units_per_example=seq_len,
     )
 
   return plan
+
+
+def packed_features(seq_len: int, run_windows: int, vocab_size: int) -> tfds.features.FeaturesDict:
+  """The features of a record of packed windows (the module docstring), as TFDS stores them."""
+  return tfds.features.FeaturesDict(
+    {
+      "tokens": tfds.features.Tensor(
+        shape=(run_windows * seq_len + 1,), dtype=token_dtype(vocab_size), encoding="bytes"
+      ),
+      "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
+      "length": tfds.features.Scalar(dtype=np.int32),
+      "document": tfds.features.Scalar(dtype=np.int64),
+    }
+  )
 
 
 @dataclasses.dataclass(eq=False)
@@ -373,22 +388,10 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     config = self.builder_config
-    dtype = token_dtype(config.vocab_size)
     return tfds.core.DatasetInfo(
       builder=self,
       description=config.description,
-      features=tfds.features.FeaturesDict(
-        {
-          "tokens": tfds.features.Tensor(
-            shape=(config.windows_per_record * config.seq_len + 1,),
-            dtype=dtype,
-            encoding="bytes",
-          ),
-          "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
-          "length": tfds.features.Scalar(dtype=np.int32),
-          "document": tfds.features.Scalar(dtype=np.int64),
-        }
-      ),
+      features=packed_features(config.seq_len, config.windows_per_record, config.vocab_size),
       disable_shuffling=True,  # records in window order; epochs are shuffled when read
     )
 
@@ -423,7 +426,8 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     yield from enumerate(runs)
 
 
-def _framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+def framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+  """A document's ids between its tokenizer's BOS and EOS (those it has); bytes: as they are."""
   if tokenizer is None:
     return ids
   head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
@@ -439,7 +443,7 @@ def _text_documents(
   if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
     return [np.fromfile(f.path, np.uint8) for f in files]
   texts = [read_text(f.path) for f in files]
-  return [_framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
+  return [framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
 
 
 def _dataset_documents(
@@ -456,7 +460,7 @@ def _dataset_documents(
       f"{config.dataset}[{split}] has token id {top}, outside config.model.vocab_size="
       f"{config.vocab_size}"
     )
-  return [_framed(d, tokenizer) for d in documents]
+  return [framed(d, tokenizer) for d in documents]
 
 
 def prepare_packed(data_dir: str | os.PathLike, config: PackedConfig) -> str:

@@ -58,7 +58,7 @@ from trainers.data.records import Example, RecordPlan
 
 log = logging.getLogger(__name__)
 # One row's mask in eval batches of examples that have none: padding rows get 0.
-_PADDING_MASK = np.ones((), np.float32)
+PADDING_MASK = np.ones((), np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +117,9 @@ class StepBatches:
     """What an epoch (eval: the pass) uses of the data and what it drops, and why."""
     raise NotImplementedError
 
-  def sources_fed(self, steps: int) -> list[dict[str, Any]] | None:
+  def sources_fed(self, steps: int, unit: str = "units") -> list[dict[str, Any]] | None:
     """What each source fed in `steps` steps (a mixture's `data_sources`); None: one source."""
-    del steps
+    del steps, unit
     return None
 
   def wrap_host_rows(self, wrap: Callable[[int, Example], Example]) -> None:
@@ -143,7 +143,7 @@ class StepBatches:
     for key, value in local.items():
       spec = self._example_spec.get(key)
       if spec is None:  # the mask of eval padding, for examples without one (`host_batch`)
-        spec = _PADDING_MASK
+        spec = PADDING_MASK
       if value.shape != (len(self._rows), *spec.shape) or value.dtype != spec.dtype:
         raise ValueError(
           f"process {jax.process_index()}: batch[{key!r}] at {step=} has local shape "
@@ -335,7 +335,7 @@ class GlobalBatches(StepBatches):
     for key, spec in self._example_spec.items():
       out[key] = np.stack([e[key] if e is not None else np.zeros_like(spec) for e in examples])
     if not self.train:  # eval padding counts for nothing
-      mask = out.get("mask", np.ones((len(indices),), _PADDING_MASK.dtype))
+      mask = out.get("mask", np.ones((len(indices),), PADDING_MASK.dtype))
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
 
