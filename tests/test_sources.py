@@ -58,6 +58,11 @@ def test_jsonl_plain_gzip_and_zstd_read_every_document_in_order(tmp_path, suffix
   assert rows[:3] == [1, 2, 3]  # JSONL rows are lines, from 1
 
 
+def test_a_lone_surrogate_in_json_becomes_a_replacement_character(tmp_path):
+  (tmp_path / "s.jsonl").write_text('{"text": "a\\ud800b"}\n{"text": "\\ud83d\\ude00"}\n')
+  assert read(tmp_path / "s.jsonl") == ["a\ufffdb", "\U0001f600"]  # a valid pair stays one
+
+
 def test_parquet_arrow_hf_folder_and_text_files_read_their_documents(tmp_path):
   assert read(write_parquet(tmp_path / "pq", TEXTS, files=2)) == TEXTS[0::2] + TEXTS[1::2]
   hf = write_hf_dataset(tmp_path / "hf", TEXTS, files=2)

@@ -111,7 +111,23 @@ def _jsonl_rows(file: SourceFile, lines: BinaryIO, field: str) -> Iterator[Row]:
       kind = _json_type(value[field])
       yield BadRow(file.path, where, f"{field!r} is a {kind}, not a string")
     else:
-      yield Document(file, number, value[field])
+      yield Document(file, number, _text(value[field]))
+
+
+def _text(value: str) -> str:
+  """`value`, with its lone surrogates (JSON's `"\\ud800"`, which no UTF-8 holds) as U+FFFD.
+
+  Through UTF-16, where a valid pair joins into its character and a lone half
+  decodes to U+FFFD, so the tokenizers (which take UTF-8) get text.
+
+  >>> _text("a\\ud800b") == "a\\ufffdb", _text("ok")
+  (True, 'ok')
+  """
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError:
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+  return value
 
 
 def _is_text(kind: pa.DataType) -> bool:

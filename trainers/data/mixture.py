@@ -121,7 +121,7 @@ def units_fed(stream: RecordStream, fed: int) -> float:
     return fed * plan.in_examples / n
   short = n * full - plan.in_examples  # what the last example lacks
   epochs, within = divmod(fed, n)
-  last_fed = epochs + (1 if short and within > stream.last_example_position(epochs) else 0)
+  last_fed = epochs + (1 if short and stream.fed_last_example(epochs, within) else 0)
   return float(fed * full - short * last_fed)
 
 

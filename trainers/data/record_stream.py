@@ -151,22 +151,20 @@ class RecordStream:
     record = self._record_at(epoch * count + first + k // per)
     return record * per + k % per
 
-  def last_example_position(self, epoch: int) -> int:
-    """Where, within `epoch`, the last example comes (the one a packed split pads).
+  def fed_last_example(self, epoch: int, within: int) -> bool:
+    """Whether the first `within` positions of `epoch` hold the last example (a packed split's
+    padded one).
 
     Needs `last_record_last`: the last record is then in the epoch's last
-    block, so only that block is searched.
+    block, so only the positions of that block before `within` are looked at.
     """
     if not self.last_record_last:
       raise ValueError(f"{self.name}: the last example's place needs last_record_last=True")
     n, per = self.num_examples, self.examples_per_record
     if per == 1:
-      return n - 1
+      return within >= n
     first = (self.count - 1) // self.shuffle_block * self.shuffle_block * per
-    for within in range(first, n):
-      if self._window_at(epoch * n + within) == n - 1:
-        return within
-    raise AssertionError(f"{self.name}: example {n - 1} is not in the last block")
+    return any(self._window_at(epoch * n + j) == n - 1 for j in range(first, min(within, n)))
 
   # -- reading -----------------------------------------------------------------
 
