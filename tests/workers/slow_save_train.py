@@ -24,12 +24,12 @@ def _slow_write(self, *args, **kwargs):
   return _write(self, *args, **kwargs)
 
 
-def _slow_loop(loop, train_step, batches, hooks, preempted, progress=lambda step: None):
+def _slow_loop(loop, train_step, batches, hooks, preempted, progress=lambda step: None, **kwargs):
   def slow_progress(step):
     time.sleep(_STEP_DELAY_S)
     progress(step)
 
-  return _loop(loop, train_step, batches, hooks, preempted, slow_progress)
+  return _loop(loop, train_step, batches, hooks, preempted, slow_progress, **kwargs)
 
 
 Saver._orbax_save = _slow_write

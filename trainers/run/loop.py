@@ -10,6 +10,7 @@ host sync per `log_every` steps, not per step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -100,10 +101,15 @@ def train_loop(
   hooks: list[Hook],
   preempted: Callable[[int], bool],
   progress: Callable[[int], None] = lambda step: None,
+  end_phase: Callable[[Hook], contextlib.AbstractContextManager] = lambda hook: (
+    contextlib.nullcontext()
+  ),
 ) -> LoopState:
   """Runs steps until `total_steps`, a preemption, or an error.
 
-  `progress(step)` is told after every step and every hook (the watchdog).
+  `progress(step)` is told after every step and every hook (the watchdog);
+  the end (the last fetch, every hook's `end`) runs within `end_phase()`, its
+  own time limit: the end of a run is not a step.
   At the end each hook's `end(info, ok)` runs, after a last fetch of the
   pending metrics when the loop ended cleanly (a preemption included).
   """
@@ -126,12 +132,13 @@ def train_loop(
         raise Preempted(f"preempted at step {loop.step}")
     ok = True
   finally:
-    if ok and any(h.metrics for h in hooks):
-      loop.fetch()
-    info = loop.info(ok and bool(loop.history))
-    for hook in hooks:
-      if hook.end is not None:
-        entries = hook.end(info, ok)
-        if entries:
-          loop.summary_entries.update(entries)
+    with end_phase():
+      if ok and any(h.metrics for h in hooks):
+        loop.fetch()
+      info = loop.info(ok and bool(loop.history))
+      for hook in hooks:
+        if hook.end is not None:
+          entries = hook.end(info, ok)
+          if entries:
+            loop.summary_entries.update(entries)
   return loop

@@ -371,7 +371,19 @@ def _run_loop(
 
   try:
     with jax.transfer_guard(guard):
-      train_loop(loop, train_step, batches, run.hooks, watch.reached, on_progress)
+      train_loop(
+        loop,
+        train_step,
+        batches,
+        run.hooks,
+        watch.reached,
+        on_progress,
+        # The end (the last metrics, the final save, the hooks' summary
+        # entries) is timed like an eval, not by the step limit.
+        end_phase=lambda: watchdog.phase(
+          "the end of the run (the hooks' ends)", config.eval_timeout_s, "eval_timeout_s"
+        ),
+      )
   except Preempted:
     if jax.process_index() == 0:
       log.warning(

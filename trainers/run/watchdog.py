@@ -243,11 +243,12 @@ class ProgressWatchdog:
       >>> dog.close(); stuck
       []
     """
+    outer = self._phase  # phases nest: a save inside a hook's end of run
     self._phase, self._since = (what, timeout_s, key), time.monotonic()
     try:
       yield
     finally:
-      self._phase, self._since = None, time.monotonic()
+      self._phase, self._since = outer, time.monotonic()
 
   def _publish(self) -> None:
     if self._client is None or self._step == self._published:
