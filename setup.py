@@ -50,6 +50,12 @@ setup(
     # on the corpus with HF tokenizers, or a user's tokenizer.json / SentencePiece model.
     "tokenizers>=0.20",
     "sentencepiece>=0.2",
+    # config.data.sources (trainers/data/documents.py): Parquet files and HF
+    # `datasets` folders' Arrow files are read with pyarrow, column by column and
+    # a batch of rows at a time; .jsonl.zst with zstandard, the reference binding
+    # of the zstd library.
+    "pyarrow>=17.0",
+    "zstandard>=0.22",
   ],
   extras_require={
     "test": [

@@ -40,14 +40,29 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.name = "text_corpus"
   config.data.source = ""  # text_corpus only: a directory, glob or "" for the stdlib
   config.data.dir = ""  # default: <workdir>/../data (shared between runs)
-  config.data.validation_percent = 2.0  # text_corpus only: share of files held out
+  # Your files as they are (the LM tasks, packed; docs/data.md): a comma-separated
+  # list of PATH_OR_GLOB or PATH_OR_GLOB@WEIGHT, local or gs://, each .jsonl,
+  # .jsonl.gz, .jsonl.zst, .parquet, .txt or an HF `datasets` save_to_disk folder.
+  # Weights are shares of rows (none given: in proportion to each source's size).
+  # Replaces data.name and data.source.
+  config.data.sources = ""
+  config.data.text_field = "text"  # the JSON field or column that holds each document
+  # Sources to evaluate on instead of holding documents out of data.sources ("": hold out).
+  config.data.eval_sources = ""
+  # Bad rows (not JSON, no text_field, not a string, null) a source may skip; past
+  # that a bad row is an error naming its file and row. The run logs what it skipped.
+  config.data.skip_bad_rows = 0
+  # The share held out for evaluation: of the files (text_corpus), or of each
+  # source's documents (data.sources, unless data.eval_sources names its own).
+  config.data.validation_percent = 2.0
   config.data.train_split = "train"
   config.data.eval_split = "validation"
   config.data.prefetch = 2
   # The LM task's tokens: "bytes" (ids = the text's bytes, vocab 256), "bpe" (a
-  # byte-level BPE of model.vocab_size ids trained on the text corpus's train
-  # files on first use, cached in data.dir), or a path/URL to a tokenizer.json
-  # or SentencePiece .model. A subword tokenizer on the text corpus needs pack.
+  # byte-level BPE of model.vocab_size ids trained on first use on the text
+  # corpus's train files, or on a bounded sample of every data.sources source,
+  # cached in data.dir), or a path/URL to a tokenizer.json or SentencePiece
+  # .model. A subword tokenizer on the text corpus needs pack.
   config.data.tokenizer = "bytes"
   # Pack documents (files, or a pre-tokenized dataset's records) framed with
   # BOS/EOS into windows of model.seq_len + 1 tokens, one record each: every

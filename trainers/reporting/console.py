@@ -112,6 +112,7 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
   "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
   "examples_per_s": ("examples/s", lambda v: f"{v:,.0f}"),
   "real_token_share": ("real tokens per batch", lambda v: f"{100 * v:.1f}%"),
+  "data_sources": ("data sources (share, epochs)", lambda v: _sources(v)),
   "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
   "hfu": ("HFU (compiled matmul FLOPs)", lambda v: f"{100 * v:.1f}%"),
   "peak_flops_per_s": ("peak per device", _flops),
@@ -127,6 +128,11 @@ _SUMMARY: dict[str, tuple[str, Callable[[Any], str]]] = {
 }
 
 
+def _sources(fed: Sequence[Mapping[str, Any]]) -> str:
+  """A mixture's sources: each one's share of what the run fed and its epochs."""
+  return ", ".join(f"{f['source']} {100 * f['share']:.1f}% ({f['epochs']:.2f})" for f in fed)
+
+
 def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -137,7 +143,8 @@ def format_summary(d: Mapping[str, Any], own_entries: Sequence[str] = ()) -> str
   Known keys, in print order: steps, train_loss, eval_loss, the task's eval
   metrics (`eval_<name>`, whatever the names: "eval <name>" with 4
   significant digits; `eval_accuracy`, a fraction, as %), tokens_per_s (any
-  `<unit>_per_s`), mfu (a fraction, printed as %), peak_flops_per_s,
+  `<unit>_per_s`), real_token_share, data_sources (a mixture's sources, each
+  one's share and epochs), mfu (a fraction, printed as %), peak_flops_per_s,
   peak_source, wall_time_s, first_step_s, resumed_from, workdir, and the
   paths checkpoints, metrics, tensorboard, loss_curve. Entries that are absent
   or None are skipped, and so are other keys, because the same dict is also

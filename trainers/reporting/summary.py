@@ -56,12 +56,16 @@ def summarize(
   started: float,
   first_step: dict[str, float],
   extra: Mapping[str, Any] | None = None,
+  data_sources: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """The run's summary after `steps` steps: losses, throughput, timings, where its files are.
 
   `history` is every fetched metrics row, oldest first (the loop's).
   `extra`: entries the hooks returned (`Hook.end`), last; one whose name the
   summary already uses is left out, with a warning naming it.
+  `data_sources`: what each source of a mixture fed over the run's steps
+  (its weight, rows, epochs, units and their share:
+  `MixtureBatches.sources_fed`), kept as the summary's `data_sources`.
 
   Of the final eval it takes the loss and every metric of the task's loss,
   `eval_<name>` by the task's own names (none, if the loss returns none).
@@ -89,6 +93,8 @@ def summarize(
     "loss_history": [(h["step"], h["loss"]) for h in history],
     **real_unit_share(task, history),
   }
+  if data_sources is not None:
+    summary["data_sources"] = data_sources
   for name, value in (extra or {}).items():
     if name in summary:
       log.warning(

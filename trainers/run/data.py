@@ -9,8 +9,9 @@ import ml_collections
 from etils import epath
 
 from spmd import multihost
+from spmd.errors import UserError
 from trainers import paths
-from trainers.data import pipeline
+from trainers.data import mixture, pipeline
 from trainers.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,19 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
     global_batch=config.global_batch,
     mesh=mesh,
     batch_axes=batch_axes,
-    examples_per_record=task.examples_per_record,
     plan_records=task.plan_records,  # windows per record from the data itself
     features=tuple(task.record_template),  # decode only what the task reads
     shuffle_block=config.data.shuffle_block,
     to_batch=task.to_batch,
   )
+  if isinstance(name, mixture.DataMixture):  # several sources (config.data.sources)
+    return _open_mixture(config, task, name, str(data_dir), common)
+  if config.data.get("sources"):
+    raise UserError(
+      f"config.data.sources is set, but config.task={config.task!r} prepares its own data "
+      f"({name!r}); only the LM tasks read data.sources"
+    )
+  common["examples_per_record"] = task.examples_per_record
   train = pipeline.open_global_batches(
     name,
     config.data.train_split,
@@ -64,5 +72,24 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
   )
   evaluation = pipeline.open_global_batches(
     name, config.data.eval_split, str(data_dir), task.to_example, train=False, **common
+  )
+  return train, evaluation
+
+
+def _open_mixture(config, task: Task, prepared: mixture.DataMixture, data_dir: str, common: dict):
+  """(train, eval) batches of a mixture: the weighted sources, then each source's eval split."""
+  train = mixture.open_mixture_batches(
+    prepared,
+    config.data.train_split,
+    data_dir,
+    task.to_example,
+    seed=config.seed,
+    train=True,
+    steps=config.train.steps,
+    unit=task.unit,
+    **common,
+  )
+  evaluation = mixture.open_mixture_batches(
+    prepared, config.data.eval_split, data_dir, task.to_example, train=False, **common
   )
   return train, evaluation

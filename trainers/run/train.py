@@ -152,6 +152,7 @@ def _train_and_evaluate(
     started=started,
     first_step=first_step,
     extra=loop.summary_entries,  # what the hooks' ends returned
+    data_sources=train_batches.sources_fed(loop.step, task.unit),  # a mixture's; else None
   )
   return summary.publish(
     results,

@@ -103,7 +103,9 @@ class Task:
   Data:
     prepare_data: `data_dir -> name`: builds the TFDS dataset in `data_dir`
       unless it is there (process 0 runs it first, the others after) and
-      returns the name to open with `tfds.data_source`.
+      returns the name to open with `tfds.data_source`; or, for several
+      weighted sources, a `trainers.data.mixture.DataMixture` naming each
+      source's prepared splits (the LM tasks' `config.data.sources`).
     record_template: one record's features as zeros (shapes and dtypes, no
       data). Its keys are the features `to_example` reads and the only ones
       decoded; `to_example(record_template)` gives the examples' shapes. A
@@ -154,7 +156,7 @@ class Task:
 
   model: Callable[[Any], Any]
   loss: LossFn
-  prepare_data: Callable[[str], str]
+  prepare_data: Callable[[str], Any]  # a TFDS name, or a DataMixture
   record_template: Mapping[str, Any]
   to_example: Callable[..., Example]
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None

@@ -5,6 +5,8 @@ Bytes or a pre-tokenized dataset in windows of its records, or, with
 "bpe" trained on the corpus, or a tokenizer file), framed with BOS/EOS and
 packed into windows (`trainers.data.packed`); batches then also carry
 `segment_ids` and `positions`, and throughput counts real input tokens.
+With `config.data.sources`, the documents are the sources' (JSONL, Parquet,
+text, HF datasets; weighted), each packed on its own (`lm_sources`).
 
 Example:
   >>> from configs import lm_tiny
@@ -29,6 +31,7 @@ import numpy as np
 from trainers.data import lm_examples
 from trainers.data import tokenizer as tok
 from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec, tokenizer_codec
+from trainers.tasks import lm_sources
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
     ...
     ValueError: data.tokenizer='bpe' needs data.pack=True on the text corpus: subword tokens are packed into windows (set data.pack=True, or data.tokenizer='bytes')
   """
+  if config.data.get("sources"):
+    lm_sources.check_sources(config)
   spec, pack, name = (
     tok.tokenizer_spec(config),
     bool(config.data.get("pack", False)),
@@ -295,8 +300,9 @@ def lm_data(
     if prompt is not None:
       prompt_ids(codec(), prompt, vocab_size, seq_len)
 
+  prepare = lm_sources.sources_prepare if config.data.get("sources") else packed_prepare
   fields = dict(
-    prepare_data=packed_prepare(config, prepared, check, seq_len, vocab_size),
+    prepare_data=prepare(config, prepared, check, seq_len, vocab_size),
     record_template=packed.record_template(seq_len),
     to_example=packed.packed_example(seq_len),
     to_batch=packed.packed_batch(seq_len),
