@@ -8,7 +8,7 @@ descriptor 2, libtpu to its log folder (`spmd.compiler_log` reads both), with
 the persistent compilation cache off, since a cache hit compiles nothing.
 Each check first proves it can see a fallback, on a program made to have one.
 
-The steps are `trainers.step.steps.make_train_step`'s, the trainer's own, for the
+The steps are `trainers.step.train_step.make_train_step`'s, the trainer's own, for the
 Llama (layers scanned) and the transformer (unrolled) at tiny shapes whose
 head counts divide 4, on packed rows (token and position lookups both).
 """
@@ -29,7 +29,7 @@ from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
 from trainers.run.train import build_mesh
 from trainers.step.state import make_state
-from trainers.step.steps import abstract_batch, make_train_step
+from trainers.step.train_step import abstract_batch, make_train_step
 from trainers.tasks import make_task
 
 MESHES = [
