@@ -29,7 +29,8 @@ from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
 from trainers.run.train import build_mesh
 from trainers.step.state import make_state
-from trainers.step.train_step import abstract_batch, make_train_step
+from trainers.step.loss import abstract_batch
+from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
 
 MESHES = [
