@@ -28,8 +28,8 @@ from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
 from trainers.run.train import build_mesh
-from trainers.step.state import make_state
 from trainers.step.loss import abstract_batch
+from trainers.step.state import make_state
 from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
 
