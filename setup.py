@@ -50,6 +50,12 @@ setup(
     # on the corpus with HF tokenizers, or a user's tokenizer.json / SentencePiece model.
     "tokenizers>=0.20",
     "sentencepiece>=0.2",
+    # config.data.sources (trainers/data/documents.py): Parquet files and HF
+    # `datasets` folders' Arrow files are read with pyarrow, column by column and
+    # a batch of rows at a time; .jsonl.zst with zstandard, the reference binding
+    # of the zstd library.
+    "pyarrow>=17.0",
+    "zstandard>=0.22",
   ],
   extras_require={
     "test": [
@@ -63,14 +69,14 @@ setup(
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
   },
   entry_points={
-    # `spmd-NAME` is the `main()` of `<package>/NAME_cli.py` (CONTRIBUTING.md, "House rules").
+    # `spmd-NAME` is the `main()` of `NAME_cli.py` in its job's package (CONTRIBUTING.md, "House rules").
     "console_scripts": [
       "spmd-launch=launch.launch_cli:main",
       "spmd-mesh=spmd.mesh_cli:main",
-      "spmd-plan=trainers.plan_cli:main",
-      "spmd-train=trainers.train_cli:main",
-      "spmd-export=trainers.export_cli:main",
-      "spmd-sample=trainers.sample_cli:main",
+      "spmd-plan=trainers.planning.plan_cli:main",
+      "spmd-train=trainers.run.train_cli:main",
+      "spmd-export=trainers.checkpoints.export_cli:main",
+      "spmd-sample=trainers.sampling.sample_cli:main",
     ]
   },
 )

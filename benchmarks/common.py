@@ -67,7 +67,7 @@ def transformer_setup(config, mesh, batch_axes: tuple[str, ...] = ("data",)):
 
   from spmd.layout import batch_sharding
   from trainers.models import transformer as lm
-  from trainers.state import make_state
+  from trainers.step.state import make_state
   from trainers.tasks.lm import transformer_config
 
   model_config = transformer_config(config)

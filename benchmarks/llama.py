@@ -50,8 +50,8 @@ from configs import default  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
 from trainers.models import llama  # noqa: E402
-from trainers.state import make_state  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.step.state import make_state  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import llama as llama_task  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 

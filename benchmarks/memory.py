@@ -22,15 +22,15 @@ jax.config.update("jax_num_cpu_devices", DEVICES)
 jax.config.update("jax_platforms", "cpu")
 
 from benchmarks import common  # noqa: E402
-from trainers import plan as plan_lib  # noqa: E402
-from trainers import plan_targets  # noqa: E402
+from trainers.planning import plan as plan_lib  # noqa: E402
+from trainers.planning import targets  # noqa: E402
 
 
 def state_bytes_per_device(config, devices: int) -> tuple[int, int]:
   """(from the compiled memory analysis, from the shardings) parameter + optimizer bytes."""
   keep: list = []
   plan = plan_lib.make_plan(
-    config, plan_targets.gpu_target("h100", devices), compile_step=True, keep_compiled=keep
+    config, targets.gpu_target("h100", devices), compile_step=True, keep_compiled=keep
   )
   compiled = keep[0].memory_analysis().argument_size_in_bytes - plan.memory.batch_bytes
   return compiled, plan.memory.state_bytes

@@ -33,8 +33,9 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 
 from benchmarks import common  # noqa: E402
-from trainers import plan as plan_lib  # noqa: E402
-from trainers import plan_targets  # noqa: E402
+from trainers.planning import plan as plan_lib  # noqa: E402
+from trainers.planning import targets  # noqa: E402
+from trainers.planning.figures import Plan  # noqa: E402
 
 GIB = 2**30
 MAXTEXT_BYTES = 14.1 * GIB
@@ -49,7 +50,7 @@ MAXTEXT_COMMAND = (
 PURE_FSDP = {"ici": "data=1,fsdp=-1,tensor=1", "rules": "fsdp"}
 
 
-def plan_for(args: argparse.Namespace, attention: str) -> plan_lib.Plan:
+def plan_for(args: argparse.Namespace, attention: str) -> Plan:
   """The plan of the config under pure FSDP on the topology, with this attention kernel."""
   config = common.load_config(args.config)
   config.mesh.ici, config.mesh.rules = PURE_FSDP["ici"], PURE_FSDP["rules"]
@@ -60,11 +61,11 @@ def plan_for(args: argparse.Namespace, attention: str) -> plan_lib.Plan:
   if args.global_batch:
     config.global_batch = args.global_batch
   return plan_lib.make_plan(
-    config, plan_targets.tpu_target(args.topology), compile_step=True, verify_suggestions=False
+    config, targets.tpu_target(args.topology), compile_step=True, verify_suggestions=False
   )
 
 
-def describe(plan: plan_lib.Plan) -> str:
+def describe(plan: Plan) -> str:
   m = plan.memory
   kernel = plan.attention[0].split()[0] if plan.attention else "none"
   return (
@@ -85,7 +86,7 @@ def main() -> None:
   fused = plan_for(args, "auto")
   xla = plan_for(args, "xla")
   name = f"{os.path.basename(args.config)} on {args.topology}, pure FSDP"
-  where = common.machine(f"{args.topology} compiled ahead of time through libtpu")
+  where = common.machine(f"compiled by libtpu for {args.topology}")
   maxtext = f"MaxText {MAXTEXT_BYTES / GIB:.1f} GiB"
   rows = [
     common.row(

@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -19,6 +19,8 @@ counts and process layouts):
   M1      benchmarks/pod_memory.py  Llama-3-8B's bytes per device on v5p-256 (pure
                                     FSDP, compiled through libtpu) vs MaxText's;
                                     M1-xla the same with XLA's attention
+  M2      benchmarks/pod_flops.py   compiled FLOPs per device of llama3_8b on v5p-256
+                                    (libtpu), fsdp_tp vs pure FSDP: nothing timed
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -56,6 +58,7 @@ BENCHMARKS = [
   ("memory", ("P7",), {}),
   ("llama", ("P10",), {}),
   ("pod_memory", ("M1", "M1-xla"), {}),
+  ("pod_flops", ("M2",), {}),
 ]
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")

@@ -2,7 +2,7 @@
 
   python -m benchmarks.trainer [--rounds=10] [--json=out.json]
   # on one GPU (the H200 check): lm_small in bf16, MFU against the
-  # chip's dense bf16 peak from `trainers.peaks` (989 TFLOP/s on H100/H200 SXM)
+  # chip's dense bf16 peak from `trainers.reporting.peaks` (989 TFLOP/s on H100/H200 SXM)
   BENCH_PLATFORM=cuda python -m benchmarks.trainer --model=lm_small --json=gpu.json
 
 One process, in one run:
@@ -17,7 +17,7 @@ One process, in one run:
       of 3 square 2048 matmuls just before each round, and the round's step
       time against it; median of the per-round ratios. Goal >= 0.75.
       The peak is the better of XLA:CPU's default matmul and the same matmul
-      through oneDNN (`peaks.ONEDNN_DOTS`; which is faster depends on the
+      through oneDNN (`matmul_peak.ONEDNN_DOTS`; which is faster depends on the
       CPU); the detail also gives the figure against the default's alone.
       Beside it, the same estimate for a "step" of nothing but square 2048
       matmuls (as many FLOPs as lm_tiny's step, XLA's default matmul),
@@ -30,7 +30,7 @@ One process, in one run:
       but the matmuls were free.
       On an accelerator (`BENCH_PLATFORM=cuda` or `tpu`, every local device):
       against the chip's dense peak for the model's dtype from the table in
-      `trainers.peaks` (a sampled matmul where the chip is not in it), with
+      `trainers.reporting.peaks` (a sampled matmul where the chip is not in it), with
       tokens/s; rows `P1-cuda` and `P3-cuda` (`-tpu` on TPU), no goal for the MFU.
 `--global-batch`, `--seq-len` and `--num-layers` shrink the model for a quick
 check that the script runs (`tests/test_benchmarks.py` runs it so on CPU).
@@ -58,10 +58,10 @@ from benchmarks import common  # noqa: E402
 from configs import lm_small, lm_tiny_bytes  # noqa: E402
 from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
-from trainers.state import model_from_params  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.reporting import chips, matmul_peak  # noqa: E402
+from trainers.step.state import model_from_params  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 
@@ -150,14 +150,14 @@ def main() -> None:
   # CPU devices share the host's cores, so the host's peak is all of theirs.
   kind = jax.devices()[0].device_kind
   on_cpu = PLATFORM == "cpu"
-  table = None if on_cpu else peaks.table_peak(kind, config.model.dtype)
-  chips = 1 if on_cpu else devices
+  table = None if on_cpu else chips.table_peak(kind, config.model.dtype)
+  peak_devices = 1 if on_cpu else devices
   if table is None:
     # On CPU, XLA's default matmul is not always the fastest float32 matmul
     # this jaxlib has: through oneDNN the same square matmul can be faster,
     # depending on the CPU. A peak is the best the machine does, so each
-    # round's is the better of the two (`peaks.peak_sampler`).
-    sample_peak = peaks.peak_sampler("float32" if on_cpu else config.model.dtype)
+    # round's is the better of the two (`matmul_peak.peak_sampler`).
+    sample_peak = matmul_peak.peak_sampler("float32" if on_cpu else config.model.dtype)
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   # On one CPU device: the step's own dots, nothing else, timed like the step.
@@ -173,15 +173,15 @@ def main() -> None:
   for i in range(args.rounds):
     if table is None:
       best, default_peak = sample_peak(3, 1.0)
-      peak = best * chips
-      default_peaks.append(default_peak * chips)
+      peak = best * peak_devices
+      default_peaks.append(default_peak * peak_devices)
       chain_state, c = timed(chain, chain_state, None, args.steps)
       mfu_chain.append(chain_flops / c / peak)
       if replay is not None:
         replay_state, r = timed(replay, replay_state, None, args.steps)
         mfu_replay.append(flops / r / peak)
     else:
-      peak = table * chips
+      peak = table * peak_devices
     if i % 2:
       state_a, a = timed(ours, state_a, batch, args.steps)
       state_b, b = timed(theirs, state_b, batch, args.steps)

@@ -12,7 +12,7 @@ One process, 4 CPU devices, the real train step of `--config`:
       steps, each round next to its pair in time) and many (120): few long
       rounds leave the median at the mercy of whatever else ran during them.
   P5  time of the steps that start an asynchronous checkpoint (the step plus
-      `checkpoint.Saver.save`, as the trainer's checkpoint hook calls it) ÷
+      `Saver.save`, as the trainer's checkpoint hook calls it) ÷
       steps of rounds without checkpoints, alternating rounds. Every step
       waits for its result so each is timed alone. Goal <= 1.15. Reported
       too: the step after a save, and the whole cost of saving every 4 steps
@@ -40,11 +40,13 @@ jax.config.update("jax_platforms", "cpu")
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from trainers import checkpoint  # noqa: E402
-from trainers.state import make_state  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.checkpoints.manager import make_manager  # noqa: E402
+from trainers.checkpoints.saver import Saver  # noqa: E402
+from trainers.run.data import open_data  # noqa: E402
+from trainers.step.mesh import build_mesh  # noqa: E402
+from trainers.step.state import make_state  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
-from trainers.train import build_mesh, open_data  # noqa: E402
 
 
 def pipeline_cost(step_fn, state, train, prefetch: int, steps: int, rounds: int):
@@ -92,7 +94,7 @@ def checkpoint_cost(step_fn, state, batch, data_state: dict, every: int, saves: 
   holder = {"state": state, "step": 0}
   saving, after, ordinary, intervals = [], [], [], []
   with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as directory:
-    saver = checkpoint.Saver(checkpoint.make_manager(directory, every=1, keep=2))
+    saver = Saver(make_manager(directory, every=1, keep=2))
 
     def one_round(save: bool) -> list[float]:
       times = []

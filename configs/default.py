@@ -2,122 +2,12 @@
 
   spmd-train --config=configs/default.py --workdir=/tmp/run [--config.train.steps=100]
 
-Unknown keys and wrong types are rejected, in config files as in overrides
-(`trainers/config.py`), so a typo is an error, not a silently ignored setting.
+The settings, each with its default and what it does, are in
+`trainers/config/defaults.py`: the trainer checks every config against them, so
+an unknown key or a value of the wrong type is an error, not a silently ignored
+setting.
 """
 
-import ml_collections
+from trainers.config.defaults import get_config
 
-from trainers import optim
-from trainers.tasks import lm
-
-
-def get_config() -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-
-  # The device assignment (spmd.mesh.create_mesh). One -1 fills the rest.
-  config.mesh = ml_collections.ConfigDict()
-  config.mesh.ici = "data=-1,fsdp=1,tensor=1"  # inside a slice (or the whole job)
-  config.mesh.dcn = ""  # across TPU slices / GPU nodes, e.g. "data=2"
-  config.mesh.rules = "fsdp"  # logical axis rules preset: dp, fsdp, fsdp_tp
-  config.mesh.batch_axes = ("data", "fsdp")  # mesh axes that split the batch
-  # Variables without sharding names (e.g. a stock nnx.Linear): "replicate", or
-  # "fsdp" = split over the batch axes along their largest divisible dimension.
-  config.mesh.unannotated = "replicate"
-
-  # Global batch: the same whatever the number of hosts.
-  config.global_batch = 32
-
-  # Data: a TFDS dataset prepared in data.dir. "text_corpus" is built on
-  # first use from data.source (default: this Python's standard library).
-  config.data = ml_collections.ConfigDict()
-  config.data.name = "text_corpus"
-  config.data.source = ""  # text_corpus only: a directory, glob or "" for the stdlib
-  config.data.dir = ""  # default: <workdir>/../data (shared between runs)
-  config.data.validation_percent = 2.0  # text_corpus only: share of files held out
-  config.data.train_split = "train"
-  config.data.eval_split = "validation"
-  config.data.prefetch = 2
-  # The LM task's tokens: "bytes" (ids = the text's bytes, vocab 256), "bpe" (a
-  # byte-level BPE of model.vocab_size ids trained on the text corpus's train
-  # files on first use, cached in data.dir), or a path/URL to a tokenizer.json
-  # or SentencePiece .model. A subword tokenizer on the text corpus needs pack.
-  config.data.tokenizer = "bytes"
-  # Pack documents (files, or a pre-tokenized dataset's records) framed with
-  # BOS/EOS into windows of model.seq_len + 1 tokens, one record each: every
-  # token used, batches with segment_ids/positions (trainers/data/packed.py).
-  config.data.pack = False
-  # Records per shuffle block when records hold several examples (LM windows):
-  # a batch draws from this many records, each read about once per block.
-  config.data.shuffle_block = 256
-
-  # The task: what model trains on what data, with which loss (trainers/tasks).
-  # A built-in name ("lm", "classifier"), "package.module:function", or
-  # "file.py:function" relative to the config file's folder.
-  config.task = "lm"
-  # The task's own section: its keys are the task's (for "lm", the sizes of
-  # trainers.models.transformer.TransformerConfig; see trainers/tasks/lm.py).
-  config.model = lm.default_model_config()
-
-  # Optimisation (trainers/optim.py): an optax optimizer by name after global-norm
-  # clipping, a linear warmup then a decay, and weight decay on a masked subset.
-  config.train = ml_collections.ConfigDict()
-  config.train.steps = 1000
-  config.train.optimizer = "adamw"  # adamw, adafactor, lion, sgd
-  config.train.learning_rate = 3e-3
-  config.train.schedule = "cosine"  # after the warmup: cosine, linear, constant, rsqrt
-  config.train.warmup_steps = 100
-  config.train.end_learning_rate_fraction = 0.1  # cosine and linear end here
-  config.train.weight_decay = 0.1
-  # Parameters whose path ("blocks/0/attn_norm/scale") one of these regexes
-  # matches get no decay: by default norms, biases and embedding tables.
-  config.train.weight_decay_exclude = optim.DEFAULT_DECAY_EXCLUDE
-  config.train.b1 = 0.9  # adamw, lion
-  config.train.b2 = 0.95  # adamw, lion
-  config.train.momentum = 0.9  # sgd (0 = none)
-  config.train.nesterov = False  # sgd
-  config.train.grad_clip_norm = 1.0  # 0 = no clipping
-  config.train.micro_batches = 1  # gradient accumulation
-  # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
-  # with replicated parameters (gloo pays per array; see trainers/step.py).
-  config.train.flat_grad_reduce = "auto"
-  # How a step with a non-finite loss or gradient keeps the old state: "auto" =
-  # a branch (lax.cond), except on GPU, where a conditional blocks the host every
-  # step, a select (see trainers/step.py).
-  config.train.nonfinite_guard = "auto"
-  config.train.max_bad_steps = 5  # non-finite loss/grads this many times in a row: stop
-  config.train.stop_at_step = 0  # stop early (the schedule still spans train.steps); 0 = no
-  # The watchdog: no finished step for this long ends the job, naming the
-  # process furthest behind (0 = off). The first step includes compilation.
-  config.train.step_timeout_s = 600.0
-  config.train.first_step_timeout_s = 3600.0
-
-  # Periodic work: each hook has its own schedule (0 = never).
-  # Your own hooks (trainers/hooks.py): "package.module:function" or
-  # "file.py:function" beside the config file; function(config) -> Hook(s).
-  config.hooks = ()
-  config.log_every = 10
-  config.eval_every = 200
-  config.eval_batches = 8  # 0 = the whole eval split
-  config.eval_timeout_s = 1800.0  # an eval's own time limit in the watchdog (0 = none)
-  config.checkpoint = ml_collections.ConfigDict()
-  config.checkpoint.every = 200
-  config.checkpoint.keep = 3  # the last K ...
-  config.checkpoint.keep_period = 0  # ... plus every M-th step (0 = none)
-  config.checkpoint.init_from = ""  # initial weights (params, model state) from another run: workdir, checkpoints dir or step dir
-  # A save's own time limit in the watchdog (0 = none); the step limit does not apply.
-  config.checkpoint.save_timeout_s = 1800.0
-  config.profile = ml_collections.ConfigDict()
-  config.profile.start_step = -1  # -1 = no trace
-  config.profile.num_steps = 5
-  # The LM task's greedy sample at the end: this many tokens after the prompt
-  # (0 = no sample). Text for a byte-level vocabulary; with a larger one and no
-  # tokenizer the prompt is its UTF-8 bytes and the sample is shown as ids.
-  config.sample_tokens = 96
-  config.sample_prompt = "def "
-  # Persistent compilation cache: restarts skip XLA compiles. Default: the
-  # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
-  config.compilation_cache_dir = ""
-  config.transfer_guard = ""  # "disallow" makes implicit host<->device transfers errors
-  return config
+__all__ = ["get_config"]

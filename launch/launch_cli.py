@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 
-from launch import local
+from launch import local, slurm
 from launch.processes import stop_on_signals
 from spmd import errors
 
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
   targets = parser.add_subparsers(dest="target", required=True)
   _local_arguments(targets.add_parser("local", help="N simulated hosts on this machine"))
   _slurm_arguments(targets.add_parser("slurm", help="write (and --submit) an sbatch script"))
+  # The TPU and Kubernetes targets' modules are imported where they are used:
+  # they bring in more (the TPU setup, YAML) than a local job needs at start-up.
   from launch import tpu
 
   tpu.add_arguments(
@@ -129,8 +131,6 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _write_sbatch(args: argparse.Namespace, command: list[str]) -> int:
-  from launch import slurm
-
   script = slurm.sbatch_script(
     command,
     args.nodes,

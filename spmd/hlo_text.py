@@ -55,7 +55,7 @@ _CALLS = re.compile(
 )
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _CONSTANT = re.compile(r"%?([\w.\-]+)\s*=\s*[su]\d+\[\]\S*\s+constant\((\d+)\)")
-_BOUND = re.compile(r"ROOT .*compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
+_BOUND = re.compile(r"ROOT .*compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT")
 
 
 def parse_dims(text: str) -> list[int]:
@@ -101,24 +101,99 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None
   return computations, entry
 
 
-def _trip_count(line: str, computations: dict[str, list[str]]) -> int:
-  """Iterations of the `while` on `line`; 1 when they cannot be told.
+def _trip_count(line: str, computations: dict[str, list[str]], caller: list[str]) -> int:
+  """Iterations of the `while` on `line` (in the computation `caller`); 1 when they cannot be told.
 
-  CPU programs say `known_trip_count`; TPU's compiled HLO does not,
-  so the loop condition is read instead: JAX's loops (`scan`, `fori_loop`,
-  so a model scanning over its layers) count an induction variable up from
-  0 by 1 while it is less than a constant.
+  CPU programs say `known_trip_count`; TPU's compiled HLO does not, so the
+  loop is read instead: an induction variable (tuple element k) compared
+  `< bound` in the condition, its start in the loop's initial tuple and its
+  step in the body's result. JAX's loops (`scan`, `fori_loop`) count from 0
+  by 1; the loops XLA writes itself need not: a windowed matmul that
+  overlaps a weight's all-gather with its use (a "collective matmul") works
+  on two shards per iteration, one from each neighbour, and counts by 2, so
+  reading only the bound would count its matmuls twice.
   """
   known = _TRIP_COUNT.search(line)
   if known:
     return int(known.group(1))
-  condition = _CONDITION.search(line)
+  condition, body = _CONDITION.search(line), _WHILE.search(line)
   lines = computations.get(condition.group(1), []) if condition else []
-  constants = dict(m.groups() for m in map(_CONSTANT.search, lines) if m)
-  for cond_line in lines:
-    bound = _BOUND.search(cond_line)
-    if bound and bound.group(1) in constants:
-      return int(constants[bound.group(1)])
+  induction = _induction_bound(lines)
+  if induction is None:
+    return 1
+  index, bound = induction
+  start = _loop_start(line, caller, index)
+  step = _loop_step(computations.get(body.group(1), []) if body else [], index)
+  return max(0, -(-(bound - start) // step))
+
+
+def _instructions(lines: list[str]) -> dict[str, str]:
+  """Each named instruction's text after the `=`, by name."""
+  found = {}
+  for text in lines:
+    name, sep, rest = text.strip().removeprefix("ROOT ").partition(" = ")
+    if sep:
+      found[name.lstrip("%")] = rest
+  return found
+
+
+def _operands(rest: str, op: str) -> list[str]:
+  """The operand names of `op(...)` in an instruction's text (shapes and comments dropped)."""
+  inside = rest.split(f" {op}(", 1)[1].split(")", 1)[0] if f" {op}(" in rest else ""
+  inside = re.sub(r"/\*.*?\*/", "", inside)
+  return [a.split()[-1].lstrip("%") for a in inside.split(",") if a.strip()]
+
+
+def _constant(name: str, instructions: dict[str, str]) -> int | None:
+  """The integer constant `name` holds, through copies; None when it is not one."""
+  for _ in range(8):
+    rest = instructions.get(name, "")
+    value = re.search(r"\sconstant\((-?\d+)\)", rest)
+    if value:
+      return int(value.group(1))
+    copied = _operands(rest, "copy")
+    if not copied:
+      return None
+    name = copied[0]
+  return None
+
+
+def _induction_bound(condition: list[str]) -> tuple[int, int] | None:
+  """(tuple index, bound) of a loop condition `element < constant`; None if it is not one."""
+  instructions = _instructions(condition)
+  constants = dict(m.groups() for m in map(_CONSTANT.search, condition) if m)
+  for text in condition:
+    bound = _BOUND.search(text)
+    if not bound or bound.group(2) not in constants:
+      continue
+    element = re.search(
+      r"get-tuple-element\(.*\), index=(\d+)", instructions.get(bound.group(1), "")
+    )
+    return (int(element.group(1)) if element else 0), int(constants[bound.group(2)])
+  return None
+
+
+def _loop_start(line: str, caller: list[str], index: int) -> int:
+  """The induction variable's first value: element `index` of the while's initial tuple, else 0."""
+  instructions = _instructions(caller)
+  init = _operands(line.split(" = ", 1)[-1], "while")
+  elements = _operands(instructions.get(init[0], ""), "tuple") if init else []
+  start = _constant(elements[index], instructions) if index < len(elements) else None
+  return 0 if start is None else start
+
+
+def _loop_step(body: list[str], index: int) -> int:
+  """What the body adds to element `index` each iteration: `add(element, constant)`, else 1."""
+  instructions = _instructions(body)
+  root = next((t for t in body if t.strip().startswith("ROOT ")), "")
+  elements = _operands(root.split(" = ", 1)[-1], "tuple")
+  if index >= len(elements):
+    return 1
+  added = _operands(instructions.get(elements[index], ""), "add")
+  for name in added:
+    step = _constant(name, instructions)
+    if step is not None and step > 0:
+      return step
   return 1
 
 
@@ -136,7 +211,7 @@ def _executions(computations: dict[str, list[str]], entry: str | None) -> dict[s
     for line in computations[name]:
       loop = _WHILE.search(line)
       body = loop.group(1) if loop else None
-      trips = _trip_count(line, computations) if loop else 1
+      trips = _trip_count(line, computations, computations[name]) if loop else 1
       for called in _CALLS.findall(line):
         for callee in called.strip("{}").replace("%", "").split(","):
           callee = callee.strip()

@@ -16,7 +16,17 @@ import json
 import sys
 from typing import Any
 
+import jax
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from spmd import errors
+from spmd.cli_help import parse_or_help
+from spmd.errors import UserError, user_input
+from spmd.layout import data_layout
+from spmd.mesh import create_mesh
+from spmd.topology import topology_devices
 
 
 def _ranges(values: list[int]) -> str:
@@ -111,11 +121,6 @@ def _flags(argv: list[str]):
 
   None when `argv` asks for help, which has then been printed.
   """
-  from absl import flags
-  from ml_collections import config_flags
-
-  from spmd.cli_help import parse_or_help
-
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file(
     "config", None, "experiment config file", flag_values=fv, sys_argv=["spmd-mesh", *argv]
@@ -145,14 +150,10 @@ def _flags(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
   """`spmd-mesh`: 0, or 2 on a user error (`spmd.errors`)."""
-  from spmd import errors
-
   return errors.run("spmd-mesh", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
 def _main(argv: list[str]) -> int:
-  from spmd.errors import UserError, user_input
-
   fv = _flags(argv)
   if fv is None:
     return 0
@@ -164,21 +165,14 @@ def _main(argv: list[str]) -> int:
   batch_axes = (
     fv.batch_axes.split(",") if fv.batch_axes else list(mesh_cfg.batch_axes) if mesh_cfg else None
   )
-  import jax
-
   if fv.topology == "local":
     if fv.cpu_devices:
       jax.config.update("jax_num_cpu_devices", fv.cpu_devices)
     devices = jax.devices()
   else:
     jax.config.update("jax_platforms", "cpu")  # plan only: never look for a real TPU
-    from spmd.topology import topology_devices
-
     with user_input(ValueError):
       devices = list(topology_devices(fv.topology, fv.num_slices))
-  from spmd.layout import data_layout
-  from spmd.mesh import create_mesh
-
   try:
     mesh = create_mesh(ici, dcn or None, devices=devices)
     if batch_axes is not None:

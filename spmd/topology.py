@@ -67,6 +67,51 @@ def topology_name(name: str) -> str:
   return f"{generation}:{'x'.join(map(str, grid))}"
 
 
+# Where libtpu logs when told nothing (its own default).
+LIBTPU_DEFAULT_LOG_DIR = "/tmp/tpu_logs"
+# The folder this process's libtpu logs to, fixed when `topology_devices` loads it.
+_loaded_log_dir: list[str] = []
+
+
+def _configured_log_dir() -> str:
+  """Where libtpu would log if it loaded now.
+
+  libtpu builds its own flags when it starts: `--log_dir` from `TPU_LOG_DIR`
+  (`/tmp/tpu_logs` when unset), then whatever `LIBTPU_INIT_ARGS` holds, the
+  last `--log_dir` winning. Later changes to either are not read.
+  """
+  folder = os.environ.get("TPU_LOG_DIR") or LIBTPU_DEFAULT_LOG_DIR
+  for arg in os.environ.get("LIBTPU_INIT_ARGS", "").split():
+    if arg.startswith("--log_dir="):
+      folder = arg.split("=", 1)[1]
+  return folder
+
+
+def libtpu_log_dir() -> str | None:
+  """The folder libtpu writes this process's log to; None before it is loaded.
+
+  libtpu's compiler logs its warnings (the SPMD partitioner's among them)
+  there, not to stderr; `spmd.compiler_log` reads them.
+  """
+  return _loaded_log_dir[0] if _loaded_log_dir else None
+
+
+def point_libtpu_logs(folder: str) -> None:
+  """Makes libtpu write its log to `folder` when this process loads it (`TPU_LOG_DIR`).
+
+  A `--log_dir` in `LIBTPU_INIT_ARGS` still wins (libtpu reads it last).
+
+  Raises:
+    RuntimeError: libtpu is already loaded, so its folder can no longer change.
+  """
+  if _loaded_log_dir:
+    raise RuntimeError(
+      f"libtpu is already loaded and logs to {_loaded_log_dir[0]}; point it at {folder!r} "
+      "before the first TPU topology is asked for"
+    )
+  os.environ["TPU_LOG_DIR"] = folder
+
+
 def libtpu_available() -> bool:
   """True when libtpu (the `tpu` extra) is installed."""
   try:
@@ -94,6 +139,8 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
 
+  if not _loaded_log_dir:
+    _loaded_log_dir.append(_configured_log_dir())
   full = topology_name(name)
   extra = {}
   if _CORES_PER_CHIP.get(full.split(":")[0]) == 2:

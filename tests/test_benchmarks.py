@@ -16,7 +16,7 @@ import pytest
 from benchmarks import common, run
 from spmd.topology import libtpu_available
 from tests.multiprocess import ROOT
-from trainers import peaks
+from trainers.reporting import matmul_peak
 
 
 def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -141,6 +141,37 @@ def test_the_onednn_options_hand_every_dot_to_onednn():
   x = jnp.ones((4, 8, 8))
   batched = jax.jit(lambda a, b: jnp.einsum("nqs,nsd->nqd", a, b)).lower(x, x)
   assert "__onednn_fusion" not in batched.compile().as_text()
-  compiled = batched.compile(peaks.ONEDNN_DOTS)
+  compiled = batched.compile(matmul_peak.ONEDNN_DOTS)
   assert '"kind":"__onednn_fusion"' in compiled.as_text()
   assert jnp.array_equal(compiled(x, x), jnp.full((4, 8, 8), 8.0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_accelerator_check_runs_end_to_end_at_a_cpu_size(tmp_path):
+  # The script an accelerator runs (benchmarks/accelerator_check.sh), at --tiny:
+  # the plan, the real train step on synthetic batches, the report. Without a
+  # GPU the cuDNN comparisons say they were skipped rather than fail.
+  out = tmp_path / "check.json"
+  done = subprocess.run(
+    [
+      str(ROOT / "benchmarks" / "accelerator_check.sh"),
+      "--tiny",
+      "--steps=1",
+      "--warmup=1",
+      "--global_batch=4",
+      f"--out={out}",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable),
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  report = json.loads(out.read_text())
+  assert report["attention"] == {"skipped": "no GPU (cpu)"}, report
+  assert report["measured"]["tokens_per_s"] > 0 and report["measured"]["global_batch"] == 4
+  low, high = report["plan"]["mfu_range"]
+  assert 0 < low < high < 1 and report["plan"]["fits"], report["plan"]
+  assert "MFU planned" in done.stdout and "accelerator check" in done.stdout

@@ -1,4 +1,4 @@
-"""`checkpoint.Saver`: a save holds a copy of the state taken when it started.
+"""`Saver`: a save holds a copy of the state taken when it started.
 
 The train step donates its input state, so a save that kept only references
 would write freed or overwritten buffers. Here every save is followed at once
@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.mesh import create_mesh
 from tests.multiprocess import assert_ok, run_worker
-from trainers import checkpoint
+from trainers.checkpoints import saver as saver_lib
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.saver import Saver, _snapshot_sharding
 
 
 def _state(mesh):
@@ -44,11 +46,11 @@ def test_each_save_writes_the_state_of_its_step_although_the_next_update_donates
   tmp_path, monkeypatch
 ):
   # "large" is 8 KB: with the threshold at 1 KB it is spread for the copy.
-  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
+  monkeypatch.setattr(saver_lib, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
   state = _state(mesh)
   update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
-  saver = checkpoint.Saver(checkpoint.make_manager(str(tmp_path), every=1, keep=5))
+  saver = Saver(make_manager(str(tmp_path), every=1, keep=5))
   expected = {}
   try:
     for step in (1, 2, 3):
@@ -70,10 +72,10 @@ def test_each_save_writes_the_state_of_its_step_although_the_next_update_donates
 
 
 def test_the_snapshot_is_in_host_memory_and_one_copy_of_a_large_replicated_array(monkeypatch):
-  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
+  monkeypatch.setattr(saver_lib, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
   state = _state(mesh)
-  shardings = jax.tree.map(checkpoint._snapshot_sharding, state)
+  shardings = jax.tree.map(_snapshot_sharding, state)
   assert {s.memory_kind for s in jax.tree.leaves(shardings)} == {"pinned_host"}
   assert shardings["large"].spec == P(tuple(mesh.axis_names))  # one copy, spread
   assert shardings["small"].spec == P()  # 48 bytes: copied whole
@@ -87,7 +89,7 @@ def test_a_partly_replicated_array_is_spread_over_the_axes_it_is_replicated_on(
   # FSDP over 4 devices and 2 data-parallel replicas: each large array is
   # sharded over "fsdp" and held twice; the snapshot holds it once, each
   # device keeping part of its own block, and restores exactly.
-  monkeypatch.setattr(checkpoint, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
+  monkeypatch.setattr(saver_lib, "SNAPSHOT_SPREAD_MIN_BYTES", 1024)
   mesh = create_mesh("data=2,fsdp=4,tensor=1")
   fsdp = NamedSharding(mesh, P("fsdp"))
   state = {
@@ -95,7 +97,7 @@ def test_a_partly_replicated_array_is_spread_over_the_axes_it_is_replicated_on(
     "columns": jax.device_put(np.arange(4 * 512, dtype=np.float32).reshape(4, 512), fsdp),
     "small": jax.device_put(np.arange(8 * 4, dtype=np.float32).reshape(8, 4), fsdp),
   }
-  shardings = jax.tree.map(checkpoint._snapshot_sharding, state)
+  shardings = jax.tree.map(_snapshot_sharding, state)
   assert shardings["rows"].spec == P(("fsdp", "data", "tensor"))
   assert shardings["columns"].spec == P("fsdp", ("data", "tensor"))  # 4 rows: not by 8
   assert shardings["small"].spec == P("fsdp")  # 128 bytes: as it is
@@ -105,7 +107,7 @@ def test_a_partly_replicated_array_is_spread_over_the_axes_it_is_replicated_on(
       held = np.zeros(x.shape, bool)
       held[index] = True
       assert held[new[device]].all(), (name, device)
-  saver = checkpoint.Saver(checkpoint.make_manager(str(tmp_path), every=1, keep=1))
+  saver = Saver(make_manager(str(tmp_path), every=1, keep=1))
   try:
     saver.save(1, state, {})
     saver.wait()
@@ -118,7 +120,7 @@ def test_a_partly_replicated_array_is_spread_over_the_axes_it_is_replicated_on(
 
 def test_a_save_that_fails_in_the_background_is_raised_on_the_training_thread(tmp_path):
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
-  saver = checkpoint.Saver(checkpoint.make_manager(str(tmp_path), every=1, keep=5))
+  saver = Saver(make_manager(str(tmp_path), every=1, keep=5))
   assert saver.save(1, _state(mesh), {"not json": object()})  # fails while writing
   with pytest.raises(TypeError, match="JSON serializable"):
     saver.close()
@@ -128,7 +130,7 @@ def test_a_save_that_fails_in_the_background_is_raised_on_the_training_thread(tm
 def test_the_snapshot_copy_is_compiled_once_per_state_layout(tmp_path):
   mesh = create_mesh("data=-1,fsdp=1,tensor=1")
   state = _state(mesh)
-  saver = checkpoint.Saver(checkpoint.make_manager(str(tmp_path), every=1, keep=2))
+  saver = Saver(make_manager(str(tmp_path), every=1, keep=2))
   try:
     saver.save(1, state, {})
     copy = saver._copy[1]

@@ -1,4 +1,4 @@
-"""Step folders judged once (`trainers.checkpoint_steps`): committed, the harness's unfinished, foreign.
+"""Step folders judged once (`trainers.checkpoints.step_folders`): committed, the harness's unfinished, foreign.
 
 Folders another tool left in a checkpoint directory are never deleted: not at
 start, not by `checkpoint.keep`'s rotation, not by a save; the run goes on
@@ -15,9 +15,13 @@ from etils import epath
 
 from tests.configs import train_tiny
 from tests.data_fixtures import training_data
-from trainers import checkpoint, checkpoint_steps, saved_run
-from trainers.checkpoint_steps import COMMIT_MARKER, LEDGER, ForeignStepError
-from trainers.train import train_and_evaluate
+from trainers.checkpoints import saved_run, step_folders
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.restore import latest_committed_step
+from trainers.checkpoints.saver import Saver
+from trainers.checkpoints.step_folders import COMMIT_MARKER, LEDGER, ForeignStepError
+from trainers.run.train import train_and_evaluate
 
 
 def _folder(root: epath.Path, name: str, *files: str) -> epath.Path:
@@ -50,13 +54,13 @@ def test_each_kind_of_folder_is_judged_by_marker_ledger_and_items(tmp_path):
   _folder(root, "007", "x")  # not a name orbax gives a step: not step-like
   _folder(root, "metadata", "x")
   _ledger(root, 2, 8, 10)
-  steps = checkpoint_steps.list_steps(root)
+  steps = step_folders.list_steps(root)
   assert steps.committed == (2, 4)
   assert steps.unfinished == ("8", "10.orbax-checkpoint-tmp")
   assert steps.foreign == ("6", "12", "14.orbax-checkpoint-tmp-99", "16")
   assert steps.latest == 4
   assert steps.foreign_at(14) == ["14.orbax-checkpoint-tmp-99"]
-  assert checkpoint_steps.StepDirs.from_json(json.loads(json.dumps(steps.to_json()))) == steps
+  assert step_folders.StepDirs.from_json(json.loads(json.dumps(steps.to_json()))) == steps
 
 
 def test_settle_removes_only_the_harness_s_unfinished_steps_and_rewrites_the_ledger(tmp_path):
@@ -66,10 +70,10 @@ def test_settle_removes_only_the_harness_s_unfinished_steps_and_rewrites_the_led
   _folder(root, "4", "state/x")
   _folder(root, "6.orbax-checkpoint-tmp", "state/x")
   _ledger(root, 2, 4, 6, 40)  # 40: gone already
-  steps = checkpoint_steps.settle(root)
+  steps = step_folders.settle(root)
   assert steps.unfinished == ("4", "6.orbax-checkpoint-tmp") and steps.foreign == ("3",)
   assert sorted(p.name for p in root.iterdir()) == ["2", "3", LEDGER]
-  assert checkpoint_steps.read_ledger(root) == {2}
+  assert step_folders.read_ledger(root) == {2}
   assert (root / "3" / "foreign.bin").exists()
 
 
@@ -77,20 +81,20 @@ def test_no_ledger_means_nothing_is_the_harness_s_to_delete(tmp_path):
   root = epath.Path(tmp_path)
   _folder(root, "1", "foreign.bin")
   _folder(root, "5.orbax-checkpoint-tmp", "x")
-  steps = checkpoint_steps.settle(root)
+  steps = step_folders.settle(root)
   assert steps.committed == () and steps.unfinished == ()
   assert steps.foreign == ("1", "5.orbax-checkpoint-tmp")
   assert sorted(p.name for p in root.iterdir()) == ["1", "5.orbax-checkpoint-tmp"]
   (root / LEDGER).write_text("{not json")  # unreadable: counts as empty, the safe side
-  assert checkpoint_steps.settle(root).foreign == ("1", "5.orbax-checkpoint-tmp")
+  assert step_folders.settle(root).foreign == ("1", "5.orbax-checkpoint-tmp")
 
 
 def test_the_ledger_holds_the_step_about_to_be_saved_and_what_is_still_there(tmp_path):
   root = epath.Path(tmp_path)
   _committed_harness_step(root, 2)
   _ledger(root, 1, 2)  # 1 was rotated away since
-  checkpoint_steps.record_save(root, 4, saving=[3])  # 3: in flight, no folder yet
-  assert checkpoint_steps.read_ledger(root) == {2, 4}
+  step_folders.record_save(root, 4, saving=[3])  # 3: in flight, no folder yet
+  assert step_folders.read_ledger(root) == {2, 4}
   assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # no temporary left
 
 
@@ -100,10 +104,10 @@ def test_the_save_schedule_into_a_foreign_folder_is_an_error_at_start(tmp_path):
   _ledger(root, 2)
   _folder(root, "1", "foreign.bin")  # before the resumed step: never written to
   _folder(root, "5", "other.txt")  # not on the schedule
-  checkpoint.make_manager(str(root), every=2, keep=1).close()
+  make_manager(str(root), every=2, keep=1).close()
   _folder(root, "6", "other.txt")  # on the schedule
   with pytest.raises(ForeignStepError) as raised:
-    checkpoint.make_manager(str(root), every=2, keep=1)
+    make_manager(str(root), every=2, keep=1)
   message = str(raised.value)
   assert f"{root / '6'} is not this run's" in message and "every 2 steps" in message
   assert f"Move it out of {root}, or use another --workdir" in message
@@ -120,7 +124,7 @@ def test_saves_past_keep_rotate_the_run_s_steps_and_never_a_foreign_folder(tmp_p
   for name, f in foreign.items():
     _folder(root, name, f)
   _folder(root, "5", COMMIT_MARKER, "default/x")  # another tool's committed orbax step
-  saver = checkpoint.Saver(checkpoint.make_manager(str(root), every=2, keep=1))
+  saver = Saver(make_manager(str(root), every=2, keep=1))
   try:
     for step in (2, 4, 6, 8, 10):
       assert saver.save(step, _state(), {"position": step})
@@ -133,10 +137,10 @@ def test_saves_past_keep_rotate_the_run_s_steps_and_never_a_foreign_folder(tmp_p
   for name, f in foreign.items():
     assert (root / name / f).exists(), name
   assert (root / "5" / COMMIT_MARKER).exists()
-  assert checkpoint_steps.list_steps(root).committed == (10,)
-  assert not checkpoint_steps.read_ledger(root) & {1, 3, 5, 7, 13}  # never taken for the run's
-  reopened = checkpoint.make_manager(str(root), every=2, keep=1)
-  assert reopened.all_steps() == [10] and checkpoint.latest_committed_step(reopened) == 10
+  assert step_folders.list_steps(root).committed == (10,)
+  assert not step_folders.read_ledger(root) & {1, 3, 5, 7, 13}  # never taken for the run's
+  reopened = make_manager(str(root), every=2, keep=1)
+  assert reopened.all_steps() == [10] and latest_committed_step(reopened) == 10
   reopened.close()
 
 
@@ -176,10 +180,10 @@ def test_a_run_beside_another_tool_s_step_folders_keeps_them_all(data, tmp_path)
   assert again["resumed_from"] == "checkpoint step 8"
   for name, f in foreign.items():
     assert (root / name / f).read_text() == "x", name
-  steps = checkpoint_steps.list_steps(root)
+  steps = step_folders.list_steps(root)
   assert steps.committed == (12,) and steps.unfinished == ()
   assert saved_run.find_checkpoint(workdir).step == 12
-  with pytest.raises(checkpoint.CheckpointError, match="was not written by this harness"):
+  with pytest.raises(CheckpointError, match="was not written by this harness"):
     saved_run.find_checkpoint(workdir, step=7)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import harness
+from tests.faults import harness, injection
 from tests.multiprocess import ROOT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,14 +37,15 @@ OVERRIDES = (
 )
 
 
-# The example's own config plus the test-only `debug` section, for the param
-# hash in the summary (trainers/debug.py); beside config.py, so the task's
-# relative path and the run's copy of its folder are the same.
+# The example's own config plus the test-only fault hooks, for the param hash
+# in the summary (tests/faults/injection.py, named by its path: the copy has no
+# PYTHONPATH); beside config.py, so the task's relative path and the run's copy
+# of its folder are the same.
 DEBUG_CONFIG = """
 import importlib.util
 from pathlib import Path
 
-from trainers import debug
+import ml_collections
 
 _spec = importlib.util.spec_from_file_location("example_config", Path(__file__).with_name("config.py"))
 example = importlib.util.module_from_spec(_spec)
@@ -53,10 +54,10 @@ _spec.loader.exec_module(example)
 
 def get_config():
   config = example.get_config()
-  config.debug = debug.section()
-  config.debug.report_param_hash = True
+  config.hooks = (HOOK_SPEC,)
+  config.hook_settings.faults = ml_collections.ConfigDict({"report_param_hash": True})
   return config
-"""
+""".replace("HOOK_SPEC", repr(injection.HOOK_SPEC))
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def example(tmp_path_factory):
 def start(example, workdir: Path, processes: int, devices: int, max_restarts: int = 0, extra=()):
   """`spmd-launch local -- spmd-train --config=<copy>/debug_config.py`, from the copy's folder."""
   train = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={example['folder'] / 'debug_config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={example['data']}",

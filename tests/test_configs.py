@@ -8,7 +8,7 @@ import pytest
 from spmd.mesh import create_mesh
 from trainers.models import llama
 from trainers.models import transformer as lm
-from trainers.state import make_state
+from trainers.step.state import make_state
 from trainers.tasks import make_task
 from trainers.tasks.llama import llama_config
 from trainers.tasks.lm import transformer_config

@@ -26,7 +26,7 @@ from flax import nnx
 
 from tests.faults import harness
 from tests.multiprocess import ROOT
-from trainers import optim
+from trainers.step import optim
 
 EXAMPLE = ROOT / "examples" / "custom_lm"
 
@@ -100,7 +100,7 @@ def test_the_copy_trains_with_its_loss_optimizer_and_hook(tmp_path):
   shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("__pycache__"))
   workdir = tmp_path / "run"
   train = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={copy / 'config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={tmp_path / 'data'}",

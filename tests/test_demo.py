@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiprocess import ROOT
-from trainers.checkpoint import COMMIT_MARKER
+from trainers.checkpoints.step_folders import COMMIT_MARKER
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(660)]
 

@@ -46,9 +46,9 @@ def _env(data) -> dict[str, str]:
 
 
 def launch(data, args: list[str], processes: int, devices: int, timeout_s: float = 240):
-  """`spmd-launch local -- python -m trainers.train_cli ARGS` with hard limits."""
+  """`spmd-launch local -- python -m trainers.run.train_cli ARGS` with hard limits."""
   return run_local(
-    [sys.executable, "-m", "trainers.train_cli", *args],
+    [sys.executable, "-m", "trainers.run.train_cli", *args],
     num_processes=processes,
     devices_per_process=devices,
     timeout_s=timeout_s,
@@ -143,7 +143,9 @@ def fresh_process(*args: str) -> dict:
 
 def test_export_then_a_fresh_process_gets_the_runs_eval_loss(data, trained, tmp_path):
   out = tmp_path / "weights.npz"
-  done = fresh_process("-m", "trainers.export_cli", f"--workdir={trained}", f"--out={out}")
+  done = fresh_process(
+    "-m", "trainers.checkpoints.export_cli", f"--workdir={trained}", f"--out={out}"
+  )
   assert f"step {STEPS}," in done.stdout and str(out) in done.stdout, done.stdout
 
   # The run's final eval: its first 2 batches of 8 examples, in order.
@@ -175,9 +177,10 @@ def test_unfinished_and_damaged_steps_are_named_never_restored(trained, tmp_path
   """In this process, as `spmd-export` reads: numpy arrays, no mesh."""
   import numpy as np
 
-  from trainers import saved_run
-  from trainers.checkpoint import COMMIT_MARKER, CheckpointError
-  from trainers.export import flatten
+  from trainers.checkpoints import saved_run
+  from trainers.checkpoints.damage import CheckpointError
+  from trainers.checkpoints.export import flatten
+  from trainers.checkpoints.step_folders import COMMIT_MARKER
 
   copy = tmp_path / "run"
   shutil.copytree(trained, copy)
@@ -215,7 +218,7 @@ def test_a_file_tasks_saved_config_imports_the_runs_own_copy(tmp_path):
   """The original folder gone, `config.json` still builds the task, from `<workdir>/code/`."""
   import importlib.util
 
-  from trainers import saved_run
+  from trainers.checkpoints import saved_run
   from trainers.config import resolve
   from trainers.tasks import make_task, task_files
 

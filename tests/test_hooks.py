@@ -5,7 +5,9 @@ config file outside the checkout) and trains 2 processes x 2 devices with
 the transfer guard on. Each hook records, per process, the steps it ran at,
 whether it got metrics, and how many metric rows had been fetched: before
 the metrics hook's first fetch (log_every=5) none had, so the loop synced
-with the host for no one at steps 1-3.
+with the host for no one at steps 1-3. The same factory returns a `Wrapper`
+(a check of each process's own rows, and a count of the train step's calls)
+and a hook whose `end` puts both counts in the run's summary.
 """
 
 from __future__ import annotations
@@ -19,14 +21,40 @@ import pytest
 from launch.local import run_local
 from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
-from trainers.hooks import Hook, load_hooks, resolve_hook_specs
+from trainers.hooks import Hook, Wrapper, load_hooks, resolve_hook_specs
 
 HOOKS = """
 import json
 
 import jax
 
-from trainers.hooks import Hook
+from trainers.hooks import Hook, Wrapper
+
+_seen = {"steps": [], "rows": 0, "calls": 0}
+
+
+def _check_rows(step, rows):
+  # A data check of the user's own: every process sees its own rows, as numpy.
+  if rows["inputs"].dtype.kind != "i" or rows["inputs"].ndim != 2:
+    raise ValueError(f"step {step}: inputs {rows['inputs'].dtype} {rows['inputs'].shape}")
+  _seen["steps"].append(step)
+  _seen["rows"] += len(rows["inputs"])
+  return rows
+
+
+def _counted(step_fn, context):
+  assert context.first_step == 0 and callable(context.build)
+
+  def run(state, batch):
+    _seen["calls"] += 1
+    return step_fn(state, batch)
+
+  return run
+
+
+def _counts(info, ok):
+  steps = sorted(set(_seen["steps"]))
+  return {"rows_checked": _seen["rows"], "step_calls": _seen["calls"], "first_steps": steps[:9]}
 
 
 def _record(name):
@@ -45,7 +73,12 @@ def _record(name):
 
 
 def make(config):
-  return [Hook(_record("plain"), every=3), Hook(_record("wants_metrics"), every=4, metrics=True)]
+  return [
+    Hook(_record("plain"), every=3),
+    Hook(_record("wants_metrics"), every=4, metrics=True),
+    Wrapper(host_rows=_check_rows, train_step=_counted, name="checks"),
+    Hook(lambda info: None, end=_counts, name="counts"),
+  ]
 """
 
 CONFIG = """
@@ -77,10 +110,13 @@ def test_config_hooks_resolve_beside_the_config_file(tmp_path):
   config = default.get_config()
   config.hooks = resolve_hook_specs(("hooks.py:make",), tmp_path)
   assert config.hooks == (f"{tmp_path / 'hooks.py'}:make",)
-  assert [h.every for h in load_hooks(config, (Hook(print, every=7),))] == [7, 3, 4]
+  loaded = load_hooks(config, (Hook(print, every=7),))
+  assert [getattr(h, "every", "wrapper") for h in loaded] == [7, 3, 4, "wrapper", 0]
   config.hooks = resolve_hook_specs(("bad.py:make",), tmp_path)
   with pytest.raises(TypeError, match="returned <built-in function print>, not a trainers.hooks"):
     load_hooks(config)
+  with pytest.raises(TypeError, match="Wrapper mine: host_rows=3 is not callable"):
+    Wrapper(host_rows=3, name="mine")
 
 
 @pytest.mark.multiprocess
@@ -95,7 +131,7 @@ def test_user_hooks_run_on_schedule_on_every_process_without_extra_syncs(tmp_pat
     [
       sys.executable,
       "-m",
-      "trainers.train_cli",
+      "trainers.run.train_cli",
       f"--config={folder / 'config.py'}",
       f"--workdir={workdir}",
       f"--config.data.dir={data['dir']}",
@@ -133,3 +169,9 @@ def test_user_hooks_run_on_schedule_on_every_process_without_extra_syncs(tmp_pat
   steps = [r["step"] for r in logged if "loss" in r]
   assert steps == list(range(1, 10)), steps  # the metrics hook wrote every row once
   assert [r["step"] for r in logged if "eval_loss" in r] == [9]  # one final eval
+  # The wrapper saw process 0's rows of every step (4 of the 8 each; the
+  # input thread may build a step ahead) and wrapped each of the 9 steps.
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["first_steps"] == list(range(9)), summary
+  assert summary["step_calls"] == 9 and summary["rows_checked"] >= 9 * 4, summary
+  assert "rows checked" in result.report() and "step calls" in result.report()

@@ -22,11 +22,11 @@ from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available
 from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
-from trainers import plan as plan_lib
-from trainers import plan_targets
 from trainers.models import llama, logical_axes
-from trainers.state import make_state
-from trainers.step import make_train_step
+from trainers.planning import plan as plan_lib
+from trainers.planning import targets
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
 from trainers.tasks.llama import llama_config
 
@@ -185,7 +185,7 @@ def _per_layer(layers: int) -> tuple[collections.Counter, int]:
   """
   config = _small_config("data=2,fsdp=2,tensor=2", "fsdp_tp", num_layers=layers, scan_layers=True)
   kept = []
-  plan = plan_lib.make_plan(config, plan_targets.tpu_target("v5e-8"), keep_compiled=kept)
+  plan = plan_lib.make_plan(config, targets.tpu_target("v5e-8"), keep_compiled=kept)
   found, executions = collections.Counter(), 0
   for op in hlo.collective_ops(kept[0].as_text()):
     if op.executions != layers or not op.groups:
@@ -273,7 +273,7 @@ def _train_llama_tiny(data, workdir, *overrides):
   command = [
     sys.executable,
     "-m",
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",

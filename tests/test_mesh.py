@@ -186,7 +186,7 @@ def test_spmd_mesh_cli_reads_a_config_and_its_overrides(capsys):
   assert "config.mesh has no setting 'icii' (did you mean 'ici'?)" in err, err
 
 
-@pytest.mark.parametrize("module", ["spmd.mesh_cli", "trainers.plan_cli"])
+@pytest.mark.parametrize("module", ["spmd.mesh_cli", "trainers.planning.plan_cli"])
 def test_help_prints_the_usage_and_the_flags_and_exits_0(module, capsys):
   import importlib
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from trainers import metrics, peaks
-from trainers.metrics import MetricsWriter, Progress, format_summary, read_metrics
+from trainers.reporting import chips, loss_curve, matmul_peak, peaks
+from trainers.reporting.console import Progress, format_summary
+from trainers.reporting.metrics import MetricsWriter, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -102,11 +103,11 @@ def test_loss_curve_png_with_train_and_eval_lines(tmp_path):
       if step % 10 == 0:
         writer.write(step, {"eval_loss": 3.5 / step})
   records = read_metrics(tmp_path / "metrics.jsonl")
-  lines = metrics.loss_figure(records).axes[0].get_lines()
+  lines = loss_curve.loss_figure(records).axes[0].get_lines()
   assert [line.get_label() for line in lines] == ["loss", "eval_loss"]
   assert list(lines[1].get_xdata()) == [10, 20]
 
-  png = metrics.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
+  png = loss_curve.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
   data = png.read_bytes()
   assert data[:8] == PNG_SIGNATURE and len(data) > 1000
 
@@ -115,11 +116,11 @@ def test_loss_curve_keeps_the_last_record_of_a_repeated_step():
   # A run resumed from step 2 logs steps 3 and 4 again.
   records = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
   records += [{"step": 3, "loss": 30.0}, {"step": 4, "loss": 40.0}]
-  (line,) = metrics.loss_figure(records).axes[0].get_lines()
+  (line,) = loss_curve.loss_figure(records).axes[0].get_lines()
   assert list(line.get_xdata()) == [1, 2, 3, 4]
   assert list(line.get_ydata()) == [1.0, 2.0, 30.0, 40.0]
   with pytest.raises(ValueError, match=r"none of keys=\('eval_loss',\).*\['loss'\]"):
-    metrics.loss_figure(records, keys=("eval_loss",))
+    loss_curve.loss_figure(records, keys=("eval_loss",))
 
 
 def test_progress_disabled_prints_nothing(capsys):
@@ -196,16 +197,16 @@ def test_format_summary_aligns_and_skips_missing():
   ],
 )
 def test_table_lookups_for_real_device_kinds(kind, dtype, expected):
-  assert peaks.table_peak(kind, dtype) == expected
+  assert chips.table_peak(kind, dtype) == expected
 
 
 def test_full_float32_precision_changes_the_gpu_peak_and_tpu_falls_back():
   with jax.default_matmul_precision("highest"):
-    assert peaks.table_peak("NVIDIA H100 80GB HBM3", "float32") == 67e12
-    assert peaks.table_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
-    assert peaks.table_peak("TPU v5 lite", "float32") is None  # 6 bf16 passes: measure
+    assert chips.table_peak("NVIDIA H100 80GB HBM3", "float32") == 67e12
+    assert chips.table_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert chips.table_peak("TPU v5 lite", "float32") is None  # 6 bf16 passes: measure
   with pytest.raises(ValueError, match="dtype='int32' is not a floating-point"):
-    peaks.table_peak("TPU v4", "int32")
+    chips.table_peak("TPU v4", "int32")
 
 
 def test_accelerator_peak_comes_from_the_table_without_measuring(monkeypatch, tmp_path):
@@ -246,17 +247,17 @@ def test_cpu_peak_is_the_better_of_xla_and_onednn_matmuls(monkeypatch):
     def sampler(dtype, size, device, compiler_options=None, rates=rates):
       return lambda repeats, budget_s: rates["onednn" if compiler_options else None]
 
-    monkeypatch.setattr(peaks, "matmul_sampler", sampler)
-    assert peaks.measure_matmul_peak(size=64, repeats=1) == max(xla, onednn)
+    monkeypatch.setattr(matmul_peak, "matmul_sampler", sampler)
+    assert matmul_peak.measure_matmul_peak(size=64, repeats=1) == max(xla, onednn)
 
 
 def test_a_jaxlib_without_onednn_falls_back_to_the_default_matmul(monkeypatch):
-  assert peaks.onednn_matmul_sampler(size=64) is not None  # this jaxlib has it
+  assert matmul_peak.onednn_matmul_sampler(size=64) is not None  # this jaxlib has it
   # An option this XLA does not know makes the oneDNN compile fail, as it
   # would on a jaxlib built without oneDNN: the peak is then XLA's alone.
-  monkeypatch.setattr(peaks, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
-  assert peaks.onednn_matmul_sampler(size=64) is None
-  assert peaks.measure_matmul_peak(size=64, repeats=1) > 0
+  monkeypatch.setattr(matmul_peak, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
+  assert matmul_peak.onednn_matmul_sampler(size=64) is None
+  assert matmul_peak.measure_matmul_peak(size=64, repeats=1) > 0
 
 
 def test_mfu_arithmetic():

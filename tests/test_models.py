@@ -24,7 +24,7 @@ from trainers.models.transformer import (
   flops_per_token,
   param_count,
 )
-from trainers.state import make_state
+from trainers.step.state import make_state
 
 P = jax.sharding.PartitionSpec
 # Every size divides a fsdp=2 x tensor=2 mesh.

@@ -11,10 +11,11 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from trainers import debug, optim
+from tests.faults import injection
 from trainers.config import check_values
-from trainers.state import make_state
-from trainers.step import make_train_step
+from trainers.step import optim
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
 
 AXES = ("data", "fsdp")
@@ -46,9 +47,11 @@ def _train(config, steps, poison_at=()):
   task = make_task(config)
   setup = make_state(task.model, config, mesh, AXES, task.optimizer)
   step = make_train_step(setup, task, config, mesh, AXES)
-  if poison_at:  # NaN gradients at these steps (trainers/debug.py)
-    poisoned = make_train_step(setup, debug.nonfinite_gradients(task, "nan"), config, mesh, AXES)
-    step = debug.PoisonedSteps(step, poisoned, poison_at)
+  if poison_at:  # NaN gradients at these steps (tests/faults/injection.py)
+    poisoned = make_train_step(
+      setup, injection.nonfinite_gradients(task, "nan"), config, mesh, AXES
+    )
+    step = injection.PoisonedSteps(step, poisoned, poison_at)
   state, batch, out = setup.init(), _batch(mesh), []
   for _ in range(steps):
     state, metrics = step(state, batch)

@@ -26,9 +26,9 @@ import pytest
 from flax import nnx
 
 from spmd.mesh import create_mesh
-from tests.faults import harness
-from trainers import task_metrics
-from trainers.state import make_state
+from tests.faults import harness, injection
+from trainers.step import task_metrics
+from trainers.step.state import make_state
 from trainers.tasks import Task
 
 STEPS = 8
@@ -151,7 +151,6 @@ CONFIG = """
 import ml_collections
 
 from configs import default
-from trainers import debug
 
 
 def get_config():
@@ -167,10 +166,10 @@ def get_config():
   config.eval_batches = 0  # the whole test split: 4 batches
   config.sample_tokens = 0
   config.transfer_guard = "disallow"
-  config.debug = debug.section()
-  config.debug.report_param_hash = True
+  config.hooks = (HOOK_SPEC,)  # the param hash (tests/faults/injection.py)
+  config.hook_settings.faults = ml_collections.ConfigDict({"report_param_hash": True})
   return config
-"""
+""".replace("HOOK_SPEC", repr(injection.HOOK_SPEC))
 
 
 def real_runs(test):
@@ -204,7 +203,7 @@ def _env(project) -> dict[str, str]:
 def train(project, workdir: Path, processes: int, devices: int, *extra: str, data=None):
   """`spmd-launch local -- spmd-train --config=<folder>/config.py`, from the folder; its Job."""
   command = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={project['folder'] / 'config.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={data or project['data']}",
@@ -291,7 +290,7 @@ def test_stopped_and_resumed_ends_bit_identical(project, tmp_path, reference):
 @real_runs
 def test_eval_mode_writes_and_prints_the_metrics_by_name(project, reference, tmp_path):
   job = harness.launch(
-    ["trainers.train_cli", "--mode=eval", f"--workdir={reference['workdir']}"],
+    ["trainers.run.train_cli", "--mode=eval", f"--workdir={reference['workdir']}"],
     reference["workdir"],
     1,
     2,

@@ -16,8 +16,8 @@ from trainers.models.transformer import (
   _Attention,
   attention_mask,
 )
-from trainers.state import make_state
-from trainers.step import make_train_step
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
 from trainers.tasks import lm, make_task
 
 LENGTH = 16

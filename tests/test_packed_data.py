@@ -191,7 +191,7 @@ def test_resume_on_data_of_another_tokenizer_is_refused():
 
 @pytest.mark.slow
 def test_train_on_bpe_then_resume_with_another_tokenizer_is_refused(tmp_path):
-  from trainers.train import train_and_evaluate
+  from trainers.run.train import train_and_evaluate
 
   source = write_training_text(tmp_path)
   config = packed_config(tmp_path)

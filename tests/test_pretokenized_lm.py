@@ -14,8 +14,8 @@ from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from trainers.data import pipeline, text_corpus
 from trainers.data.datasets import open_source
+from trainers.run.train import train_and_evaluate
 from trainers.tasks import make_task
-from trainers.train import train_and_evaluate
 
 VOCAB = 1000
 RECORD_TOKENS = 1000

@@ -128,13 +128,13 @@ def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers)
 
 def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   from configs import llama_tiny
-  from trainers import plan as plan_lib
-  from trainers import plan_targets
-  from trainers.plan_report import format_plan
+  from trainers.planning import plan as plan_lib
+  from trainers.planning import targets
+  from trainers.planning.report import format_plan
 
   config = llama_tiny.get_config()
   config.mesh.ici, config.mesh.rules = "data=-1,tensor=2", "fsdp_tp"
-  target = plan_targets.gpu_target("h100", 4)
+  target = targets.gpu_target("h100", 4)
   plan = plan_lib.make_plan(config, target, compile_step=False)
   m = config.model
   # k and v, layers, batch, length, kv heads, head dim, float32; batch over data=2, heads over tensor=2
@@ -159,7 +159,7 @@ def test_the_plan_has_the_kv_cache_row_with_its_bytes():
 
 def test_a_byte_level_runs_codec_is_bytes(tmp_path):
   from configs import lm_tiny_bytes
-  from trainers.sample import run_codec
+  from trainers.sampling.sample import run_codec
 
   codec = run_codec(lm_tiny_bytes.get_config(), str(tmp_path))
   assert codec.describe == "bytes" and codec.decode(codec.encode("déf")) == "déf"
@@ -180,7 +180,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   train = [
     sys.executable,
     "-m",
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",
@@ -204,7 +204,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   output = result.processes[0].output
   assert "sample (greedy, prompt 'the', text through the tokenizer" in output, output[-2000:]
   sample = subprocess.run(
-    [sys.executable, "-m", "trainers.sample_cli", f"--workdir={workdir}", "--prompt=the",
+    [sys.executable, "-m", "trainers.sampling.sample_cli", f"--workdir={workdir}", "--prompt=the",
      "--num_tokens=12"],
     capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
   )  # fmt: skip
@@ -216,7 +216,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
   )
   assert "step 20, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
   drawn = subprocess.run(
-    [sys.executable, "-m", "trainers.sample_cli", f"--workdir={workdir}", "--prompt=the model",
+    [sys.executable, "-m", "trainers.sampling.sample_cli", f"--workdir={workdir}", "--prompt=the model",
      "--num_tokens=8", "--temperature=1.0", "--top_k=5", "--seed=2", "--step=20"],
     capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
   )  # fmt: skip

@@ -10,9 +10,10 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from trainers import debug
-from trainers.state import make_state
-from trainers.step import branch_on_nonfinite, flat_gradient_reduction, make_train_step
+from tests.faults import injection
+from trainers.step.gradient_reduction import flat_gradient_reduction
+from trainers.step.state import make_state
+from trainers.step.train_step import branch_on_nonfinite, make_train_step
 from trainers.tasks import make_task
 
 
@@ -86,14 +87,16 @@ def test_branch_and_select_keep_the_old_state_on_a_nonfinite_step_and_agree_othe
     axes = ("data", "fsdp")
     batch = _batch(mesh, axes)
     step = make_train_step(setup, task, config, mesh, axes)
-    poisoned = make_train_step(setup, debug.nonfinite_gradients(task, "nan"), config, mesh, axes)
+    poisoned = make_train_step(
+      setup, injection.nonfinite_gradients(task, "nan"), config, mesh, axes
+    )
     state = setup.init()
     text = step.lower(state, batch).compile().as_text()
     # The select copies every donated parameter and optimizer moment first.
     entry = text[text.index("ENTRY") :]
     copies = len(re.findall(r"= f32\[[\d,]+\]\S* copy\(", entry))
     runs[guard] = {"conditional": " conditional(" in text, "copies": copies, "states": []}
-    run = debug.PoisonedSteps(step, poisoned, at=(1,))
+    run = injection.PoisonedSteps(step, poisoned, at=(1,))
     for _ in range(3):  # step 0 good, step 1 poisoned, step 2 good
       state, _ = run(state, batch)
       runs[guard]["states"].append(jax.device_get(state))

@@ -26,8 +26,8 @@ from configs import lm_tiny_bytes, mlp
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers import config as config_lib
-from trainers.state import make_state
-from trainers.step import make_train_step
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, load_task_factory, make_task, resolve_task_spec
 
 AXES = ("data", "fsdp")

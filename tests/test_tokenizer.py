@@ -10,7 +10,7 @@ import pytest
 from configs import lm_tiny
 from trainers import config as config_lib
 from trainers.data import tokenizer as tok
-from trainers.tasks import lm
+from trainers.tasks import lm, lm_data
 
 TEXT = "def f(x):\n  return x + 1  # ünïcödé, tabs\tand emoji 🙂\n"
 
@@ -111,11 +111,11 @@ def test_the_config_check_names_the_key_and_value(files, tmp_path):
     config_lib.resolve(config)
   config.model.vocab_size = 1024
   assert config_lib.resolve(config).data.tokenizer == "bpe"
-  assert lm.make_task(config).count_units is lm.real_tokens
+  assert lm.make_task(config).count_units is lm_data.real_tokens
 
 
 def test_a_saved_run_decodes_with_its_own_copy_when_the_original_is_gone(files, tmp_path):
-  from trainers import saved_run
+  from trainers.checkpoints import saved_run
 
   original = tmp_path / "gone" / "tokenizer.json"
   tok.train_bpe(open(files[0]).read().splitlines(), 300, original)

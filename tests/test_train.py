@@ -44,7 +44,7 @@ def spmd_train(data, workdir, num_processes, devices, *overrides, timeout_s=240,
   command = [
     sys.executable,
     "-m",
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     *flags(data, workdir, *overrides, config=config),
   ]
   return run_local(
@@ -164,7 +164,7 @@ def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
 
   def command(workdir):
     overrides = ("--config.train.steps=2", "--config.eval_every=0")
-    return [sys.executable, "-m", "trainers.train_cli", *flags(data, workdir, *overrides)]
+    return [sys.executable, "-m", "trainers.run.train_cli", *flags(data, workdir, *overrides)]
 
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"])

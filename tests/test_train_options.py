@@ -10,7 +10,7 @@ import pytest
 
 from tests.configs import train_tiny
 from tests.data_fixtures import training_data
-from trainers.train import train_and_evaluate
+from trainers.run.train import train_and_evaluate
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The logged learning rate is the one the optimizer used, after skipped non-finite steps.
 
 In one process, on the tiny LM config: gradients are poisoned at two steps
-(trainers/debug.py), which the step skips. The state's count of applied
+(tests/faults/injection.py), which the step skips. The state's count of applied
 updates (`updates`) and the optimizer's own counts stay behind the step by
 the skipped steps, and the logged `learning_rate` is the schedule at that
 count. A checkpoint saved without the count (as older versions wrote them)
@@ -21,9 +21,11 @@ import pytest
 from tests.configs import train_tiny
 from tests.data_fixtures import training_data
 from tests.faults import harness
-from trainers import checkpoint, optim
-from trainers.metrics import read_metrics
-from trainers.train import train_and_evaluate
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.saver import Saver
+from trainers.reporting.metrics import read_metrics
+from trainers.run.train import train_and_evaluate
+from trainers.step import optim
 
 SKIPPED = (3, 6)  # metrics steps (1-based) whose gradients are poisoned
 STOP = 8
@@ -43,7 +45,7 @@ def tiny(data, stop_at_step: int):
   config.train.stop_at_step = stop_at_step
   config.train.schedule = "linear"  # a different rate at every step
   config.checkpoint.every, config.checkpoint.keep = 4, 5
-  config.debug.inject_nonfinite_at = tuple(s - 1 for s in SKIPPED)  # 0-based
+  config.hook_settings.faults.inject_nonfinite_at = tuple(s - 1 for s in SKIPPED)  # 0-based
   return config
 
 
@@ -97,7 +99,7 @@ def _without_update_count(source_workdir, workdir, step: int) -> None:
   ) as source:
     data_state = source.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
   shutil.copytree(source_workdir, workdir, ignore=shutil.ignore_patterns("checkpoints"))
-  saver = checkpoint.Saver(checkpoint.make_manager(workdir / "checkpoints", every=1, keep=5))
+  saver = Saver(make_manager(workdir / "checkpoints", every=1, keep=5))
   saver.save(step, jax.tree.map(jnp.asarray, state), dict(data_state))
   saver.close()
 
@@ -109,7 +111,7 @@ def test_a_checkpoint_without_the_count_resumes_with_the_count_at_its_step(run, 
   _without_update_count(source, workdir, STOP)
   assert "updates" not in harness.saved_state(workdir, STOP)
   config = tiny(data, STOP + 2)
-  config.debug.inject_nonfinite_at = ()
+  config.hook_settings.faults.inject_nonfinite_at = ()
   summary = train_and_evaluate(config, str(workdir))
   assert summary["resumed_from"] == f"checkpoint step {STOP}"
   schedule = optim.learning_rate_schedule(config.train)

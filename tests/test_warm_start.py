@@ -29,8 +29,10 @@ from spmd.mesh import create_mesh
 from tests.configs import stateful_classifier
 from tests.faults import harness
 from tests.multiprocess import ROOT
-from trainers import checkpoint
-from trainers.state import make_state
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.manager import make_manager
+from trainers.checkpoints.restore import restore_or_init
+from trainers.step.state import make_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -46,7 +48,7 @@ WARM = (
 
 def start(env: dict, workdir: Path, processes: int, devices: int, *overrides: str):
   train = [
-    "trainers.train_cli",
+    "trainers.run.train_cli",
     f"--config={CONFIG}",
     f"--workdir={workdir}",
     f"--config.data.dir={env['data']}",
@@ -181,9 +183,9 @@ def test_a_warm_start_of_another_shape_names_each_array_with_both_shapes(source,
   config = stateful_classifier.get_config()
   config.model.hidden = 48  # the source's is 32
   setup = make_state(stateful_classifier.make_task(config).model, config, create_mesh("data=-1"))
-  with checkpoint.make_manager(tmp_path / "own", every=1, keep=1) as own:
-    with pytest.raises(checkpoint.CheckpointError) as raised:
-      checkpoint.restore_or_init(
+  with make_manager(tmp_path / "own", every=1, keep=1) as own:
+    with pytest.raises(CheckpointError) as raised:
+      restore_or_init(
         own,
         setup.abstract,
         setup.shardings,

@@ -8,7 +8,7 @@ or 20 arrays, in one jitted call. XLA combines the reductions into one
 all-reduce instruction with that many operands, and XLA:CPU runs one gloo
 collective per operand, so the cost grows with the number of arrays, not
 only with the bytes. That is why the train step, on CPU across processes,
-reduces its gradients as one raveled vector (`trainers/step.py`,
+reduces its gradients as one raveled vector (`trainers/step/train_step.py`,
 `flat_gradient_reduction`) instead of one array per parameter. Prints the
 median milliseconds per call for each split; the runs are in
 docs/engineering-log.md.

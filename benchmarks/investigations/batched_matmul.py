@@ -11,7 +11,7 @@ Times, on one CPU device, the same FLOPs multiplied four ways:
   square        square 2048 matmuls (what the matmul peak samples),
                 reported as the best of 3 per round
 and the attention shape and the square matmul again compiled with
-`peaks.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
+`matmul_peak.ONEDNN_DOTS` (every dot one oneDNN call; by default XLA:CPU hands a
 batched dot to Eigen one item at a time), rows "... (oneDNN)".
 Once with every core and once in a child process pinned to one core
 (`os.sched_setaffinity` before JAX starts, so XLA:CPU sizes its thread pool
@@ -44,18 +44,20 @@ def measure(rounds: int) -> dict[str, float]:
   key = jax.random.key(0)
   a, b = (jax.random.normal(k, (256, 64, 64)) for k in jax.random.split(key))
   from benchmarks import common
-  from trainers import peaks  # after the platform is set
+  from trainers.reporting import matmul_peak  # after the platform is set
 
   batched = jax.jit(lambda x, y: jnp.einsum("nqs,nsd->nqd", x, y))
   ways = {
     "attention": (batched, (a, b)),
-    "attention (oneDNN)": (batched.lower(a, b).compile(peaks.ONEDNN_DOTS), (a, b)),
+    "attention (oneDNN)": (batched.lower(a, b).compile(matmul_peak.ONEDNN_DOTS), (a, b)),
     "32 items": (batched, (a.reshape(32, 512, 64), b[:32])),
     "one 2-D": (jax.jit(jnp.matmul), (a.reshape(-1, 64), b[0])),
   }
   squares = {
-    "square": peaks.matmul_sampler("float32"),
-    "square (oneDNN)": peaks.matmul_sampler("float32", compiler_options=peaks.ONEDNN_DOTS),
+    "square": matmul_peak.matmul_sampler("float32"),
+    "square (oneDNN)": matmul_peak.matmul_sampler(
+      "float32", compiler_options=matmul_peak.ONEDNN_DOTS
+    ),
   }
   times: dict[str, list[float]] = {name: [] for name in ways}
   square_rates: dict[str, list[float]] = {name: [] for name in squares}

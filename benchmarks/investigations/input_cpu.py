@@ -35,8 +35,9 @@ import numpy as np  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from trainers.run.data import open_data  # noqa: E402
+from trainers.step.mesh import build_mesh  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
-from trainers.train import build_mesh, open_data  # noqa: E402
 
 
 def cpu_ms_per_batch(batches, first_step: int, count: int) -> float:

@@ -6,7 +6,7 @@ Each layout is `PROCESSESxDEVICES` (devices per process), with a trailing `p`
 for `--pin-cpus` (a disjoint share of the CPUs per process) or `u` for
 `--no-pin-cpus`; without either, `spmd-launch local`'s default (pinned when
 there are several processes). Every layout
-runs the trainer's real step (`trainers.step.make_train_step`) of
+runs the trainer's real step (`trainers.step.train_step.make_train_step`) of
 `--config` on one placed random batch of the config's global batch, as a
 job of `spmd-launch local` processes: no input pipeline, no logging, no
 trainer loop. So a difference between layouts is the runtime's (XLA:CPU's
@@ -56,7 +56,7 @@ def worker(config_path: str, steps: int) -> None:
 
   from benchmarks import common
   from spmd.mesh import create_mesh
-  from trainers.step import make_train_step
+  from trainers.step.train_step import make_train_step
   from trainers.tasks import make_task
 
   config = common.load_config(config_path)

@@ -40,7 +40,7 @@ jax.config.update("jax_platforms", "cpu")
 from benchmarks import common  # noqa: E402
 from configs import lm_tiny_bytes  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")

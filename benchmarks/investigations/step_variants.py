@@ -24,7 +24,7 @@ models to train; they exist only while their step is traced):
   affine_norms  each layer norm replaced by its scale and bias alone
   relu     GELU replaced by ReLU
 And one compiler setting: `onednn_dots`, the default step compiled with
-`peaks.ONEDNN_DOTS` (every dot one oneDNN call, not YNNPACK or Eigen).
+`matmul_peak.ONEDNN_DOTS` (every dot one oneDNN call, not YNNPACK or Eigen).
 Rounds of `--steps` steps, each step timed alone (it waits for its result),
 the variants in turn and in reverse order every other round. Prints each
 variant's min, 10th percentile and median step time, and the median of its
@@ -54,10 +54,10 @@ from benchmarks import common  # noqa: E402
 from benchmarks.trainer import model_config_for  # noqa: E402
 from spmd import hlo  # noqa: E402
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import peaks  # noqa: E402
 from trainers.models import transformer as lm  # noqa: E402
 from trainers.models.layers import dense  # noqa: E402
-from trainers.step import make_train_step  # noqa: E402
+from trainers.reporting import matmul_peak  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 
@@ -117,7 +117,7 @@ VARIANTS = {
   "onednn_dots": _branch,  # the default step, compiled with COMPILER_OPTIONS below
 }
 # XLA options a variant's step is compiled with (the others: XLA's defaults).
-COMPILER_OPTIONS = {"onednn_dots": peaks.ONEDNN_DOTS}
+COMPILER_OPTIONS = {"onednn_dots": matmul_peak.ONEDNN_DOTS}
 
 
 def _one_round(run: dict, steps: int) -> list[float]:

@@ -31,10 +31,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from trainers import optim
 from trainers.data import lm_examples
 from trainers.hooks import Hook, StepInfo
-from trainers.tasks import Task, config_section, lm
+from trainers.step import optim
+from trainers.tasks import Task, config_section, lm_data
 
 import model as model_lib
 
@@ -125,11 +125,11 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     # The built-in LM task's data, as it is: the corpus (or config.data.name),
     # every record cut into windows of seq_len + 1 tokens (inputs and shifted
     # targets; what a window lacks is masked).
-    prepare_data=lm.prepare_data(config),
+    prepare_data=lm_data.prepare_data(config),
     record_template={"tokens": np.zeros(seq_len + 1, np.int32)},
     to_example=lm_examples.lm_example(seq_len),
     to_batch=lm_examples.lm_batch(seq_len),
-    plan_records=lm.lm_records(config, seq_len),
+    plan_records=lm_data.lm_records(config, seq_len),
     unit="tokens",
     optimizer=lion_optimizer,
     hooks=[param_norm_hook(sizes.norm_every)] if sizes.norm_every else [],

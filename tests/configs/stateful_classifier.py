@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from configs import default
-from trainers import debug
+from tests.faults import injection
 from trainers.data.blobs import NUM_CLASSES, NUM_FEATURES, classification_example, prepare_blobs
 from trainers.tasks import Task, config_section, cross_entropy_sums
 
@@ -96,5 +96,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every = 5
   config.sample_tokens = 0
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error
-  config.debug = debug.section()
-  return config
+  return injection.add_to(config)  # fault injection (tests/faults/injection.py), off

@@ -92,7 +92,7 @@ def start(
   devices: int = 2,
   max_restarts: int = 0,
   timeout_s: float = 600,
-  entry: str = "trainers.train_cli",
+  entry: str = "trainers.run.train_cli",
   env: dict | None = None,
   cwd: Path | None = None,
 ) -> Job:
@@ -159,7 +159,7 @@ def launch(
 
 
 # Modules a job may run as `spmd-train`: the real one, or a test's wrapper of it.
-ENTRIES = ("trainers.train_cli", "tests.workers.slow_save_train")
+ENTRIES = ("trainers.run.train_cli", "tests.workers.slow_save_train")
 
 # After one process fails, the others' time to end on their own before the
 # launcher's SIGKILL. They rarely need it (JAX's heartbeat, or the watchdog

@@ -59,7 +59,7 @@ def test_a_host_with_another_config_stops_every_host_before_the_first_step(data,
     "import os, sys\n"
     "if os.environ['SPMD_PROCESS_ID'] == '1':\n"
     "  sys.argv.append('--config.train.learning_rate=0.5')\n"
-    "from trainers.train_cli import main\n"
+    "from trainers.run.train_cli import main\n"
     "main()\n"
   )
   workdir = tmp_path / "run"
@@ -108,7 +108,7 @@ def test_a_host_whose_batch_changes_mid_run_stops_every_host_naming_it(
     data,
     workdir,
     *harness.long_run(every=1000),
-    f"--config.debug.inject_bad_batch=(1, {bad_step}, '{kind}')",
+    f"--config.hook_settings.faults.inject_bad_batch=(1, {bad_step}, '{kind}')",
     timeout_s=BOUND_S + 60,
   )
   code = job.wait(BOUND_S + 90)

@@ -71,7 +71,7 @@ def test_a_coordinator_address_in_use_is_named_before_anyone_waits(data, tmp_pat
       "import os\n"
       f"os.environ['SPMD_COORDINATOR_ADDRESS'] = {address!r}\n"
       f"os.environ['SPMD_COORDINATOR_BIND_ADDRESS'] = {address!r}\n"
-      "from trainers.train_cli import main\n"
+      "from trainers.run.train_cli import main\n"
       "main()\n"
     )
     started = time.monotonic()

@@ -21,9 +21,12 @@ import pytest
 from tests.configs import train_tiny
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers import checkpoint, checkpoint_steps
-from trainers.checkpoint import COMMIT_MARKER, CheckpointError
-from trainers.train import train_and_evaluate
+from trainers.checkpoints import step_folders
+from trainers.checkpoints.damage import CheckpointError
+from trainers.checkpoints.restore import restore_or_init
+from trainers.checkpoints.step_folders import COMMIT_MARKER
+from trainers.run import train as train_lib
+from trainers.run.train import train_and_evaluate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
@@ -39,10 +42,10 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed; this one only records
 
 
 def watch_restores(monkeypatch) -> list:
-  """Records any unpickling inside `checkpoint.restore_or_init`: pickle's entry points,
+  """Records any unpickling inside `restore_or_init`: pickle's entry points,
   and every class any unpickler asks for (an audit event). Returns the record."""
   seen: list = []
-  restore = checkpoint.restore_or_init
+  restore = restore_or_init
   originals = {name: getattr(pickle, name) for name in ("load", "loads", "Unpickler")}
 
   def refuse(name):
@@ -64,7 +67,7 @@ def watch_restores(monkeypatch) -> list:
       for name, original in originals.items():
         setattr(pickle, name, original)
 
-  monkeypatch.setattr(checkpoint, "restore_or_init", watched)
+  monkeypatch.setattr(train_lib, "restore_or_init", watched)  # where the run calls it
   return seen
 
 
@@ -97,7 +100,7 @@ def test_another_mesh_restores_exactly_a_leftover_temp_dir_is_ignored_nothing_un
   leftover = workdir / "checkpoints" / f"{step + 2}.orbax-checkpoint-tmp-1234567"
   leftover.mkdir()
   (leftover / "half_written").write_text("x")
-  checkpoint_steps.record_save(workdir / "checkpoints", step + 2)  # as the run does before a save
+  step_folders.record_save(workdir / "checkpoints", step + 2)  # as the run does before a save
   # Another tool's (not in the run's ledger), off the save schedule: kept.
   foreign = workdir / "checkpoints" / f"{step + 1}.orbax-checkpoint-tmp-99"
   foreign.mkdir()

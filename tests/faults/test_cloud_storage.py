@@ -20,7 +20,7 @@ from etils import epath
 from tests.faults import harness
 from tests.faults.conftest import injections
 from tests.gcs_emulator import GcsEmulator
-from trainers.checkpoint import COMMIT_MARKER
+from trainers.checkpoints.step_folders import COMMIT_MARKER
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults, pytest.mark.timeout(900)]
 

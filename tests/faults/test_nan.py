@@ -18,7 +18,7 @@ import pytest
 
 from tests.faults import harness
 from tests.faults.conftest import injections
-from trainers.metrics import read_metrics
+from trainers.reporting.metrics import read_metrics
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
@@ -41,8 +41,8 @@ def test_nonfinite_steps_are_skipped_on_every_host_and_too_many_stop_every_host(
     workdir,
     *harness.long_run(every=1),
     "--config.checkpoint.keep=20",
-    "--config.debug.inject_nonfinite_at=(4, 7, 8, 9)",  # 0-based: metrics steps 5, 8, 9, 10
-    f"--config.debug.inject_nonfinite_value={value}",
+    "--config.hook_settings.faults.inject_nonfinite_at=(4, 7, 8, 9)",  # 0-based: metrics steps 5, 8, 9, 10
+    f"--config.hook_settings.faults.inject_nonfinite_value={value}",
     "--config.train.max_bad_steps=3",
   )
   code = job.wait(300)

@@ -1,7 +1,7 @@
 """Fault 5: a process stuck in Python, or stopped with SIGSTOP, ends the job within a bound.
 
 JAX's heartbeat does not notice a process that is alive but stuck; the
-step-progress watchdog (trainers/watchdog.py) does, and says which process
+step-progress watchdog (trainers/run/watchdog.py) does, and says which process
 fell behind.
 """
 
@@ -29,7 +29,9 @@ def _overrides(*extra):
 
 
 def test_a_process_stuck_in_python_ends_the_job_naming_it(data, tmp_path, record):
-  job = harness.start(data, tmp_path / "run", *_overrides("--config.debug.inject_stall=(1, 6)"))
+  job = harness.start(
+    data, tmp_path / "run", *_overrides("--config.hook_settings.faults.inject_stall=(1, 6)")
+  )
   try:
     harness.wait_for(lambda: harness.last_step(tmp_path / "run") >= 5, 240, "step 5")
     stalled_at = time.monotonic()

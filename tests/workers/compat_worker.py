@@ -9,7 +9,7 @@ info = spmd.initialize()
 import jax  # noqa: E402
 
 from spmd import compat  # noqa: E402
-from trainers.preemption import PreemptionWatch  # noqa: E402
+from trainers.run.preemption import PreemptionWatch  # noqa: E402
 
 assert jax.process_count() == 2, jax.process_count()
 assert compat.distributed_client() is not None

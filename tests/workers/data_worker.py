@@ -6,7 +6,9 @@ Usage: data_worker.py MODE DATASET DATA_DIR OUT_DIR [options as key=value]
   save     run some steps and write the state to OUT_DIR/state.json
   open     just open (for the error cases)
 Options: global_batch, steps, seq_len, mesh, seed, data_dir_p<N>, and packed=<identity>
-for a packed_lm dataset (windows with segment ids, its plan's identity).
+for a packed_lm dataset (windows with segment ids, its plan's identity), or sources=<spec>
+for a mixture of data.sources (DATASET is then ignored; the sources are prepared in
+DATA_DIR already, by the test, and each host finds them there as spmd-train's do).
 """
 
 import hashlib
@@ -44,17 +46,46 @@ if opts.get("packed"):  # one packed window a record (trainers/data/packed.py)
     to_batch=packed.packed_batch(seq_len),
     plan_records=packed.packed_plan(seq_len, lambda: opts["packed"]),
   )
-try:
-  batches = pipeline.open_global_batches(
-    dataset,
+
+
+def open_mixture():
+  """The LM task's mixture of `opts["sources"]`, opened as spmd-train opens it."""
+  from tests.configs import train_tiny
+  from trainers.data import mixture
+  from trainers.tasks import make_task
+
+  config = train_tiny.get_config()
+  config.data.update(sources=opts["sources"], pack=True, dir=data_dir, validation_percent=0.0)
+  config.model.seq_len = seq_len
+  task = make_task(config)
+  return mixture.open_mixture_batches(
+    task.prepare_data(data_dir),
     "train",
     data_dir,
-    packed.packed_example(seq_len) if packing else lm_examples.lm_example(seq_len),
+    task.to_example,
     global_batch,
     mesh,
     seed=int(opts.get("seed", 7)),
-    **packing,
+    features=tuple(task.record_template),
+    to_batch=task.to_batch,
+    plan_records=task.plan_records,
   )
+
+
+try:
+  if opts.get("sources"):
+    batches = open_mixture()
+  else:
+    batches = pipeline.open_global_batches(
+      dataset,
+      "train",
+      data_dir,
+      packed.packed_example(seq_len) if packing else lm_examples.lm_example(seq_len),
+      global_batch,
+      mesh,
+      seed=int(opts.get("seed", 7)),
+      **packing,
+    )
 except ValueError as e:
   print(f"ERROR {type(e).__name__}: {e}", flush=True)
   sys.exit(3)
@@ -80,7 +111,10 @@ if mode == "stream":
   it = batches.iterator(0, prefetch=2, num_steps=steps)
   for step, batch in it:
     hashes[step] = global_hash(batch)
-    indices[step] = batches.record_indices(step, batches._rows).tolist()
+    if opts.get("sources"):  # (source, example of that source) of each of this host's rows
+      indices[step] = np.stack(batches.row_sources(step, batches._rows), axis=1).tolist()
+    else:
+      indices[step] = batches.record_indices(step, batches._rows).tolist()
   if pid == 0:
     write("hashes.json", hashes)
   write(

@@ -14,10 +14,11 @@ import sys
 import jax
 import numpy as np
 
-from trainers import export, saved_run
+from trainers.checkpoints import export, saved_run
 from trainers.data import lm_examples
 from trainers.data.datasets import open_source
 from trainers.tasks import lm, make_task
+from trainers.tasks.lm_data import CORPUS_RECORD_BYTES
 
 
 def main(path: str, data_dir: str, examples: int) -> None:
@@ -27,7 +28,7 @@ def main(path: str, data_dir: str, examples: int) -> None:
   name = make_task(config).prepare_data(data_dir)  # prepared already: returns its name
   records = open_source(name, config.data.eval_split, data_dir, ("tokens",))
   seq_len = config.model.seq_len
-  per_record = lm_examples.windows_per_record(lm.CORPUS_RECORD_BYTES, seq_len)
+  per_record = lm_examples.windows_per_record(CORPUS_RECORD_BYTES, seq_len)
   total = len(records) * per_record
   count = total if examples == 0 else examples
   to_example = lm_examples.lm_example(seq_len)

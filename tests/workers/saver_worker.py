@@ -1,4 +1,4 @@
-"""One process of the multi-process `checkpoint.Saver` test; checks its own results.
+"""One process of the multi-process `Saver` test; checks its own results.
 
 Usage: saver_worker.py DIRECTORY  (run by tests/test_checkpoint_saver.py)
 
@@ -22,9 +22,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers import checkpoint  # noqa: E402
+from trainers.checkpoints import saver as saver_lib  # noqa: E402
+from trainers.checkpoints.manager import make_manager  # noqa: E402
+from trainers.checkpoints.saver import Saver  # noqa: E402
 
-checkpoint.SNAPSHOT_SPREAD_MIN_BYTES = 1024  # "large" (8 KB) is spread for the copy
+saver_lib.SNAPSHOT_SPREAD_MIN_BYTES = 1024  # "large" (8 KB) is spread for the copy
 mesh = create_mesh("data=-1,fsdp=1,tensor=1")
 replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 values = {
@@ -40,7 +42,7 @@ state = {
 update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
 total = jax.jit(lambda s: s["sharded"].sum(), out_shardings=replicated)  # an all-reduce
 
-saver = checkpoint.Saver(checkpoint.make_manager(sys.argv[1], every=1, keep=5))
+saver = Saver(make_manager(sys.argv[1], every=1, keep=5))
 expected = {}
 for step in (1, 2, 3):
   expected[step] = {k: v + 2 * (step - 1) for k, v in values.items()}

@@ -10,11 +10,12 @@ faster than the test can react.
 import os
 import time
 
-from trainers import checkpoint, train, train_cli
+from trainers.checkpoints.saver import Saver
+from trainers.run import train, train_cli
 
 _DELAY_S = float(os.environ["SPMD_TEST_SAVE_DELAY_S"])
 _STEP_DELAY_S = float(os.environ.get("SPMD_TEST_STEP_DELAY_S", "0"))
-_write = checkpoint.Saver._orbax_save
+_write = Saver._orbax_save
 _loop = train.train_loop
 
 
@@ -23,15 +24,15 @@ def _slow_write(self, *args, **kwargs):
   return _write(self, *args, **kwargs)
 
 
-def _slow_loop(loop, train_step, batches, hooks, preempted, progress=lambda step: None):
+def _slow_loop(loop, train_step, batches, hooks, preempted, progress=lambda step: None, **kwargs):
   def slow_progress(step):
     time.sleep(_STEP_DELAY_S)
     progress(step)
 
-  return _loop(loop, train_step, batches, hooks, preempted, slow_progress)
+  return _loop(loop, train_step, batches, hooks, preempted, slow_progress, **kwargs)
 
 
-checkpoint.Saver._orbax_save = _slow_write
+Saver._orbax_save = _slow_write
 if _STEP_DELAY_S:
   train.train_loop = _slow_loop
 

@@ -43,20 +43,22 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainers.data import text_corpus
+from trainers.data import datasets, text_corpus
+from trainers.data.datasets import open_source
 from trainers.data.records import RecordPlan
-from trainers.data.tokenizer import Tokenizer
+from trainers.data.tokenizer import Tokenizer, read_text
 
 NAME = "packed_lm"
 _READ_BATCH = 1024  # source records per batched read
@@ -93,7 +95,7 @@ def document_order(count: int, seed: int) -> np.ndarray:
 
 
 def pack_documents(
-  documents: Sequence[np.ndarray],
+  documents: Iterable[np.ndarray],
   seq_len: int,
   dtype: np.dtype | type = np.int32,
   run_windows: int | None = None,
@@ -101,28 +103,52 @@ def pack_documents(
   """The records of the concatenated `documents` (in the given order): runs of windows.
 
   `run_windows` (windows a record holds) defaults to `windows_per_record(seq_len)`.
+  Streamed: the documents are read once, in order, and memory holds one
+  record's run and the document being cut, never the whole stream, so a
+  corpus of any size packs in the same memory. Empty documents are skipped
+  (they do not count in `document`).
   """
   per = run_windows or windows_per_record(seq_len)
-  lengths = np.array([len(d) for d in documents], np.int64)
-  kept = [np.asarray(d) for d, n in zip(documents, lengths) if n]
-  if not kept:
-    return
-  stream = np.concatenate(kept)
-  offsets = np.concatenate([[0], np.cumsum(lengths[lengths > 0])[:-1]])
-  total = len(stream)
   run = per * seq_len
-  for k in range(-(-total // run)):
-    start = k * run
-    stop = min(start + run + 1, total)
-    tokens = np.zeros(run + 1, dtype)
-    tokens[: stop - start] = stream[start:stop]
-    first, last = np.searchsorted(offsets, [start, stop])
-    yield {
-      "tokens": tokens,
-      "starts": (offsets[first:last] - start).astype(np.int32),
-      "length": np.int32(stop - start),
-      "document": np.int64(np.searchsorted(offsets, start, side="right") - 1),
+  pending: list[np.ndarray] = []  # tokens from stream offset `base` on
+  buffered = 0
+  base = 0  # the stream offset of the next record's token 0
+  opened: collections.deque[tuple[int, int]] = collections.deque()  # (offset, document)
+  documents_seen = 0
+
+  def record(tokens: np.ndarray, start: int, length: int) -> dict[str, Any]:
+    while len(opened) > 1 and opened[1][0] <= start:
+      opened.popleft()  # documents that end before this run
+    run_tokens = np.zeros(run + 1, dtype)
+    run_tokens[:length] = tokens[:length]
+    starts = [o - start for o, _ in opened if start <= o < start + length]
+    return {
+      "tokens": run_tokens,
+      "starts": np.asarray(starts, np.int32),
+      "length": np.int32(length),
+      "document": np.int64(opened[0][1]),
     }
+
+  for document in documents:
+    document = np.asarray(document)
+    if not len(document):
+      continue
+    opened.append((base + buffered, documents_seen))
+    documents_seen += 1
+    pending.append(document)
+    buffered += len(document)
+    if buffered < run + 1:
+      continue
+    stream = np.concatenate(pending)  # once per document: the cost stays linear
+    offset = 0
+    while buffered - offset >= run + 1:
+      yield record(stream[offset : offset + run + 1], base, run + 1)
+      offset += run  # the run's last token is the next run's first
+      base += run
+    pending, buffered = [stream[offset:]], buffered - offset
+  if buffered:
+    stream = np.concatenate(pending)
+    yield record(stream, base, buffered)
 
 
 def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str, np.ndarray]]:
@@ -229,9 +255,24 @@ def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
       example=f"windows of {seq_len + 1} tokens",
       detail=f"{documents} documents packed, {padding} padding tokens in the last window",
       identity=identity(),
+      units_per_example=seq_len,
     )
 
   return plan
+
+
+def packed_features(seq_len: int, run_windows: int, vocab_size: int) -> tfds.features.FeaturesDict:
+  """The features of a record of packed windows (the module docstring), as TFDS stores them."""
+  return tfds.features.FeaturesDict(
+    {
+      "tokens": tfds.features.Tensor(
+        shape=(run_windows * seq_len + 1,), dtype=token_dtype(vocab_size), encoding="bytes"
+      ),
+      "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
+      "length": tfds.features.Scalar(dtype=np.int32),
+      "document": tfds.features.Scalar(dtype=np.int64),
+    }
+  )
 
 
 @dataclasses.dataclass(eq=False)
@@ -265,8 +306,6 @@ def corpus_key(config: PackedConfig) -> list:
 def _dataset_info(config: PackedConfig) -> tfds.core.DatasetInfo:
   """The source dataset's info, from its files (nothing downloads)."""
   from tensorflow_datasets.core import read_only_builder
-
-  from trainers.data import datasets
 
   try:
     return read_only_builder.builder_from_files(config.dataset, data_dir=config.dataset_dir).info
@@ -349,22 +388,10 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     config = self.builder_config
-    dtype = token_dtype(config.vocab_size)
     return tfds.core.DatasetInfo(
       builder=self,
       description=config.description,
-      features=tfds.features.FeaturesDict(
-        {
-          "tokens": tfds.features.Tensor(
-            shape=(config.windows_per_record * config.seq_len + 1,),
-            dtype=dtype,
-            encoding="bytes",
-          ),
-          "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
-          "length": tfds.features.Scalar(dtype=np.int32),
-          "document": tfds.features.Scalar(dtype=np.int64),
-        }
-      ),
+      features=packed_features(config.seq_len, config.windows_per_record, config.vocab_size),
       disable_shuffling=True,  # records in window order; epochs are shuffled when read
     )
 
@@ -399,7 +426,8 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     yield from enumerate(runs)
 
 
-def _framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+def framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+  """A document's ids between its tokenizer's BOS and EOS (those it has); bytes: as they are."""
   if tokenizer is None:
     return ids
   head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
@@ -414,17 +442,13 @@ def _text_documents(
 ) -> list[np.ndarray]:
   if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
     return [np.fromfile(f.path, np.uint8) for f in files]
-  from trainers.data.tokenizer import read_text
-
   texts = [read_text(f.path) for f in files]
-  return [_framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
+  return [framed(ids, tokenizer) for ids in tokenizer.encode_batch(texts)]
 
 
 def _dataset_documents(
   config: PackedConfig, split: str, tokenizer: Tokenizer | None
 ) -> list[np.ndarray]:
-  from trainers.data.datasets import open_source
-
   records = open_source(config.dataset, split, config.dataset_dir, ["tokens"])
   documents = []
   for start in range(0, len(records), _READ_BATCH):
@@ -436,7 +460,7 @@ def _dataset_documents(
       f"{config.dataset}[{split}] has token id {top}, outside config.model.vocab_size="
       f"{config.vocab_size}"
     )
-  return [_framed(d, tokenizer) for d in documents]
+  return [framed(d, tokenizer) for d in documents]
 
 
 def prepare_packed(data_dir: str | os.PathLike, config: PackedConfig) -> str:

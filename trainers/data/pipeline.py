@@ -41,10 +41,7 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import hashlib
 import logging
 import queue
 import threading
@@ -56,17 +53,12 @@ import numpy as np
 
 from spmd import layout as layout_lib
 from spmd import multihost
-from trainers.data.record_order import (
-  order_digest,
-  record_in_order,
-  shuffled_position,
-  window_in_block,
-)
+from trainers.data.record_stream import RecordStream
 from trainers.data.records import Example, RecordPlan
 
 log = logging.getLogger(__name__)
 # One row's mask in eval batches of examples that have none: padding rows get 0.
-_PADDING_MASK = np.ones((), np.float32)
+PADDING_MASK = np.ones((), np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +81,137 @@ class PipelineState:
     return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-class GlobalBatches:
+class StepBatches:
+  """What a step-indexed stream of global batches is, whatever draws its rows.
+
+  A subclass sets `layout`, `global_batch`, `seed`, `train`, `name`,
+  `num_records`, `steps_per_epoch`, `fingerprint`, `order`, `identity` and
+  `_example_spec`, and builds this host's rows in `host_batch(step)`; the
+  rest (placement, the per-step shape check, prefetching, the saved
+  position and its checks) is this class's. `GlobalBatches` is one split's
+  stream; `trainers.data.mixture.MixtureBatches` draws rows from several.
+  """
+
+  layout: layout_lib.DataLayout
+  global_batch: int
+  seed: int
+  train: bool
+  name: str
+  num_records: int
+  steps_per_epoch: int
+  fingerprint: str
+  order: str
+  identity: str
+  _example_spec: Example
+
+  def _start_rows(self) -> None:
+    host = self.layout.host()
+    self._rows = np.arange(host.rows.start, host.rows.stop)
+    self._host_rows: list[Callable[[int, Example], Example]] = []  # `wrap_host_rows`
+
+  def host_batch(self, step: int) -> Example:
+    """This host's rows of the global batch at `step`, as numpy arrays."""
+    raise NotImplementedError
+
+  def usage(self) -> str:
+    """What an epoch (eval: the pass) uses of the data and what it drops, and why."""
+    raise NotImplementedError
+
+  def sources_fed(self, steps: int, unit: str = "units") -> list[dict[str, Any]] | None:
+    """What each source fed in `steps` steps (a mixture's `data_sources`); None: one source."""
+    del steps, unit
+    return None
+
+  def wrap_host_rows(self, wrap: Callable[[int, Example], Example]) -> None:
+    """From now on, this host's rows of each step pass through `wrap(step, rows)` before placement.
+
+    After the wrappers added before it; the shape check of `global_batch_arrays`
+    sees what they return (`trainers.hooks.Wrapper.host_rows`).
+    """
+    self._host_rows.append(wrap)
+
+  def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
+    """The global batch at `step` as `jax.Array`s split over the batch axes.
+
+    Each host checks its own rows' shapes and dtypes every step (free): a
+    host whose batch changed shape while the others reuse the compiled step
+    would otherwise hang in a collective or compute garbage.
+    """
+    local = self.host_batch(step)
+    for wrap in self._host_rows:
+      local = wrap(step, local)
+    for key, value in local.items():
+      spec = self._example_spec.get(key)
+      if spec is None:  # the mask of eval padding, for examples without one (`host_batch`)
+        spec = PADDING_MASK
+      if value.shape != (len(self._rows), *spec.shape) or value.dtype != spec.dtype:
+        raise ValueError(
+          f"process {jax.process_index()}: batch[{key!r}] at {step=} has local shape "
+          f"{value.shape} {value.dtype}, expected {(len(self._rows), *spec.shape)} {spec.dtype}"
+        )
+    # One call for all arrays: on one process that is one batched device_put.
+    global_shapes = {k: (self.global_batch, *v.shape[1:]) for k, v in local.items()}
+    return jax.make_array_from_process_local_data(self.layout.sharding, local, global_shapes)
+
+  def expected_host_shapes(self) -> dict[str, tuple[int, ...]]:
+    """The shapes every host's rows must have: the trainer checks them each step."""
+    return {k: (len(self._rows), *v.shape) for k, v in self._example_spec.items()}
+
+  # -- iteration and state ----------------------------------------------------
+
+  def state(self, next_step: int) -> PipelineState:
+    return PipelineState(
+      next_step,
+      self.seed,
+      self.global_batch,
+      self.num_records,
+      self.fingerprint,
+      self.order,
+      self.identity,
+    )
+
+  def iterator(
+    self, start: int | PipelineState = 0, prefetch: int = 2, num_steps: int | None = None
+  ) -> BatchIterator:
+    """Batches from `start` (a step or a saved state), prefetched to devices."""
+    if isinstance(start, PipelineState):
+      self.check_resumable(start)
+      start = start.next_step
+    return BatchIterator(self, start, prefetch, num_steps)
+
+  def check_resumable(self, state: PipelineState) -> None:
+    """Raises `ValueError` when `state` belongs to a different stream or order."""
+    mine = self.state(state.next_step)
+    if state.identity != mine.identity:
+      raise ValueError(
+        f"cannot resume {self.name}: the saved data position is in data made with "
+        f"{state.identity or 'no recorded tokenizer'!r}, and this run's data is made with "
+        f"{mine.identity or 'no tokenizer'!r}; its token ids mean other text. Resume with "
+        "the tokenizer the run was saved with (data.tokenizer in its config.json; the run "
+        "keeps a copy of its tokenizer file in its workdir), or train with the new one in a "
+        "new workdir (checkpoint.init_from=<this run's checkpoints> starts from its weights)."
+      )
+    diffs = {
+      f: (getattr(state, f), getattr(mine, f))
+      for f in ("seed", "global_batch", "num_records", "fingerprint")
+      if getattr(state, f) != getattr(mine, f)
+    }
+    if diffs:
+      raise ValueError(
+        f"cannot resume {self.name}: the saved data position belongs to another stream "
+        f"(saved, now): {diffs}"
+      )
+    if self.train and state.order != mine.order:
+      raise ValueError(
+        f"cannot resume {self.name}: the shuffle order is not the one the saved position "
+        f"was taken in (saved order {state.order or 'not recorded'!r}, now {mine.order!r}: "
+        "grain's index_shuffle or this harness's seeding changed, or the position predates "
+        "order checks). Resumed, this epoch would feed some records twice and others "
+        "never; run with the versions that saved it, or start the run again."
+      )
+
+
+class GlobalBatches(StepBatches):
   """The global batch of any step, as this host's rows or as a global array.
 
   Args:
@@ -124,7 +246,8 @@ class GlobalBatches:
   cache of `shuffle_block` + `global_batch` records), so each record is read
   about once per block, not once per window. A batch then draws its rows
   from `shuffle_block` records (the role of a shuffle buffer in a streaming
-  pipeline), and positions stay a pure function of the step.
+  pipeline), and positions stay a pure function of the step
+  (`trainers.data.record_stream`).
   """
 
   def __init__(
@@ -142,28 +265,20 @@ class GlobalBatches:
     to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None,
     plan: RecordPlan | None = None,
   ):
-    self._windowed = plan is not None or examples_per_record > 1
-    if plan is not None:
-      examples_per_record = plan.examples_per_record
-    if examples_per_record < 1:
-      raise ValueError(f"{examples_per_record=} must be at least 1")
-    if shuffle_block < 1:
-      raise ValueError(f"{shuffle_block=} must be at least 1")
-    if not 0 <= seed < 2**63:
-      raise ValueError(f"{seed=} must be a non-negative integer below 2**63")
+    self._stream = stream = RecordStream(
+      records,
+      to_example,
+      seed=seed,
+      name=name,
+      examples_per_record=examples_per_record,
+      shuffle_block=shuffle_block,
+      to_batch=to_batch,
+      plan=plan,
+      cache_rows=global_batch,
+    )
     self.shuffle_block = shuffle_block
-    self.examples_per_record = examples_per_record
-    self.num_records = len(records) * examples_per_record  # examples, really
-    # Windows the last record lacks (packed data): they are never positions.
-    self._missing = 0
-    if plan is not None and plan.examples is not None:
-      self._missing = self.num_records - plan.examples
-      if not 0 <= self._missing < examples_per_record:
-        raise ValueError(
-          f"{name}: RecordPlan.examples={plan.examples} must leave out fewer than one record's "
-          f"{examples_per_record} examples of the {len(records)} records' {self.num_records}"
-        )
-      self.num_records = plan.examples
+    self.examples_per_record = stream.examples_per_record
+    self.num_records = stream.num_examples  # examples, really
     self.global_batch = global_batch
     self.seed = seed
     self.train = train
@@ -180,29 +295,13 @@ class GlobalBatches:
         )
     else:
       self.steps_per_epoch = -(-self.num_records // global_batch)
-    # With windows, the records are shuffled and the windows then within blocks.
-    # The record order is read for every row of every step, but a block's rows
-    # come from its `shuffle_block` records: most lookups are repeats.
-    count = len(records)
-    self._record_at = functools.lru_cache(maxsize=2 * shuffle_block + global_batch)(
-      functools.partial(record_in_order, count=count, seed=seed, short_last=self._missing > 0)
-    )
-    self._cache = _RecordCache(shuffle_block + global_batch) if examples_per_record > 1 else None
     self._records = records
-    self._to_example = to_example
-    self._to_batch = to_batch
-    host = self.layout.host()
-    self._rows = np.arange(host.rows.start, host.rows.stop)
-    self._example_spec = self._example(records[0], 0)
-    self.plan = plan or RecordPlan(
-      examples_per_record=examples_per_record,
-      total=self.num_records,
-      in_examples=self.num_records,
-    )
-    self.order = order_digest(count, examples_per_record, shuffle_block, seed, self._missing)
-    self.fingerprint = hashlib.sha256(
-      f"{name}|{self.num_records}|{examples_per_record}|{shuffle_block if examples_per_record > 1 else ''}|{sorted((k, v.shape, str(v.dtype)) for k, v in self._example_spec.items())}".encode()
-    ).hexdigest()[:16]
+    self._start_rows()
+    self._example_spec = stream.example_spec
+    self.plan = stream.plan
+    self.identity = self.plan.identity
+    self.order = stream.order
+    self.fingerprint = stream.fingerprint()
 
   # -- positions and records ---------------------------------------------------
 
@@ -219,23 +318,7 @@ class GlobalBatches:
     positions = self.positions(step, rows)
     if not self.train:
       return np.where(positions < self.num_records, positions, -1)
-    if self.examples_per_record == 1:
-      n = self.num_records
-      return np.array([shuffled_position(int(p), n, self.seed) % n for p in positions], np.int64)
-    return np.array([self._window_at(int(p)) for p in positions], np.int64)
-
-  def _window_at(self, position: int) -> int:
-    """The example (record * n + window) at a train position: blocks of shuffled records."""
-    per, block_records, count = self.examples_per_record, self.shuffle_block, len(self._records)
-    epoch, within = divmod(position, self.num_records)
-    block, j = divmod(within, block_records * per)
-    first = block * block_records
-    size = min(block_records, count - first) * per
-    if first + block_records >= count:  # the last block ends with the last record
-      size -= self._missing
-    k = window_in_block(j, size, self.seed, epoch, block)
-    record = self._record_at(epoch * count + first + k // per)
-    return record * per + k % per
+    return self._stream.examples_at(positions)
 
   def host_batch(self, step: int) -> Example:
     """This host's rows of the global batch at `step`, as numpy arrays."""
@@ -243,23 +326,16 @@ class GlobalBatches:
     valid = indices >= 0
     per = self.examples_per_record
     wanted = [int(i) for i in indices[valid]]
-    # One batched read of the distinct records: an ArrayRecord source serves
-    # a batch in one call, where reading one by one pays that call per record.
-    distinct = sorted({i // per for i in wanted})
-    if self._cache is None:
-      by_record = dict(zip(distinct, self._read(distinct)))
-    else:
-      by_record = self._cache.get_or_read(distinct, self._read)
-    if self._to_batch is not None and valid.all():
-      windows = np.asarray(wanted, np.int64) % per
-      return self._to_batch([by_record[i // per] for i in wanted], windows)
-    it = iter(self._example(by_record[i // per], i % per) for i in wanted)
+    by_record = self._stream.records_of(wanted)
+    if valid.all():
+      return self._stream.rows(wanted, by_record)
+    it = iter(self._stream.example(by_record[i // per], i % per) for i in wanted)
     examples = [next(it) if ok else None for ok in valid]
     out = {}
     for key, spec in self._example_spec.items():
       out[key] = np.stack([e[key] if e is not None else np.zeros_like(spec) for e in examples])
     if not self.train:  # eval padding counts for nothing
-      mask = out.get("mask", np.ones((len(indices),), _PADDING_MASK.dtype))
+      mask = out.get("mask", np.ones((len(indices),), PADDING_MASK.dtype))
       out["mask"] = mask * valid.reshape((-1,) + (1,) * (mask.ndim - 1)).astype(mask.dtype)
     return out
 
@@ -307,93 +383,6 @@ class GlobalBatches:
     if plan.empty:
       line += f"; {plan.empty} of the {examples} {plan.example.split()[0]} are empty (masked)"
     return line
-
-  def _read(self, indices: list[int]) -> Sequence[Any]:
-    getitems = getattr(self._records, "__getitems__", None)
-    return getitems(indices) if getitems else [self._records[i] for i in indices]
-
-  def _example(self, record: Any, window: int) -> Example:
-    if not self._windowed:
-      return self._to_example(record)
-    return self._to_example(record, window)
-
-  def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
-    """The global batch at `step` as `jax.Array`s split over the batch axes.
-
-    Each host checks its own rows' shapes and dtypes every step (free): a
-    host whose batch changed shape while the others reuse the compiled step
-    would otherwise hang in a collective or compute garbage.
-    """
-    local = self.host_batch(step)
-    for key, value in local.items():
-      spec = self._example_spec.get(key)
-      if spec is None:  # the mask of eval padding, for examples without one (`host_batch`)
-        spec = _PADDING_MASK
-      if value.shape != (len(self._rows), *spec.shape) or value.dtype != spec.dtype:
-        raise ValueError(
-          f"process {jax.process_index()}: batch[{key!r}] at {step=} has local shape "
-          f"{value.shape} {value.dtype}, expected {(len(self._rows), *spec.shape)} {spec.dtype}"
-        )
-    # One call for all arrays: on one process that is one batched device_put.
-    global_shapes = {k: (self.global_batch, *v.shape[1:]) for k, v in local.items()}
-    return jax.make_array_from_process_local_data(self.layout.sharding, local, global_shapes)
-
-  def expected_host_shapes(self) -> dict[str, tuple[int, ...]]:
-    """The shapes every host's rows must have: the trainer checks them each step."""
-    return {k: (len(self._rows), *v.shape) for k, v in self._example_spec.items()}
-
-  # -- iteration and state ----------------------------------------------------
-
-  def state(self, next_step: int) -> PipelineState:
-    return PipelineState(
-      next_step,
-      self.seed,
-      self.global_batch,
-      self.num_records,
-      self.fingerprint,
-      self.order,
-      self.plan.identity,
-    )
-
-  def iterator(
-    self, start: int | PipelineState = 0, prefetch: int = 2, num_steps: int | None = None
-  ) -> BatchIterator:
-    """Batches from `start` (a step or a saved state), prefetched to devices."""
-    if isinstance(start, PipelineState):
-      self.check_resumable(start)
-      start = start.next_step
-    return BatchIterator(self, start, prefetch, num_steps)
-
-  def check_resumable(self, state: PipelineState) -> None:
-    """Raises `ValueError` when `state` belongs to a different stream or order."""
-    mine = self.state(state.next_step)
-    if state.identity != mine.identity:
-      raise ValueError(
-        f"cannot resume {self.name}: the saved data position is in data made with "
-        f"{state.identity or 'no recorded tokenizer'!r}, and this run's data is made with "
-        f"{mine.identity or 'no tokenizer'!r}; its token ids mean other text. Resume with "
-        "the tokenizer the run was saved with (data.tokenizer in its config.json; the run "
-        "keeps a copy of its tokenizer file in its workdir), or train with the new one in a "
-        "new workdir (checkpoint.init_from=<this run's checkpoints> starts from its weights)."
-      )
-    diffs = {
-      f: (getattr(state, f), getattr(mine, f))
-      for f in ("seed", "global_batch", "num_records", "fingerprint")
-      if getattr(state, f) != getattr(mine, f)
-    }
-    if diffs:
-      raise ValueError(
-        f"cannot resume {self.name}: the saved data position belongs to another stream "
-        f"(saved, now): {diffs}"
-      )
-    if self.train and state.order != mine.order:
-      raise ValueError(
-        f"cannot resume {self.name}: the shuffle order is not the one the saved position "
-        f"was taken in (saved order {state.order or 'not recorded'!r}, now {mine.order!r}: "
-        "grain's index_shuffle or this harness's seeding changed, or the position predates "
-        "order checks). Resumed, this epoch would feed some records twice and others "
-        "never; run with the versions that saved it, or start the run again."
-      )
 
 
 def open_global_batches(
@@ -467,32 +456,6 @@ def open_global_batches(
   return batches
 
 
-class _RecordCache:
-  """The last `capacity` records read, by index; safe to share between threads."""
-
-  def __init__(self, capacity: int):
-    self.capacity = capacity
-    self._records: collections.OrderedDict[int, Any] = collections.OrderedDict()
-    self._lock = threading.Lock()
-
-  def get_or_read(
-    self, indices: list[int], read: Callable[[list[int]], Sequence[Any]]
-  ) -> dict[int, Any]:
-    with self._lock:
-      found = {i: self._records[i] for i in indices if i in self._records}
-      for i in found:
-        self._records.move_to_end(i)
-    missing = [i for i in indices if i not in found]
-    if missing:  # one batched read, outside the lock
-      found.update(zip(missing, read(missing)))
-      with self._lock:
-        for i in missing:
-          self._records[i] = found[i]
-        while len(self._records) > self.capacity:
-          self._records.popitem(last=False)
-    return found
-
-
 class BatchIterator(Iterator[tuple[int, dict[str, jax.Array]]]):
   """Yields `(step, global batch)`; a background thread reads ahead.
 
@@ -501,7 +464,7 @@ class BatchIterator(Iterator[tuple[int, dict[str, jax.Array]]]):
   one. Errors in the thread are raised by `next()`.
   """
 
-  def __init__(self, batches: GlobalBatches, start: int, prefetch: int, num_steps: int | None):
+  def __init__(self, batches: StepBatches, start: int, prefetch: int, num_steps: int | None):
     if prefetch < 0:
       raise ValueError(f"{prefetch=} must be >= 0")
     self._batches = batches

@@ -27,7 +27,12 @@ _RECORD_ORDER, _WINDOW_ORDER = 0, 1  # which permutation a seed is for
 
 
 def order_digest(
-  num_records: int, examples_per_record: int, shuffle_block: int, seed: int, missing: int = 0
+  num_records: int,
+  examples_per_record: int,
+  shuffle_block: int,
+  seed: int,
+  missing: int = 0,
+  short_last: bool | None = None,
 ) -> str:
   """A hash of the first positions of both permutations, for the run's seed.
 
@@ -35,6 +40,7 @@ def order_digest(
   `index_shuffle` or our seeding ever orders the stream differently, a
   resumed run refuses to start instead of silently feeding another order.
   Both bijections are covered: the records', and the windows' within a block.
+  `short_last` (default: `missing > 0`) is `record_in_order`'s.
 
   Example:
     >>> order_digest(10, 1, 256, seed=0) == order_digest(10, 1, 256, seed=0)
@@ -43,7 +49,8 @@ def order_digest(
     False
   """
   first = min(num_records, ORDER_DIGEST_POSITIONS)
-  records = [record_in_order(p, num_records, seed, missing > 0) for p in range(first)]
+  last = missing > 0 if short_last is None else short_last
+  records = [record_in_order(p, num_records, seed, last) for p in range(first)]
   windows: list[int] = []
   if examples_per_record > 1:
     size = min(shuffle_block, num_records) * examples_per_record

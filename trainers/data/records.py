@@ -42,6 +42,9 @@ class RecordPlan:
     examples: how many examples there are when the last record holds fewer
       than `examples_per_record` (its missing windows do not exist: packed
       windows); None = every record holds them all.
+    units_per_example: the units of a full example, when every example but
+      the split's last is full (packed windows: `seq_len` tokens); a
+      mixture then counts each source's units exactly. None = not so.
 
   Example:
     >>> plan = RecordPlan(examples_per_record=1, total=10, in_examples=10)
@@ -59,6 +62,7 @@ class RecordPlan:
   detail: str = ""
   identity: str = ""
   examples: int | None = None
+  units_per_example: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.examples_per_record, int) or self.examples_per_record < 1:

@@ -60,10 +60,16 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+# The split rule is shared with `config.data.sources` (which holds out documents).
+from trainers.data.holdout import (  # noqa: F401  (re-exported: text_corpus.split_of, ...)
+  DEFAULT_VALIDATION_PERCENT,
+  TRAIN,
+  VALIDATION,
+  split_of,
+  validation_percent_to_hold_out,
+)
+
 DEFAULT_CHUNK_BYTES = 4096
-DEFAULT_VALIDATION_PERCENT = 2.0
-TRAIN = "train"
-VALIDATION = "validation"
 
 # Nothing is ever downloaded; the GCS check is off so a build never touches the network.
 DOWNLOAD_CONFIG = tfds.download.DownloadConfig(try_download_gcs=False)
@@ -71,8 +77,6 @@ DOWNLOAD_CONFIG = tfds.download.DownloadConfig(try_download_gcs=False)
 # Third-party packages live inside the stdlib directory but are not the stdlib.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _GLOB_MAGIC = frozenset("*?[")
-# Split assignment resolution: validation_percent is honoured to 0.01 %.
-_HASH_BUCKETS = 10_000
 
 SourceSpec = str | os.PathLike | Sequence[str | os.PathLike] | None
 
@@ -192,34 +196,6 @@ def split_files(
     if os.path.getsize(f.path):
       by_split[split_of(f.key, validation_percent)].append(f)
   return {split: found for split, found in by_split.items() if found}
-
-
-def validation_percent_to_hold_out(keys: Sequence[str]) -> float:
-  """The least `validation_percent` that puts one of these split keys in validation.
-
-  >>> percent = validation_percent_to_hold_out(["os.py", "re.py"])
-  >>> "validation" in {split_of(k, percent) for k in ["os.py", "re.py"]}
-  True
-  """
-  if not keys:
-    raise ValueError("no files to hold out")
-  return (min(_bucket(k) for k in keys) + 1) / (_HASH_BUCKETS / 100)
-
-
-def _bucket(key: str) -> int:
-  digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-  return int.from_bytes(digest[:8], "big") % _HASH_BUCKETS
-
-
-def split_of(key: str, validation_percent: float = DEFAULT_VALIDATION_PERCENT) -> str:
-  """The split ("train" or "validation") of a file with this split key.
-
-  A hash, not the file's position, decides, so adding files never moves others.
-
-  >>> split_of("os.py"), split_of("os.py", validation_percent=100)
-  ('train', 'validation')
-  """
-  return VALIDATION if _bucket(key) < validation_percent * (_HASH_BUCKETS / 100) else TRAIN
 
 
 @dataclasses.dataclass(eq=False)

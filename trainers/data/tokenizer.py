@@ -33,7 +33,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from etils import epath
@@ -182,19 +183,37 @@ def read_text(path: str) -> str:
 
 
 def bpe_tokenizer(
-  data_dir: str | os.PathLike, corpus_key: str, files: Sequence[str], vocab_size: int
+  data_dir: str | os.PathLike,
+  corpus_key: str,
+  files: Sequence[str] = (),
+  vocab_size: int = BPE_MIN_VOCAB,
+  texts: Callable[[], Iterable[str]] | None = None,
 ) -> Tokenizer:
-  """The BPE of `vocab_size` trained on `files`, trained on first use and cached.
+  """The BPE of `vocab_size` trained on `files` (or on `texts()`), trained on first use and cached.
 
-  `corpus_key` names the files' state (e.g. a `text_corpus_config` name,
-  which hashes their names, sizes and times): other files, another cache.
+  `corpus_key` names the text's state (e.g. a `text_corpus_config` name,
+  which hashes the files' names, sizes and times): other text, another cache.
+  `texts`, when given, is called only to train (a sample of `data.sources`).
   """
   path = pathlib.Path(data_dir) / CACHE_DIR / f"bpe-{vocab_size}-{corpus_key}" / "tokenizer.json"
   if not path.is_file():
-    if not files:
-      raise ValueError(f"no text to train the BPE tokenizer on ({corpus_key=})")
-    train_bpe((read_text(f) for f in files), vocab_size, path)
+    if texts is None:
+      if not files:
+        raise ValueError(f"no text to train the BPE tokenizer on ({corpus_key=})")
+      train_bpe((read_text(f) for f in files), vocab_size, path)
+    else:
+      train_bpe(_nonempty(texts(), corpus_key), vocab_size, path)
   return Tokenizer(path)
+
+
+def _nonempty(texts: Iterable[str], corpus_key: str) -> Iterator[str]:
+  """`texts`, raising `ValueError` at the end when there was none."""
+  found = False
+  for text in texts:
+    found = True
+    yield text
+  if not found:
+    raise ValueError(f"no text to train the BPE tokenizer on ({corpus_key=})")
 
 
 def user_tokenizer(spec: str, data_dir: str | os.PathLike) -> Tokenizer:
@@ -232,3 +251,8 @@ def check_spec(spec: str) -> None:
       f"data.tokenizer={spec!r} is not {BYTES!r}, {BPE!r} or an existing tokenizer file "
       f"(tokenizer.json or SentencePiece {SENTENCEPIECE_SUFFIX})"
     )
+
+
+def tokenizer_spec(config: Any) -> str:
+  """`config.data.tokenizer`: "bytes", "bpe", or a tokenizer file's path/URL."""
+  return config.data.get("tokenizer", "bytes") or "bytes"

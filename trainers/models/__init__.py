@@ -6,6 +6,8 @@
                   packed-segment masking, activations constrained by
                   logical names (`spmd.rules.constrain`)
   mlp.py          `MLPClassifier`
+  embedding.py    `lookup`: embedding rows laid out by the active rules, so
+                  no mesh makes XLA copy whole activations
 
 What the models share lives here: `param` creates an annotated parameter and
 `logical_axes` reads the annotations back as a tree shaped like the model's

@@ -43,7 +43,7 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.rules import constrain
-from trainers.models import llama
+from trainers.models import embedding, llama
 from trainers.models import transformer as lm
 from trainers.models.layers import dense
 
@@ -201,13 +201,12 @@ def forward(model: nnx.Module, tokens: jax.Array, cache: KVCache, index: jax.Arr
   positions = jnp.broadcast_to(index + jnp.arange(t), (batch, t))
   if isinstance(model, llama.Llama):
     table = model.token_embed[...].astype(dt)
-    x = constrain(jnp.take(table, tokens, axis=0, mode="fill", fill_value=0), _RESIDUAL)
+    x = constrain(embedding.lookup(table, tokens), _RESIDUAL)
     sin, cos = llama.rope_angles(positions, config.head_dim, config.rope_theta)
     layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos)
   elif isinstance(model, lm.TransformerLM):
-    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
-    x = dense(one_hot, model.token_embed[...].astype(dt))
-    x = x + jnp.take(model.pos_embed[...], positions, axis=0).astype(dt)
+    x = embedding.lookup(model.token_embed[...].astype(dt), tokens)
+    x = x + embedding.lookup(model.pos_embed[...].astype(dt), positions, ("length", "embed"))
     layer_fn = _transformer_layer
   else:
     raise TypeError(f"no cached decoding for {type(model).__name__}: Llama or TransformerLM")

@@ -48,7 +48,9 @@ runs by the kernel `attention` names (`trainers.models.attention`), and a
 loss that should not hold the whole logits takes `hidden_states` and
 `unembedding` instead (`trainers.tasks.losses`). The model
 sets no sharding constraints itself: the trainer places parameters (see
-`trainers.models.logical_axes`) and inputs, and XLA propagates the rest.
+`trainers.models.logical_axes`) and inputs, and XLA propagates the rest,
+except in the token and position lookups, which the active rules lay out
+(`trainers.models.embedding`) so that XLA never copies whole activations.
 
 A trainer reads the annotations off an abstract model (no memory, no
 compile) and turns them into shardings; then
@@ -76,7 +78,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainers.models import attention, param
+from trainers.models import attention, embedding, param
 from trainers.models import logical_axes as logical_axes
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
@@ -333,19 +335,15 @@ class TransformerLM(nnx.Module):
           f"got {value.shape=} {value.dtype=}"
         )
     dt = jnp.dtype(config.dtype)
-    # A one-hot matmul, not a gather: with the table split over (vocab, embed)
-    # the gather's gradient is a scatter-add that XLA's SPMD partitioner can only
-    # do by replicating [B, L, d_model] ("Involuntary full rematerialization"),
-    # while a matmul partitions like the rest. For a byte vocabulary it costs
-    # less than one MLP layer; revisit for vocabularies of tens of thousands.
-    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=dt)
-    x = dense(one_hot, self.token_embed[...].astype(dt))
+    # Both lookups are laid out by the rules (`embedding.lookup`): left to
+    # XLA, a gather from a table split over fsdp, or the one-hot matmul this
+    # model once used instead, makes XLA copy the whole [B, L, d_model]
+    # activation on meshes with data > 1 and fsdp > 1, forward or backward.
+    x = embedding.lookup(self.token_embed[...].astype(dt), tokens)
     if positions is None:
       x = x + self.pos_embed[:length].astype(dt)
     else:
-      # A gather, unlike the token lookup: the rules presets never split the
-      # table's row axis ("length"), so its gradient's scatter-add stays local.
-      x = x + self.pos_embed[...][positions].astype(dt)
+      x = x + embedding.lookup(self.pos_embed[...].astype(dt), positions, ("length", "embed"))
     # Each layer's attention builds its mask (or its kernel reads the ids).
     if config.scan_layers:
       x = scan_layers(
@@ -378,8 +376,7 @@ def flops_per_token(config: TransformerConfig) -> float:
   `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, Chowdhery et al. 2022,
   appendix B; Chinchilla's 6N plus the attention term): N counts the
   non-embedding parameters, every parameter except the token and position
-  embedding tables (lookups by convention, although the token lookup is a
-  one-hot matmul here, for sharding); the untied output projection is a
+  embedding tables (lookups); the untied output projection is a
   matmul and is counted. Each parameter costs 2 FLOPs forward and 4 backward;
   the attention scores and weighted sum cost 12 * d_model * seq_len per
   layer, counted for the full square (neither causal nor segment masking is

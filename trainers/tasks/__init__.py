@@ -91,7 +91,7 @@ class Task:
       `k` in the train metrics and the progress bar, `eval_k` in the evals
       and the run's summary (`{}` reports none). Names the trainer writes
       itself (`loss`, `perplexity`, `learning_rate`, ...:
-      `trainers.task_metrics.RESERVED_METRICS`) are an error at startup.
+      `trainers.step.task_metrics.RESERVED_METRICS`) are an error at startup.
       Padding rows (eval) carry `mask == 0` and must add nothing.
     compute_dtype: the dtype of the model's matmuls ("float32", "bfloat16"),
       for the peak FLOP/s behind MFU.
@@ -103,7 +103,9 @@ class Task:
   Data:
     prepare_data: `data_dir -> name`: builds the TFDS dataset in `data_dir`
       unless it is there (process 0 runs it first, the others after) and
-      returns the name to open with `tfds.data_source`.
+      returns the name to open with `tfds.data_source`; or, for several
+      weighted sources, a `trainers.data.mixture.DataMixture` naming each
+      source's prepared splits (the LM tasks' `config.data.sources`).
     record_template: one record's features as zeros (shapes and dtypes, no
       data). Its keys are the features `to_example` reads and the only ones
       decoded; `to_example(record_template)` gives the examples' shapes. A
@@ -128,10 +130,12 @@ class Task:
       replacing the optimizer named by `config.train.optimizer`. The trainer
       still clips first (`train.grad_clip_norm`) and logs `schedule` as the
       learning rate; its state is placed from its leaves' shapes
-      (`trainers.optim.opt_state_shardings`). `trainers.optim.decay_mask`
+      (`trainers.step.optim.opt_state_shardings`). `trainers.step.optim.decay_mask`
       gives the default weight-decay mask.
     hooks: optional `Hook`s (`trainers.hooks`), each with its own schedule,
-      run on every process after the built-in ones; `config.hooks` adds more.
+      run on every process after the built-in ones, and `Wrapper`s of this
+      process's rows, the batch stream or the train step (a data check of
+      your own, say); `config.hooks` adds more.
 
   Reporting:
     unit: what throughput counts: "tokens", "examples", "images", ...
@@ -152,7 +156,7 @@ class Task:
 
   model: Callable[[Any], Any]
   loss: LossFn
-  prepare_data: Callable[[str], str]
+  prepare_data: Callable[[str], Any]  # a TFDS name, or a DataMixture
   record_template: Mapping[str, Any]
   to_example: Callable[..., Example]
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None

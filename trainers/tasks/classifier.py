@@ -19,6 +19,7 @@ import itertools
 import ml_collections
 import numpy as np
 
+from trainers.data.blobs import classification_example, prepare_blobs
 from trainers.models import mlp
 from trainers.tasks import Task, config_section, cross_entropy_sums
 
@@ -54,16 +55,12 @@ def classification_loss(model, batch, rngs, train):
 def _prepare(config: ml_collections.ConfigDict):
   name = config.data.name
   if name == "blobs":
-    from trainers.data.blobs import prepare_blobs
-
     return prepare_blobs
   return lambda data_dir: name  # any TFDS dataset already prepared in data_dir
 
 
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The classifier task for `config` (sizes from `config.model`)."""
-  from trainers.data.blobs import classification_example
-
   model_config = classifier_config(config)
   return Task(
     model=lambda rngs: mlp.MLPClassifier(model_config, rngs=rngs),

@@ -1,6 +1,6 @@
 """The Llama task (`config.task = "llama"`): `trainers.models.llama` on the LM task's data.
 
-The data side is the LM task's own (`trainers.tasks.lm.lm_data`): bytes or
+The data side is the LM task's own (`trainers.tasks.lm_data`): bytes or
 subword tokens of the text corpus, or any prepared dataset with a `tokens`
 feature, in windows of `seq_len + 1` tokens, packed with segment ids when
 `config.data.pack` is set. The loss is next-token cross-entropy over
@@ -26,7 +26,8 @@ import ml_collections
 
 from trainers.models import llama
 from trainers.tasks import Batch, Task, config_section
-from trainers.tasks import lm as lm_task
+from trainers.tasks.lm import sample_report
+from trainers.tasks.lm_data import lm_data
 from trainers.tasks.losses import chunked_cross_entropy_sums
 
 # Batch features the model takes besides the tokens, when the data has them.
@@ -74,10 +75,10 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
   seq_len = model_config.seq_len
   sample_tokens = config.get("sample_tokens", 0)
   prompt = config.get("sample_prompt", "def ") if sample_tokens else None
-  data = lm_task.lm_data(config, seq_len, model_config.vocab_size, prompt)
+  data = lm_data(config, seq_len, model_config.vocab_size, prompt)
   report = None
   if sample_tokens:
-    report = lm_task.sample_report(model_config, sample_tokens, prompt, codec=data.codec)
+    report = sample_report(model_config, sample_tokens, prompt, codec=data.codec)
   return Task(
     model=lambda rngs: llama.Llama(model_config, rngs=rngs),
     loss=next_token_loss,

@@ -1,0 +1,143 @@
+"""No train step makes XLA copy whole arrays: every rules preset, four meshes, CPU and TPU HLO.
+
+XLA's SPMD partitioner prints "Involuntary full rematerialization" when it
+cannot reach a sharding cheaply and replicates the whole array on every
+device instead. Equal losses cannot show that (the copy computes the same
+numbers), so these tests read the compiler's log: XLA:CPU writes it to file
+descriptor 2, libtpu to its log folder (`spmd.compiler_log` reads both), with
+the persistent compilation cache off, since a cache hit compiles nothing.
+Each check first proves it can see a fallback, on a program made to have one.
+
+The steps are `trainers.step.train_step.make_train_step`'s, the trainer's own, for the
+Llama (layers scanned) and the transformer (unrolled) at tiny shapes whose
+head counts divide 4, on packed rows (token and position lookups both).
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs import llama_tiny, lm_tiny
+from spmd import rules
+from spmd.compiler_log import capture_compiler_log
+from spmd.layout import batch_sharding
+from spmd.mesh import create_mesh
+from spmd.topology import libtpu_available, topology_devices
+from trainers.run.train import build_mesh
+from trainers.step.loss import abstract_batch
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
+from trainers.tasks import make_task
+
+MESHES = [
+  "data=8,fsdp=1,tensor=1",
+  "data=2,fsdp=4,tensor=1",
+  "data=2,fsdp=2,tensor=2",
+  "data=1,fsdp=2,tensor=4",
+]
+# Where XLA fell back before the embedding lookups were laid out by the rules.
+FALLBACK_MESHES = ["data=2,fsdp=4,tensor=1", "data=2,fsdp=2,tensor=2"]
+# The mesh and preset the fallbacks were first seen on; the rest are slow.
+FIRST_SEEN = ("data=2,fsdp=2,tensor=2", "fsdp_tp")
+needs_libtpu = pytest.mark.skipif(
+  not libtpu_available(), reason="needs libtpu: pip install -e '.[tpu]' (CI installs it)"
+)
+
+
+def _config(model: str, ici: str, rules_name: str):
+  config = (llama_tiny if model == "llama" else lm_tiny).get_config()
+  config.data.tokenizer, config.data.pack = "bytes", True
+  config.model.vocab_size, config.model.seq_len = 256, 16
+  config.model.num_layers, config.model.d_model, config.model.d_ff = 2, 64, 128
+  config.model.num_heads = 8 if model == "llama" else 4
+  if model == "llama":
+    config.model.num_kv_heads = 4
+  # Both layer layouts: the Llama scanned (as llama3_8b), the transformer unrolled (as lm_tiny).
+  config.model.scan_layers = model == "llama"
+  config.global_batch = 8
+  config.mesh.ici, config.mesh.rules = ici, rules_name
+  return config
+
+
+def _fallbacks_of_train_step(config, devices) -> list:
+  mesh, axes = build_mesh(config, devices)
+  task = make_task(config)
+  setup = make_state(task.model, config, mesh, axes, task.optimizer)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, axes))
+  step = make_train_step(setup, task, config, mesh, axes)
+  with capture_compiler_log(echo=False) as log:
+    step.lower(state, batch).compile()
+  return [f.describe() for f in log.fallbacks]
+
+
+def _forced_fallbacks(devices) -> list:
+  """A program with a reshard XLA can only make by copying: what the check must see."""
+  mesh = create_mesh("data=2,fsdp=2,tensor=2", devices=devices)
+  table = jax.ShapeDtypeStruct(
+    (256, 64), jnp.float32, sharding=NamedSharding(mesh, P("tensor", "fsdp"))
+  )
+  ids = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+
+  def loss(table, ids):
+    # XLA's own gather from an FSDP-split table, into batch-split rows.
+    with rules.activation_rules(rules.FSDP_TP, mesh):
+      rows = rules.constrain(jnp.take(table, ids, axis=0), ("batch", "length", "embed"))
+    return jnp.sum(rows**2)
+
+  with capture_compiler_log(echo=False) as log:
+    jax.jit(jax.grad(loss)).lower(table, ids).compile()
+  return log.fallbacks
+
+
+def _layout(ici: str, rules_name: str) -> tuple:
+  """What a preset splits on a mesh: presets that split the same way compile the same step."""
+  sizes = {axis: int(size) for axis, size in (kv.split("=") for kv in ici.split(","))}
+  shape_only = types.SimpleNamespace(shape=sizes)  # all `logical_to_spec` reads of a mesh
+  preset = rules.preset(rules_name)
+  return tuple(str(rules.logical_to_spec((n,), preset, shape_only)) for n in rules.LOGICAL_AXES)
+
+
+def _cases(meshes=MESHES):
+  """(model, mesh, preset) for every preset on every mesh, once per distinct layout."""
+  for model in ("llama", "transformer"):
+    for ici in meshes:
+      layouts = set()
+      for rules_name in sorted(rules.PRESETS):
+        layout = _layout(ici, rules_name)
+        if layout in layouts:
+          continue  # e.g. fsdp_tp on a mesh without tensor is fsdp
+        layouts.add(layout)
+        marks = () if (ici, rules_name) == FIRST_SEEN else (pytest.mark.slow,)
+        yield pytest.param(model, ici, rules_name, marks=marks, id=f"{model}-{ici}-{rules_name}")
+
+
+def test_the_cpu_check_sees_a_forced_fallback():
+  [*found] = _forced_fallbacks(jax.devices()[:8])
+  assert any(f.operation == "gather" for f in found), found
+
+
+@pytest.mark.parametrize("model,ici,rules_name", list(_cases()))
+def test_train_step_compiles_without_a_fallback_on_cpu(model, ici, rules_name):
+  assert _fallbacks_of_train_step(_config(model, ici, rules_name), jax.devices()[:8]) == []
+
+
+@needs_libtpu
+def test_the_tpu_check_sees_a_forced_fallback_in_libtpus_log_folder():
+  found = _forced_fallbacks(topology_devices("v5p-16"))
+  assert any(f.operation == "gather" for f in found), found
+
+
+@needs_libtpu
+@pytest.mark.parametrize("model,ici,rules_name", list(_cases(FALLBACK_MESHES)))
+def test_train_step_compiles_without_a_fallback_on_tpu(model, ici, rules_name):
+  # v5p-16: 8 chips, one device each, 2 hosts. The meshes where the CPU
+  # compiles fell back: CI's time goes to the layouts that can.
+  config = _config(model, ici, rules_name)
+  assert _fallbacks_of_train_step(config, topology_devices("v5p-16")) == []

@@ -1,0 +1,128 @@
+"""`spmd-launch local ... -- spmd-train --config.data.sources=...` on a JSONL and a Parquet
+source it has never seen: `configs/llama_tiny.py` trains on their 0.7 / 0.3 mixture and
+reports each source's share; and a run stopped on 2 processes resumes on 4 to the same
+weights, bit for bit, as the run that never stopped.
+
+The resume is checked on the tests' tiny LM (`tests/configs/train_tiny.py`), whose step is
+the same to the last bit on 2 x 2 and 4 x 1 devices; llama_tiny's is not (its weights after
+a few steps differ in the last bits between those layouts, on any data), so on it only the
+data could be compared bit for bit, and tests/test_mixture_multiprocess.py does that.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.data_fixtures import source_texts, write_jsonl, write_parquet
+from tests.multiprocess import ROOT
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
+# XLA's cheapest CPU pipeline, as the fault suite's runs (tests/faults/harness.py): every
+# run here compiles with it, so they compare bit for bit, in half the compile time.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  root = tmp_path_factory.mktemp("sources_train")
+  a = write_jsonl(root / "DIR_A", source_texts(120, seed=1), files=3)
+  b = write_parquet(root / "DIR_B", source_texts(80, seed=2), files=2)
+  return {"sources": f"{a}@0.7,{b}@0.3", "data": root / "data", "cache": root / "jax_cache"}
+
+
+def launch(corpus, workdir, num_processes, devices, config, *overrides):
+  """`spmd-launch local --num-processes N --devices-per-process D -- spmd-train ...`."""
+  command = [
+    *(sys.executable, "-m", "launch.launch_cli", "local"),
+    f"--num-processes={num_processes}",
+    f"--devices-per-process={devices}",
+    "--timeout=540",  # the launcher's own bound, inside the test's
+    *("--", sys.executable, "-m", "trainers.run.train_cli"),
+    f"--config={config}",
+    f"--config.data.sources={corpus['sources']}",
+    f"--workdir={workdir}",
+    f"--config.data.dir={corpus['data']}",
+    "--config.data.validation_percent=10",
+    "--config.log_every=1",
+    "--config.sample_tokens=0",
+    *overrides,
+  ]
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(corpus["cache"]))
+  env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]).strip()
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # Its own process group, so that a hung run is killed whole (a hung test is a failed one).
+  launcher = subprocess.Popen(
+    command,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    cwd=str(ROOT),
+    env=env,
+    start_new_session=True,
+  )
+  try:
+    output, _ = launcher.communicate(timeout=600)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+  assert launcher.returncode == 0, output[-5000:]
+  return output
+
+
+def losses(workdir):
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def param_hash(output):
+  return re.search(r"\[p0\]\s+param hash\s+: (\w+)", output).group(1)
+
+
+def test_llama_tiny_trains_on_a_mixture_of_jsonl_and_parquet_it_has_never_seen(corpus, tmp_path):
+  steps = 4
+  out = launch(
+    corpus,
+    tmp_path / "run",
+    2,
+    2,
+    "configs/llama_tiny.py",
+    f"--config.train.steps={steps}",
+    "--config.eval_every=0",
+  )
+  # Both sources prepared (a BPE from a sample of both), then their mixture, logged.
+  assert "preparing '" in out and "DIR_A/*.jsonl' (train split, 3 files)" in out
+  assert "DIR_B/*.parquet' (train split, 2 files)" in out
+  assert re.search(r"train split: mixture 2 sources: '.*DIR_A/\*.jsonl': .* 70.0% of rows", out)
+  assert "30.0% of rows" in out and "each source's share of tokens and its epochs" in out
+  curve = losses(tmp_path / "run")
+  assert sorted(curve) == list(range(1, steps + 1)) and curve[steps] < curve[1], curve
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  fed = summary["data_sources"]
+  assert [f["source"].rsplit("/", 2)[-2] for f in fed] == ["DIR_A", "DIR_B"]
+  assert [round(f["weight"], 6) for f in fed] == [0.7, 0.3]
+  assert abs(fed[0]["share"] - 0.7) < 0.02 and abs(fed[1]["share"] - 0.3) < 0.02, fed
+  assert sum(f["rows"] for f in fed) == steps * 32 and all(f["tokens"] > 0 for f in fed)
+  assert "data sources (share, epochs)" in out
+
+
+def test_a_run_stopped_on_2_processes_resumes_bit_identically_on_4(corpus, tmp_path):
+  flags = ("--config.data.pack=True", "--config.train.steps=10", "--config.checkpoint.every=5")
+  launch(corpus, tmp_path / "run", 2, 2, TINY, *flags, "--config.train.stop_at_step=5")
+  assert sorted(losses(tmp_path / "run")) == list(range(1, 6))
+  resumed = launch(corpus, tmp_path / "run", 4, 1, TINY, *flags)
+  assert re.search(r"state from\s+: checkpoint step 5\n", resumed), resumed[-3000:]
+  straight = launch(corpus, tmp_path / "straight", 2, 2, TINY, *flags)
+  assert param_hash(resumed) == param_hash(straight)
+  got, expected = losses(tmp_path / "run"), losses(tmp_path / "straight")
+  assert [got[s] for s in range(1, 11)] == [expected[s] for s in range(1, 11)]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  reference = json.loads((tmp_path / "straight" / "summary.json").read_text())
+  assert summary["data_sources"] == reference["data_sources"]

@@ -1,0 +1,252 @@
+"""`packed_source`: one split of one source of `config.data.sources`, tokenized and packed.
+
+The records are `packed_lm`'s (`trainers.data.packed`: runs of windows of
+`seq_len + 1` tokens with the documents' starts), so the LM task's batch
+builder, plan and template read them unchanged.
+
+The documents are streamed (`trainers.data.documents`): read file after
+file in row order, tokenized a batch at a time, framed with BOS/EOS, and
+packed as they come. Memory holds a batch of documents and one run,
+whatever the source's size. They are packed in reading order, not
+shuffled: the input pipeline shuffles the windows every epoch (records,
+then windows within blocks), so the documents' order only decides which
+share a window, and a source packs the same for any seed (its key has
+none).
+
+A document belongs to a split by a hash of its key (its file's key and
+row, `trainers.data.holdout`): the build of a split keeps the documents
+that fall in it. Each split is its own dataset, built only when it holds
+documents (TFDS cannot write an empty split); the build's report, kept with
+it as `source_report.json`, says how many documents the split took, how
+many went to the other, and which bad rows it skipped.
+
+The config name hashes what the windows depend on: the source's spec and
+every file's key, format, size and version, the text field, the split and
+its share, the tokenizer's identity, seq_len, windows per record and the
+token dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from trainers.data import packed
+from trainers.data.documents import Document, SourceDocuments
+from trainers.data.holdout import TRAIN, VALIDATION, split_of
+from trainers.data.source_files import Source, SourceError, SourceFile
+from trainers.data.text_corpus import DOWNLOAD_CONFIG
+from trainers.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+NAME = "packed_source"
+REPORT = "source_report.json"
+_ENCODE_DOCUMENTS = 256  # documents per tokenizer call: the libraries' threads get a batch
+_ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
+
+
+@dataclasses.dataclass(eq=False)
+class SourceConfig(tfds.core.BuilderConfig):
+  """A `packed_source` config; make one with `source_config`, which names it."""
+
+  spec: str = ""
+  # Each SourceFile's fields, in the source's order (left out of the repr TFDS logs).
+  files: tuple[tuple, ...] = dataclasses.field(default=(), repr=False)
+  text_field: str = "text"
+  split: str = TRAIN  # the documents this build keeps
+  validation_percent: float = 0.0  # the share of documents in VALIDATION
+  skip_bad_rows: int = 0
+  tokenizer: str = ""  # the tokenizer file; "" = bytes
+  seq_len: int = 128
+  windows_per_record: int = 1
+  vocab_size: int = 256
+
+  def source(self) -> Source:
+    return Source(self.spec, None, tuple(SourceFile(*f) for f in self.files))
+
+
+def source_config(
+  source: Source,
+  *,
+  split: str,
+  validation_percent: float,
+  seq_len: int,
+  vocab_size: int,
+  tokenizer: Tokenizer | None = None,
+  text_field: str = "text",
+  skip_bad_rows: int = 0,
+  run_windows: int | None = None,
+) -> SourceConfig:
+  """A config whose name hashes the source's files, the split, the tokenizer and the packing."""
+  if split not in (TRAIN, VALIDATION):
+    raise ValueError(f"{split=} must be {TRAIN!r} or {VALIDATION!r}")
+  per = run_windows or packed.windows_per_record(seq_len)
+  identity = tokenizer.identity if tokenizer else "bytes"
+  key = [
+    source.identity(),
+    text_field,
+    split,
+    float(validation_percent),
+    identity,
+    seq_len,
+    per,
+    packed.token_dtype(vocab_size).name,
+  ]
+  digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+  return SourceConfig(
+    name=f"{split}-{seq_len}s-{digest}",
+    description=(
+      f"The {split} documents of {source.spec!r} ({len(source.files)} files, field "
+      f"{text_field!r}), tokenizer {identity}, packed into windows of {seq_len + 1} tokens."
+    ),
+    spec=source.spec,
+    files=tuple(dataclasses.astuple(f) for f in source.files),
+    text_field=text_field,
+    split=split,
+    validation_percent=float(validation_percent),
+    skip_bad_rows=skip_bad_rows,
+    tokenizer=tokenizer.path if tokenizer else "",
+    seq_len=seq_len,
+    windows_per_record=per,
+    vocab_size=vocab_size,
+  )
+
+
+class PackedSource(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """One split of one source, packed (see the module docstring)."""
+
+  name = NAME
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {
+    "1.0.0": "One split of a data.sources source, in packed_lm's records."
+  }
+  code_path = epath.Path(__file__)  # as text_corpus.TextCorpus.code_path
+
+  def __init__(self, **kwargs):
+    kwargs.setdefault("file_format", "array_record")
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    config = self.builder_config
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=config.description,
+      features=packed.packed_features(config.seq_len, config.windows_per_record, config.vocab_size),
+      disable_shuffling=True,  # records in window order; epochs are shuffled when read
+    )
+
+  def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    del dl_manager  # nothing downloads
+    return {self.builder_config.split: self._generate_examples()}
+
+  def _generate_examples(self) -> Iterator[tuple[int, dict]]:
+    config = self.builder_config
+    tally = {"documents": 0, "other_split": 0}
+
+    def keep(document: Document) -> bool:
+      if not document.text:
+        return False  # an empty document holds nothing
+      mine = split_of(document.key, config.validation_percent) == config.split
+      tally["documents" if mine else "other_split"] += 1
+      return mine
+
+    documents = SourceDocuments(config.source(), config.text_field, config.skip_bad_rows, keep)
+    tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+    ids = _token_ids(documents, tokenizer)
+    dtype = packed.token_dtype(config.vocab_size)
+    records = 0
+    for records, record in enumerate(
+      packed.pack_documents(ids, config.seq_len, dtype, config.windows_per_record), 1
+    ):
+      yield records - 1, record
+    if not records:
+      raise SourceError(
+        f"data.sources {config.spec!r} has no documents for its {config.split} split: "
+        f"{tally['other_split']} of its non-empty documents went to the other split and "
+        f"{documents.bad_count} rows were bad"
+      )
+    # In the build's own (incomplete) folder: renamed with the dataset, whole or not at all.
+    report = {**tally, "bad_rows": documents.report()}
+    (self.data_path / REPORT).write_text(json.dumps(report, indent=1))
+
+
+def _token_ids(documents: Iterable[Document], tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
+  """Each document's ids, framed; tokenized in batches (`encode_batch` uses several threads)."""
+  batch: list[str] = []
+  chars = 0
+  for document in documents:
+    if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
+      yield np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
+      continue
+    batch.append(document.text)
+    chars += len(document.text)
+    if len(batch) >= _ENCODE_DOCUMENTS or chars >= _ENCODE_CHARS:
+      yield from (packed.framed(ids, tokenizer) for ids in tokenizer.encode_batch(batch))
+      batch, chars = [], 0
+  if batch:
+    yield from (packed.framed(ids, tokenizer) for ids in tokenizer.encode_batch(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSplit:
+  """A source's split, prepared: the name to open and what its build reported."""
+
+  name: str
+  documents: int
+  other_split: int
+  bad_rows: int
+  bad_examples: tuple[str, ...]
+
+  def note(self) -> str:
+    """What to log of its bad rows ("" when there were none)."""
+    if not self.bad_rows:
+      return ""
+    shown = "; ".join(self.bad_examples)
+    more = (
+      f" (the first {len(self.bad_examples)} shown)"
+      if self.bad_rows > len(self.bad_examples)
+      else ""
+    )
+    return f"{self.bad_rows} bad rows skipped{more}: {shown}"
+
+
+def prepare_source(data_dir: str | os.PathLike, config: SourceConfig) -> PreparedSplit:
+  """Builds the split in `data_dir` unless it is there; returns its name and report.
+
+  A build reused from a run that let more bad rows be skipped than this
+  one (`data.skip_bad_rows`) is refused, naming the row past this run's limit.
+  """
+  builder = PackedSource(data_dir=os.fspath(data_dir), config=config)
+  if not builder.data_path.exists():
+    log.warning(
+      "spmd-train: data: preparing %r (%s split, %d files)",
+      config.spec,
+      config.split,
+      len(config.files),
+    )
+  builder.download_and_prepare(download_config=DOWNLOAD_CONFIG)
+  report = json.loads((builder.data_path / REPORT).read_text())
+  bad = report["bad_rows"]
+  if bad["count"] > config.skip_bad_rows:
+    shown = bad["rows"][min(config.skip_bad_rows, len(bad["rows"]) - 1)]
+    raise SourceError(
+      f"data.sources {config.spec!r}: {shown}; the data prepared in {builder.data_path} "
+      f"skipped {bad['count']} bad rows and data.skip_bad_rows={config.skip_bad_rows} lets a "
+      "source skip fewer"
+    )
+  return PreparedSplit(
+    name=f"{NAME}/{config.name}:{builder.version}",
+    documents=report["documents"],
+    other_split=report["other_split"],
+    bad_rows=bad["count"],
+    bad_examples=tuple(bad["rows"]),
+  )

@@ -1,0 +1,127 @@
+"""Embedding lookups laid out by the active rules, so no mesh makes XLA copy whole activations.
+
+`lookup(table, ids)` is `table[ids]`, with ids outside the table's rows
+giving zeros. Under `spmd.rules.activation_rules` (the train and eval
+steps) it runs as a `shard_map` whose layout follows the rules:
+
+  - the table's feature columns, split FSDP-style (`embed` on `fsdp`), are
+    all-gathered first, as XLA gathers every other FSDP weight before its
+    matmul; the gradient comes back reduce-scattered over the same axes;
+  - the table's rows, split over `tensor` (`vocab` under `fsdp_tp`), are
+    Megatron's vocabulary-parallel lookup: each device looks up the ids
+    that fall in its rows, zeros elsewhere, and one all-reduce over those
+    axes adds the pieces (exactly: one term is nonzero);
+  - each device looks up only its own rows of the batch, so the output, and
+    the gradient's scatter-add into the table, stay split like the batch.
+
+Why not leave the gather to XLA: with the batch split over `(data, fsdp)`
+and the table's columns over `fsdp`, a gather's output would want `fsdp`
+twice (the batch's and the columns'); XLA's SPMD partitioner cannot reach
+either layout cheaply and replicates the whole `[batch, length, d_model]`
+activation ("Involuntary full rematerialization"), forward and backward.
+Why not a one-hot matmul, which partitions like any matmul: it costs
+`4 * vocab * d_model` FLOPs per token, a few percent of Llama-3-8B's step at
+a 128k vocabulary, for a lookup that needs none; and its gradient still
+falls back on some meshes. The `shard_map` costs no FLOPs and its
+collectives are the ones FSDP pays for every other weight.
+
+Outside any rules (a model called in a plain process) and inside a
+`shard_map` that already made the mesh axes manual, it is a plain gather.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> table = jnp.arange(8.0).reshape(4, 2)
+  >>> lookup(table, jnp.array([[2, 0, 9, -1]])).tolist()
+  [[[4.0, 5.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from spmd import rules as rules_lib
+
+IDS_AXES = ("batch", "length")
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _local_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """`table[ids]`, zeros for ids outside [0, rows): negative ids are out of range, not wrapped.
+
+  The rows are read as float32 (at least) and the result cast back: the
+  values are the table's own, and the gradient, a scatter-add over every
+  occurrence of each id, accumulates in float32 and is rounded to the
+  table's dtype once, as a matmul's would be. Summed in bf16, a frequent
+  token's gradient would lose most of its bits.
+  """
+  rows, dtype = table.shape[0], table.dtype
+  ids = jnp.where(ids < 0, rows, ids)  # `rows` is out of range: zeros, like ids >= rows
+  wide = table.astype(jnp.promote_types(dtype, jnp.float32))
+  return jnp.take(wide, ids, axis=0, mode="fill", fill_value=0).astype(dtype)
+
+
+def lookup(
+  table: jax.Array,
+  ids: jax.Array,
+  table_axes: Sequence[str] = ("vocab", "embed"),
+  ids_axes: Sequence[str] = IDS_AXES,
+) -> jax.Array:
+  """`table[ids]`: rows of `table` [rows, features] for integer `ids` [...], zeros out of range.
+
+  Args:
+    table: the embedding table, [rows, features].
+    ids: integer ids, e.g. tokens [batch, length].
+    table_axes: the table's logical axis names (rows, features), as its
+      parameter is annotated; they say how the rules split it.
+    ids_axes: the ids' logical axis names, one per dimension.
+
+  Returns:
+    [*ids.shape, features] in the table's dtype, split like the ids (the
+    features whole) when rules are active.
+  """
+  if len(table_axes) != 2 or table.ndim != 2:
+    raise ValueError(f"{table.shape=} and {tuple(table_axes)=} must be [rows, features]")
+  if len(ids_axes) != ids.ndim:
+    raise ValueError(f"{tuple(ids_axes)=} must name each dimension of {ids.shape=}")
+  active = rules_lib.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return _local_lookup(table, ids)
+  rules, mesh = active
+  table_spec = rules_lib.logical_to_spec(table_axes, rules, mesh)
+  ids_spec = rules_lib.logical_to_spec(ids_axes, rules, mesh)
+  rules_lib.check_divisible(f"embedding table {tuple(table_axes)}", table.shape, table_spec, mesh)
+  rules_lib.check_divisible(f"ids {tuple(ids_axes)}", ids.shape, ids_spec, mesh)
+  if not any(table_spec) and not any(ids_spec):
+    return _local_lookup(table, ids)  # nothing split (one device, or dp on a data=1 mesh)
+  entries = (*table_spec, None, None)
+  row_axes, column_axes = _mesh_axes(entries[0]), _mesh_axes(entries[1])
+  ids_mesh_axes = {a for entry in ids_spec for a in _mesh_axes(entry)}
+  # Rows split over an axis that also splits the ids: each device holds other
+  # ids and other rows, so the rows are gathered rather than looked up in place.
+  gather_rows = bool(set(row_axes) & ids_mesh_axes)
+
+  def local(table_shard, ids_shard):
+    if column_axes:
+      table_shard = jax.lax.all_gather(table_shard, column_axes, axis=1, tiled=True)
+    if gather_rows:
+      table_shard = jax.lax.all_gather(table_shard, row_axes, axis=0, tiled=True)
+    if not row_axes or gather_rows:
+      return _local_lookup(table_shard, ids_shard)
+    rows = table_shard.shape[0]
+    first = jax.lax.axis_index(row_axes) * rows
+    shifted = ids_shard - first
+    # Ids of other devices' rows look up zeros here (`rows` is out of range).
+    shifted = jnp.where((shifted >= 0) & (shifted < rows), shifted, rows)
+    return jax.lax.psum(_local_lookup(table_shard, shifted), row_axes)
+
+  out_spec = PartitionSpec(*ids_spec, *([None] * (ids.ndim + 1 - len(ids_spec))))
+  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec)(
+    table, ids
+  )

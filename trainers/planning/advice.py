@@ -1,0 +1,142 @@
+"""What would make a plan that does not fit fit: more FSDP, micro-batches, or less.
+
+Estimated from the plan's own figures; `make_plan` compiles the micro-batch
+counts it suggests where it can, and reads the compiler's out-of-memory
+refusal (`out_of_memory_temps`) when it cannot.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+from trainers.planning.figures import Memory
+
+
+def suggestions_to_fit(
+  plan_memory: Memory,
+  mesh: dict[str, int],
+  rules: str,
+  num_devices: int,
+  rows_per_device: int = 1,
+  micro_batches: int = 1,
+  compile_total: Callable[[int], int | None] | None = None,
+) -> list[str]:
+  """Mesh and config changes that would make a plan that does not fit fit.
+
+  Estimated from the plan's own figures: state scales with the devices that
+  split it, activations with the rows a device holds at once.
+  `compile_total(m)`, if given, compiles the step with `m` micro-batches and
+  returns its bytes per device (None when the compiler refuses it).
+  """
+  usable = plan_memory.usable_bytes
+  if usable is None:
+    return []
+  fsdp = mesh.get("fsdp", 1) if rules in ("fsdp", "fsdp_tp") else 1
+  # State splits over the FSDP axis (and tensor, if used); estimate what it
+  # would be replicated, then at each larger FSDP size.
+  replicated_state = (
+    plan_memory.state_bytes * fsdp * (mesh.get("tensor", 1) if rules == "fsdp_tp" else 1)
+  )
+  rest = (plan_memory.total_bytes or plan_memory.state_bytes) - plan_memory.state_bytes
+  gib = 2**30
+  out = []
+  # Only when the rest fits: activations alone over the limit need no more FSDP.
+  if rest < usable:
+    size = 2
+    while size <= num_devices:
+      if size > fsdp and num_devices % size == 0 and replicated_state / size + rest <= usable:
+        out.append(
+          f"shard the state over more devices: --config.mesh.rules=fsdp "
+          f"--config.mesh.ici=data=-1,fsdp={size},tensor=1 "
+          f"(state ~{replicated_state / size / gib:.2f} GiB per device)"
+        )
+        break
+      size *= 2
+    else:
+      needed = math.ceil(replicated_state / max(usable - rest, 1))
+      out.append(
+        f"even FSDP over all {num_devices} devices leaves {replicated_state / num_devices / gib:.1f} GiB "
+        f"of state per device; it needs at least {needed} devices of this kind "
+        f"({replicated_state / gib:.0f} GiB of parameters and optimizer state in all), or a smaller model"
+      )
+  temp = plan_memory.temp_bytes
+  if temp and temp > usable / 2:
+    room = usable - (plan_memory.total_bytes or 0) + temp  # what temporaries may take
+    split = micro_batches_to_fit(temp, room, rows_per_device, micro_batches)
+    # Activations shrink less than in proportion (some do not depend on the
+    # rows), so an estimate may be short: where the plan can compile, it tries
+    # the estimate and larger counts, and names the first that fits.
+    checked = None
+    if split and compile_total is not None:
+      for m in range(split, rows_per_device + 1):
+        if rows_per_device % m == 0:
+          total = compile_total(m)
+          if total is not None and total <= usable:
+            checked = (m, total)
+            break
+      else:
+        split = None
+    if checked:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB: --config.train.micro_batches={checked[0]} "
+        f"fits (compiled: {checked[1] / gib:.2f} GiB in all per device), "
+        "as a smaller global_batch would"
+      )
+    elif split:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them: "
+        f"--config.train.micro_batches={split} divides them roughly by "
+        f"{split / micro_batches:g} (~{temp * micro_batches / split / gib:.1f} GiB), "
+        "as a smaller global_batch would"
+      )
+    else:
+      out.append(
+        f"activations take {temp / gib:.1f} GiB and {room / gib:.1f} GiB is left for them, "
+        f"more than micro-batches of one row each save: a shorter seq_len, "
+        "--config.model.remat_policy=full, or more tensor parallelism"
+      )
+  return out
+
+
+def micro_batches_to_fit(
+  temp: float, room: float, rows_per_device: int, micro_batches: int
+) -> int | None:
+  """The fewest micro-batches (dividing the device's rows) whose activations fit in `room`.
+
+  `rows_per_device` is the device's share of the whole step's batch.
+  Activations grow with the rows a device holds at once, so `m` micro-batches
+  of the same rows take about `micro_batches / m` of today's temporaries.
+
+  Example:
+    >>> micro_batches_to_fit(24.7, 13.9, rows_per_device=4, micro_batches=1)
+    2
+    >>> micro_batches_to_fit(24.7, 5.0, rows_per_device=4, micro_batches=1) is None
+    True
+  """
+  for m in range(micro_batches + 1, rows_per_device + 1):
+    if rows_per_device % m == 0 and temp * micro_batches / m <= room:
+      return m
+  return None
+
+
+# libtpu refuses to compile a program whose temporaries exceed HBM, e.g.
+# "the total memory required for HLO temporaries (24.73G) exceeds available HBM (15.75G)"
+# (XLA's human-readable sizes: powers of 1024).
+_TEMPS_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM")
+
+
+def out_of_memory_temps(error: Exception) -> float | None:
+  """The temporaries' bytes from a compiler's out-of-memory refusal, if it says.
+
+  Example:
+    >>> e = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+    ...   "required for HLO temporaries (24.73G) exceeds available HBM (15.75G).")
+    >>> round(out_of_memory_temps(e) / 2**30, 2)
+    24.73
+  """
+  match = _TEMPS_OVER_HBM.search(str(error))
+  if not match:
+    return None
+  return float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " ")

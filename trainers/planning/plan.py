@@ -1,0 +1,365 @@
+"""Plan a run ahead of time: compile the real train step for a target and read the numbers.
+
+`make_plan(config, target)` builds the mesh, the state and the train step with
+the same functions `spmd-train` uses (`build_mesh`, `make_state`,
+`make_train_step`), then lowers and compiles the step against the target's
+device descriptions with shape-only inputs: nothing is allocated. From the
+compiled program it reads memory per device, FLOPs and the collectives; from
+the compiler's log (`spmd.compiler_log`: stderr and libtpu's log folder) the
+arrays XLA could only reshard by copying them whole to every device.
+
+Targets:
+  TPU slices (`tpu_target("v5p-256", num_slices=2)`): libtpu's real topology,
+    so memory, FLOPs and collectives are the TPU compiler's own figures.
+  GPUs (`gpu_target("h100", 16)`): no topology description exists, so the
+    step compiles for as many CPU devices; sharding, parameter/optimizer bytes
+    and collectives are exact, temporaries and FLOPs are the CPU compiler's,
+    flagged as estimates.
+
+The step-time range is an assumption, stated with the result: the compiled
+FLOPs at a fraction of the device's dense peak (default 35-55%, the range
+well-tuned LM training reaches on TPUs and H100s).
+
+Example:
+  >>> from configs import lm_tiny
+  >>> from trainers.planning.targets import gpu_target
+  >>> plan = make_plan(lm_tiny.get_config(), gpu_target("h100", 8))   # 8 CPU devices
+  >>> plan.fits, plan.memory.params_bytes == plan.num_params * 4  # data parallel: replicated
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from spmd import compiler_log, hlo
+from spmd import rules as rules_lib
+from spmd.layout import batch_sharding, data_layout
+from trainers.models import attention, decode
+from trainers.planning import advice
+from trainers.planning.figures import Compute, KVCachePlan, Memory, Plan
+from trainers.planning.targets import Target
+from trainers.reporting import chips
+from trainers.step.loss import abstract_batch
+from trainers.step.mesh import build_mesh
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
+from trainers.tasks import make_task
+
+log = logging.getLogger(__name__)
+
+
+def _total_bytes(stats) -> int:
+  """Arguments + outputs - donated + temporaries + code, from `memory_analysis()`."""
+  return (
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+    + stats.generated_code_size_in_bytes
+  )
+
+
+def _per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shard) * leaf.dtype.itemsize
+  return total
+
+
+def make_plan(
+  config: ml_collections.ConfigDict,
+  target: Target,
+  efficiency: tuple[float, float] = (0.35, 0.55),
+  margin: float = 0.1,
+  compile_step: bool | None = None,
+  keep_compiled: list | None = None,
+  decode_batch: int | None = None,
+  verify_suggestions: bool = True,
+) -> Plan:
+  """Compiles `config`'s train step for `target` and reads what it needs.
+
+  Args:
+    efficiency: (low, high) share of the dense peak the compiled FLOPs are
+      assumed to run at, for the step-time and MFU range.
+    margin: share of HBM kept free (runtime, fragmentation) when judging fit.
+    compile_step: None compiles unless parameters and optimizer state alone
+      already exceed the device's memory (compiling would only cost minutes);
+      True always; False never.
+    keep_compiled: if given, the compiled executable is appended to it.
+    decode_batch: sequences of the KV-cache row (a decode of decode_batch x
+      seq_len on the training mesh); None: `config.global_batch`.
+    verify_suggestions: when activations do not fit, compile the suggested
+      micro-batch counts to name one that does (a refusal costs seconds, a
+      fit one more compile).
+  """
+  _check_plan_options(efficiency, decode_batch)
+  mesh, batch_axes = build_mesh(config, target.devices)
+  task = make_task(config)
+  kv_cache = kv_cache_plan(task, config, mesh, decode_batch or config.global_batch)
+  setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  layout = data_layout(mesh, config.global_batch, batch_axes)
+  params_bytes = _per_device_bytes(state["params"])
+  optimizer_bytes = _per_device_bytes({k: v for k, v in state.items() if k != "params"})
+  device_bytes = chips.device_memory_bytes(target.device_kind)
+  if compile_step is None:
+    compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  batch_bytes = _per_device_bytes(batch)
+
+  def step_for(changed: ml_collections.ConfigDict) -> Any:
+    return make_train_step(setup, task, changed, mesh, batch_axes)
+
+  compiled = refusal = None
+  fallbacks: list[compiler_log.Fallback] = []
+  with attention.recorded_choices() as kernels:
+    if compile_step:
+      # The persistent cache is off for this compile: a hit would say nothing.
+      with compiler_log.capture_compiler_log() as log:
+        compiled, refusal = _compile_or_refusal(step_for(config), state, batch)
+      fallbacks = log.fallbacks
+    if keep_compiled is not None and compiled is not None:
+      keep_compiled.append(compiled)
+  step = _read_step(compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes)
+  memory = Memory(
+    params_bytes,
+    optimizer_bytes,
+    batch_bytes,
+    step.temp_bytes,
+    step.code_bytes,
+    step.total_bytes,
+    device_bytes,
+    margin,
+  )
+  fits = _fits(memory, step.compile_error)
+  compile_total = None
+  if compile_step and verify_suggestions:
+    compile_total = _micro_batch_totals(config, step_for, state, batch)
+  suggestions = _advice(fits, memory, config, mesh, layout, compile_total)
+  return Plan(
+    target=target.name,
+    device_kind=target.device_kind,
+    num_devices=mesh.devices.size,
+    num_slices=target.num_slices,
+    hosts=target.hosts,
+    estimated=target.estimated,
+    mesh=dict(mesh.shape),
+    ici=config.mesh.ici,
+    dcn=config.mesh.dcn,
+    num_params=sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract["params"])),
+    units_per_step=_units_per_step(task, config.global_batch),
+    unit=task.unit,
+    rows_per_host=_rows_per_host(layout, target),
+    hosts_feeding=_hosts_feeding(layout, target),
+    compiled=compiled is not None,
+    memory=memory,
+    compute=_compute(task, target, mesh.devices.size, efficiency, step.flops),
+    collectives=step.collectives,
+    fits=fits,
+    suggestions=suggestions,
+    kv_cache=kv_cache,
+    compile_error=step.compile_error,
+    fallbacks=fallbacks,
+    attention=[k.describe() for k in kernels],
+  )
+
+
+def _check_plan_options(efficiency: tuple[float, float], decode_batch: int | None) -> None:
+  """The assumed efficiency range and the decode batch are ones a plan can use."""
+  if not 0 < efficiency[0] <= efficiency[1] <= 1:
+    raise ValueError(f"{efficiency=} must be 0 < low <= high <= 1")
+  if decode_batch is not None and (isinstance(decode_batch, bool) or decode_batch < 1):
+    raise ValueError(f"{decode_batch=} must be a positive integer (None: global_batch)")
+
+
+def _compile_or_refusal(step: Any, state: Any, batch: Any) -> tuple[Any, Exception | None]:
+  """The compiled step, or None and the compiler's out-of-memory refusal; other errors raise."""
+  try:
+    return step.lower(state, batch).compile(), None
+  except jax.errors.JaxRuntimeError as e:
+    # A TPU compiler that cannot fit the program refuses it, saying how much
+    # its temporaries need: that is the verdict, with the figure to act on.
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return None, e
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepReading:
+  """What the compiled step (or the compiler's refusal) says; None where it says nothing."""
+
+  temp_bytes: float | None = None
+  code_bytes: int | None = None
+  total_bytes: float | None = None
+  flops: float | None = None
+  collectives: list[hlo.Collective] = dataclasses.field(default_factory=list)
+  compile_error: str | None = None
+
+
+def _read_step(
+  compiled: Any, refusal: Exception | None, mesh: jax.sharding.Mesh, state_and_batch_bytes: int
+) -> _StepReading:
+  """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
+  if refusal is not None:
+    temp = advice.out_of_memory_temps(refusal)
+    return _StepReading(
+      temp_bytes=temp,
+      # Code size unknown: counted as none.
+      total_bytes=None if temp is None else state_and_batch_bytes + temp,
+      compile_error=str(refusal).strip().splitlines()[0],
+    )
+  if compiled is None:
+    return _StepReading()
+  stats = compiled.memory_analysis()
+  text = compiled.as_text()
+  slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+  return _StepReading(
+    temp_bytes=stats.temp_size_in_bytes,
+    code_bytes=stats.generated_code_size_in_bytes,
+    total_bytes=_total_bytes(stats),
+    # Not XLA's cost analysis: it counts a loop body once, so with the layers
+    # in a scan it would report about one layer's worth.
+    flops=hlo.matmul_flops(text) or None,
+    collectives=hlo.collectives(text, slices),
+  )
+
+
+def _compute(
+  task: Any, target: Target, num_devices: int, efficiency: tuple[float, float], flops: float | None
+) -> Compute:
+  """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak."""
+  peak = chips.table_peak(target.device_kind, task.compute_dtype)
+  # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
+  model_flops = (task.flops_per_step or (flops or 0.0) * num_devices) / num_devices
+  step_time = achieved = None
+  if peak and (flops or model_flops):
+    work = flops or model_flops
+    step_time = (work / (peak * efficiency[1]), work / (peak * efficiency[0]))
+    achieved = (model_flops / (peak * step_time[1]), model_flops / (peak * step_time[0]))
+  return Compute(flops, model_flops, peak, efficiency, step_time, achieved)
+
+
+def _fits(memory: Memory, compile_error: str | None) -> bool | None:
+  """The verdict: None when the device's memory or (not compiled) the step's need is unknown."""
+  usable = memory.usable_bytes
+  if usable is None:
+    return None
+  if compile_error is not None:
+    return False
+  if memory.total_bytes is not None:
+    return memory.total_bytes <= usable
+  # Not compiled: only a state too big for the device is a verdict.
+  return False if memory.state_bytes > usable else None
+
+
+def _advice(
+  fits: bool | None,
+  memory: Memory,
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh,
+  layout: Any,
+  compile_total: Callable[[int], int | None] | None,
+) -> list[str]:
+  """`advice.suggestions_to_fit` for a plan that does not fit; none for one that fits or may."""
+  if fits is not False:
+    return []
+  return advice.suggestions_to_fit(
+    memory,
+    dict(mesh.shape),
+    config.mesh.rules,
+    mesh.devices.size,
+    rows_per_device=max(1, config.global_batch // layout.data_parallel),
+    micro_batches=config.train.micro_batches,
+    compile_total=compile_total,
+  )
+
+
+def _micro_batch_totals(
+  config: ml_collections.ConfigDict,
+  step_for: Callable[[ml_collections.ConfigDict], Any],
+  state: Any,
+  batch: Any,
+) -> Callable[[int], int | None]:
+  """Bytes per device of the step with N micro-batches; None when the compiler refuses it."""
+
+  def compile_total(micro_batches: int) -> int | None:
+    changed = config.copy_and_resolve_references()
+    changed.train.micro_batches = micro_batches
+    compiled, _ = _compile_or_refusal(step_for(changed), state, batch)
+    return None if compiled is None else _total_bytes(compiled.memory_analysis())
+
+  return compile_total
+
+
+def kv_cache_plan(
+  task, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, batch: int
+) -> KVCachePlan | None:
+  """The KV cache of a decode of `batch` x seq_len, sharded by `config.mesh.rules` on `mesh`.
+
+  Arithmetic on the cache's abstract arrays and their shardings: nothing is
+  compiled. None when the task's model has no cached decoder.
+
+  Raises:
+    ValueError: `batch` (or the key/value heads) does not divide over the
+      mesh axes the rules split it over.
+  """
+  from flax import nnx
+
+  model = nnx.eval_shape(lambda: task.model(nnx.Rngs(0)))
+  shape = decode.cache_shape(getattr(model, "config", None))
+  if shape is None:
+    return None
+  length = model.config.seq_len
+  try:
+    cache = decode.abstract_cache(shape, batch, length, mesh, rules_lib.preset(config.mesh.rules))
+  except ValueError as e:
+    raise ValueError(f"the KV cache of a decode of {batch=} x {length}: {e}") from None
+  return KVCachePlan(
+    batch=batch,
+    length=length,
+    bytes_per_device=decode.cache_bytes_per_device(cache),
+    total_bytes=shape.bytes(batch, length),
+    spec=str(cache.keys.sharding.spec),
+  )
+
+
+def _units_per_step(task, global_batch: int) -> int:
+  """The most units a step holds: the task's own count, else a full batch of template examples.
+
+  A template example can be all padding (a packed window of zeros), so the
+  task's `units_per_batch`, when it gives one, is the answer.
+  """
+  if task.units_per_batch:
+    return int(task.units_per_batch)
+  example = task.example()
+  batch = {k: np.stack([np.asarray(v)] * global_batch) for k, v in example.items()}
+  return int(task.units(batch))
+
+
+def _rows_per_host(layout, target: Target) -> int:
+  if not target.estimated:
+    return layout.per_host_batch
+  # Stand-in CPU devices all belong to this process: hosts own contiguous
+  # blocks of the data axes (create_mesh's order), so a host of
+  # `devices_per_host` devices feeds that share of the batch, replicas aside.
+  per_device = layout.global_batch // layout.data_parallel
+  return per_device * min(target.devices_per_host, layout.data_parallel)
+
+
+def _hosts_feeding(layout, target: Target) -> int:
+  if not target.estimated:
+    return layout.num_shards
+  return max(1, layout.data_parallel // target.devices_per_host)

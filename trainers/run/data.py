@@ -1,0 +1,95 @@
+"""The run's data: prepared once (process 0 first), then opened by every host for its own rows."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import ml_collections
+from etils import epath
+
+from spmd import multihost
+from spmd.errors import UserError
+from trainers import paths
+from trainers.data import mixture, pipeline
+from trainers.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
+  """(train batches, eval batches); process 0 prepares the data first.
+
+  A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
+  local cache and uploads it; every host then copies `data.dir` to its own
+  local cache (`paths.local_cache`) and reads from there, since ArrayRecord
+  reads local files only. A file already there is kept when it is a copy of
+  the same version (`paths.copy_tree`).
+  """
+  data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
+  local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
+  # Process 0 builds; the others wait, then find it built (no race on files).
+  if jax.process_index() == 0:
+    if local != data_dir and data_dir.exists():
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+    if local != data_dir:
+      uploaded = paths.copy_tree(epath.Path(local), data_dir)
+      log.warning(
+        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
+      )
+  multihost.barrier("data_prepared", timeout_s=3600)
+  if jax.process_index() != 0:
+    if local != data_dir:
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+  data_dir = local
+  common = dict(
+    global_batch=config.global_batch,
+    mesh=mesh,
+    batch_axes=batch_axes,
+    plan_records=task.plan_records,  # windows per record from the data itself
+    features=tuple(task.record_template),  # decode only what the task reads
+    shuffle_block=config.data.shuffle_block,
+    to_batch=task.to_batch,
+  )
+  if isinstance(name, mixture.DataMixture):  # several sources (config.data.sources)
+    return _open_mixture(config, task, name, str(data_dir), common)
+  if config.data.get("sources"):
+    raise UserError(
+      f"config.data.sources is set, but config.task={config.task!r} prepares its own data "
+      f"({name!r}); only the LM tasks read data.sources"
+    )
+  common["examples_per_record"] = task.examples_per_record
+  train = pipeline.open_global_batches(
+    name,
+    config.data.train_split,
+    str(data_dir),
+    task.to_example,
+    seed=config.seed,
+    train=True,
+    **common,
+  )
+  evaluation = pipeline.open_global_batches(
+    name, config.data.eval_split, str(data_dir), task.to_example, train=False, **common
+  )
+  return train, evaluation
+
+
+def _open_mixture(config, task: Task, prepared: mixture.DataMixture, data_dir: str, common: dict):
+  """(train, eval) batches of a mixture: the weighted sources, then each source's eval split."""
+  train = mixture.open_mixture_batches(
+    prepared,
+    config.data.train_split,
+    data_dir,
+    task.to_example,
+    seed=config.seed,
+    train=True,
+    steps=config.train.steps,
+    unit=task.unit,
+    **common,
+  )
+  evaluation = mixture.open_mixture_batches(
+    prepared, config.data.eval_split, data_dir, task.to_example, train=False, **common
+  )
+  return train, evaluation

@@ -1,0 +1,61 @@
+"""The task's loss as the steps call it: on the model rebuilt from the state, with the step's key.
+
+Example:
+  >>> step_key(0, 3).dtype == jax.random.key(0).dtype
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+from flax import nnx
+
+from spmd import rules as rules_lib
+from trainers.step.state import StateSetup, build_model
+from trainers.step.task_metrics import check_names
+from trainers.tasks import Task
+
+
+def specs_of(shardings: Any) -> Any:
+  """Each sharding's `PartitionSpec`, for `sharded_jit`'s parts."""
+  return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+  """The key of a train step's randomness: the same on every host and for any mesh."""
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
+  """`(params, model_state, batch, key) -> (loss_sum, (weight, metric_sums, model_state))`."""
+
+  def loss(params, model_state, batch, key):
+    model = build_model(setup, params, model_state, key)
+    if train:
+      model.train()
+    else:
+      model.eval()
+    # The model's activation constraints (spmd.rules.constrain) take the
+    # mesh and rules of the state; without a mesh they do nothing.
+    active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
+    with active:
+      loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
+    check_names(metric_sums, task.unit)  # names the trainer writes itself (task_metrics.py)
+    new_state = None
+    if setup.has_model_state:
+      new_state = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+    return loss_sum, (weight, metric_sums, new_state)
+
+  return loss
+
+
+def abstract_batch(task: Task, global_batch: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch's shapes and dtypes, from the task's own example function."""
+  return {
+    k: jax.ShapeDtypeStruct((global_batch, *shape), dtype, sharding=sharding)
+    for k, (shape, dtype) in task.example_shapes().items()
+  }
