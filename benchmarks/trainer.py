@@ -150,14 +150,14 @@ def main() -> None:
   # CPU devices share the host's cores, so the host's peak is all of theirs.
   kind = jax.devices()[0].device_kind
   on_cpu = PLATFORM == "cpu"
-  table = None if on_cpu else chips.table_peak(kind, config.model.dtype)
+  table = None if on_cpu else chips.table_peak(kind, config.train.precision)
   peak_devices = 1 if on_cpu else devices
   if table is None:
     # On CPU, XLA's default matmul is not always the fastest float32 matmul
     # this jaxlib has: through oneDNN the same square matmul can be faster,
     # depending on the CPU. A peak is the best the machine does, so each
     # round's is the better of the two (`matmul_peak.peak_sampler`).
-    sample_peak = matmul_peak.peak_sampler("float32" if on_cpu else config.model.dtype)
+    sample_peak = matmul_peak.peak_sampler("float32" if on_cpu else config.train.precision)
     chain, chain_state, chain_flops = common.square_matmul_step(flops)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   # On one CPU device: the step's own dots, nothing else, timed like the step.
@@ -198,7 +198,7 @@ def main() -> None:
       mfu_default_peak.append(flops / a / default_peaks[-1])
   step_a, step_b = statistics.median(times_a), statistics.median(times_b)
   if table is not None:
-    peak_text = f"{kind} dense {config.model.dtype} peak {table / 1e12:.0f} TFLOP/s"
+    peak_text = f"{kind} dense {config.train.precision} peak {table / 1e12:.0f} TFLOP/s"
   else:
     peak_text = (
       f"peak {statistics.median(peaks_seen) / 1e9:.0f} GFLOP/s "
@@ -211,7 +211,7 @@ def main() -> None:
     dims, suffix = model, ""
   else:
     machine = common.machine(f"1 process x {devices} {kind}")
-    dims = f"{model}, {config.model.dtype}, batch {shape[0]} x {shape[1]} tokens"
+    dims = f"{model}, {config.train.precision}, batch {shape[0]} x {shape[1]} tokens"
     suffix = f"-{PLATFORM}"
   p1 = common.row(
     f"P1{suffix}",

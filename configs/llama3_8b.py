@@ -30,7 +30,7 @@ def get_config():
   config.model.d_ff = 14336
   config.model.rope_theta = 500000.0
   config.model.tie_embeddings = False
-  config.model.dtype = "bfloat16"
+  config.train.precision = "bfloat16"
   config.model.param_dtype = "float32"
   config.model.scan_layers = True
   config.model.remat_policy = "full"

@@ -27,7 +27,7 @@ def get_config():
   config.model.num_kv_heads = 4
   config.model.d_ff = 6912
   config.model.rope_theta = 500000.0
-  config.model.dtype = "bfloat16"
+  config.train.precision = "bfloat16"
   config.model.scan_layers = True
   config.model.remat_policy = "minimal"
   config.global_batch = 16

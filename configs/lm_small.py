@@ -19,7 +19,7 @@ def get_config():
   config.model.d_model = 768
   config.model.num_heads = 12
   config.model.d_ff = 3072
-  config.model.dtype = "bfloat16"
+  config.train.precision = "bfloat16"
   config.model.param_dtype = "float32"
   config.global_batch = 256
   config.mesh.ici = "data=-1,fsdp=1,tensor=1"

@@ -45,7 +45,7 @@ def test_gradient_accumulation_and_bf16_compute(data, tmp_path):
   for (step_a, loss_a), (step_b, loss_b) in zip(whole["loss_history"], split["loss_history"]):
     assert step_a == step_b and loss_b == pytest.approx(loss_a, rel=1e-4)
   config = tiny(data, stop_at_step=5)
-  config.model.dtype = "bfloat16"
+  config.train.precision = "bfloat16"
   mixed = train_and_evaluate(config, str(tmp_path / "bf16"))
   losses = [loss for _, loss in mixed["loss_history"]]
   assert all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -39,6 +39,7 @@ from trainers.config import defaults
 from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.step import optim
+from trainers.step.precision import PRECISIONS
 from trainers.step.state import UNANNOTATED_RULES
 from trainers.tasks import make_task, resolve_task_spec
 
@@ -128,6 +129,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
   _one_of(config.mesh.unannotated, "mesh.unannotated", UNANNOTATED_RULES)
   _one_of(config.train.flat_grad_reduce, "train.flat_grad_reduce", ("auto", "on", "off"))
   _one_of(config.train.nonfinite_guard, "train.nonfinite_guard", ("auto", "branch", "select"))
+  _one_of(config.train.precision, "train.precision", PRECISIONS)
   _one_of(config.train.optimizer, "train.optimizer", optim.OPTIMIZERS)
   _one_of(config.train.schedule, "train.schedule", optim.SCHEDULES)
   tokenizer.check_spec(config.data.tokenizer)

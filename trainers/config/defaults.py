@@ -99,6 +99,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.nesterov = False  # sgd
   config.train.grad_clip_norm = 1.0  # 0 = no clipping
   config.train.micro_batches = 1  # gradient accumulation
+  # What the step computes in, for any model (trainers/step/precision.py): "float32",
+  # or "bfloat16" (parameters and batch inputs cast to bf16 inside the step;
+  # parameters, optimizer state, gradients and loss sums stay float32).
+  config.train.precision = "float32"
   # Sum gradients across hosts as one flat buffer: "auto" = on CPU across processes
   # with replicated parameters (gloo pays per array; see trainers/step/gradient_reduction.py).
   config.train.flat_grad_reduce = "auto"

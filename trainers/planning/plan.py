@@ -166,7 +166,7 @@ def make_plan(
     hosts_feeding=_hosts_feeding(layout, target),
     compiled=compiled is not None,
     memory=memory,
-    compute=_compute(task, target, mesh.devices.size, efficiency, step.flops),
+    compute=_compute(task, config, target, mesh.devices.size, efficiency, step.flops),
     collectives=step.collectives,
     fits=fits,
     suggestions=suggestions,
@@ -238,10 +238,15 @@ def _read_step(
 
 
 def _compute(
-  task: Any, target: Target, num_devices: int, efficiency: tuple[float, float], flops: float | None
+  task: Any,
+  config: ml_collections.ConfigDict,
+  target: Target,
+  num_devices: int,
+  efficiency: tuple[float, float],
+  flops: float | None,
 ) -> Compute:
   """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak."""
-  peak = chips.table_peak(target.device_kind, task.compute_dtype)
+  peak = chips.table_peak(target.device_kind, config.train.precision)
   # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
   model_flops = (task.flops_per_step or (flops or 0.0) * num_devices) / num_devices
   step_time = achieved = None

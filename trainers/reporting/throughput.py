@@ -59,7 +59,7 @@ def measure_throughput(
   chief = jax.process_index() == 0
   # Only process 0 reports MFU; the others skip the (measured, on CPU) peak.
   peak = (
-    peaks.peak_flops(jax.local_devices()[0], task.compute_dtype, cache_dir=cache_dir)
+    peaks.peak_flops(jax.local_devices()[0], setup.precision, cache_dir=cache_dir)
     if chief
     else peaks.PeakInfo(0.0, "not measured on this process")
   )

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from spmd import rules as rules_lib
+from trainers.step.precision import Precision
 from trainers.step.state import StateSetup, build_model
 from trainers.step.task_metrics import check_names
 from trainers.tasks import Task
@@ -33,8 +34,13 @@ def step_key(seed: int, step: jax.Array) -> jax.Array:
 def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
   """`(params, model_state, batch, key) -> (loss_sum, (weight, metric_sums, model_state))`."""
 
+  policy = Precision(setup.precision, task.float32_features)
+
   def loss(params, model_state, batch, key):
-    model = build_model(setup, params, model_state, key)
+    # The casts sit inside the differentiated function, so the gradients
+    # come back in the parameters' own (float32) dtype (`step.precision`).
+    model = build_model(setup, policy.cast_params(params), model_state, key)
+    batch = policy.cast_batch(batch)
     if train:
       model.train()
     else:
@@ -43,11 +49,15 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     # mesh and rules of the state; without a mesh they do nothing.
     active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
     with active:
-      loss_sum, weight, metric_sums = task.loss(model, batch, nnx.Rngs(key), train)
+      sums = task.loss(model, batch, nnx.Rngs(key), train)
+    # Added up over micro-batches and eval batches in float32, whatever the
+    # task computed them in.
+    loss_sum, weight, metric_sums = policy.to_float32(sums)
     check_names(metric_sums, task.unit)  # names the trainer writes itself (task_metrics.py)
     new_state = None
     if setup.has_model_state:
       new_state = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+      new_state = policy.like(new_state, model_state)  # as stored, whatever it was computed in
     return loss_sum, (weight, metric_sums, new_state)
 
   return loss

@@ -47,6 +47,7 @@ from flax import nnx
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from trainers.step import optim
+from trainers.step.precision import check_precision
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class StateSetup:
   # Jitted: the initial state around given weights (a warm start): the
   # optimizer initialised from them, nothing else of the model initialised.
   init_with_weights: Callable[[dict[str, Any]], Any] | None = None
+  # `config.train.precision`: the dtype the step computes in (`trainers.step.precision`).
+  precision: str = "float32"
 
   @property
   def has_model_state(self) -> bool:
@@ -282,6 +285,7 @@ def make_state(
     placement=rows + [(f"model_state/{p}", s, w) for p, s, w in rest_rows],
     mesh=mesh,
     rules=rules,
+    precision=check_precision(config.train.get("precision", "float32")),
   )
 
 

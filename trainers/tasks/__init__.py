@@ -93,8 +93,10 @@ class Task:
       itself (`loss`, `perplexity`, `learning_rate`, ...:
       `trainers.step.task_metrics.RESERVED_METRICS`) are an error at startup.
       Padding rows (eval) carry `mask == 0` and must add nothing.
-    compute_dtype: the dtype of the model's matmuls ("float32", "bfloat16"),
-      for the peak FLOP/s behind MFU.
+    float32_features: batch features that stay in float32 when
+      `config.train.precision` casts the step to bfloat16 (weights, regression
+      targets); every other floating feature is cast with the parameters, so
+      the model's matmuls run in bfloat16 (`trainers.step.precision`).
     flops_per_step: optional model FLOPs of one train step (the whole global
       batch, forward and backward). Without it the trainer counts the
       compiled step's matmul FLOPs and reports them as HFU (hardware FLOPs,
@@ -165,7 +167,7 @@ class Task:
   unit: str = "examples"
   count_units: Callable[[Batch], jax.Array] | None = None
   units_per_batch: float | None = None
-  compute_dtype: str = "float32"
+  float32_features: tuple[str, ...] = ("mask",)
   flops_per_step: float | None = None
   report: Callable[[Any, int], str] | None = None
   optimizer: Callable[[ml_collections.ConfigDict, Any], Any] | None = None
@@ -184,12 +186,12 @@ class Task:
       raise TypeError(f"Task.plan_records must be callable or None, got {self.plan_records!r}")
     if self.flops_per_step is not None and not self.flops_per_step > 0:
       raise ValueError(f"Task.flops_per_step={self.flops_per_step!r} must be positive or None")
-    try:
-      floating = jnp.issubdtype(jnp.dtype(self.compute_dtype), jnp.floating)
-    except TypeError:
-      floating = False
-    if not floating:
-      raise ValueError(f"Task.compute_dtype={self.compute_dtype!r} is not a floating dtype")
+    if isinstance(self.float32_features, str) or not all(
+      isinstance(name, str) for name in self.float32_features
+    ):
+      raise TypeError(
+        f"Task.float32_features={self.float32_features!r} must be a tuple of feature names"
+      )
 
   def example(self) -> Example:
     """The example of the record template (window 0)."""
@@ -295,14 +297,40 @@ def load_task_factory(spec: str) -> Callable[[ml_collections.ConfigDict], Task]:
   return factory
 
 
+def model_section(cls: type, config: ml_collections.ConfigDict):
+  """A built-in model's `config.model`, computing in the dtype `config.train.precision` names.
+
+  The built-in models cast their parameters to their `dtype` for compute; the
+  policy (`trainers.step.precision`) sets it, so that one setting decides
+  what every model computes in, and `config.model.dtype` is an error.
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> from trainers.models.transformer import TransformerConfig
+    >>> config = lm_tiny.get_config()
+    >>> config.train.precision = "bfloat16"
+    >>> model_section(TransformerConfig, config).dtype
+    'bfloat16'
+  """
+  if "dtype" in config.model:
+    raise ValueError(
+      f"config.model.dtype={config.model.dtype!r} is not a setting: what every model computes "
+      "in is config.train.precision ('float32' or 'bfloat16'); set that instead"
+    )
+  train = config.get("train") or {}
+  return dataclasses.replace(
+    config_section(cls, config.model), dtype=train.get("precision", "float32")
+  )
+
+
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The task `config.task` names, built from `config` (resolved by `trainers.config`).
 
   Example:
     >>> from configs import lm_tiny
     >>> task = make_task(lm_tiny.get_config())
-    >>> task.unit, task.compute_dtype
-    ('tokens', 'float32')
+    >>> task.unit, task.float32_features
+    ('tokens', ('mask',))
   """
   task = load_task_factory(resolve_task_spec(config.task))(config)
   if not isinstance(task, Task):

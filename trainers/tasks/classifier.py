@@ -21,7 +21,7 @@ import numpy as np
 
 from trainers.data.blobs import classification_example, prepare_blobs
 from trainers.models import mlp
-from trainers.tasks import Task, config_section, cross_entropy_sums
+from trainers.tasks import Task, cross_entropy_sums, model_section
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -31,14 +31,13 @@ def default_model_config() -> ml_collections.ConfigDict:
       "input_dim": 16,
       "hidden_sizes": (256, 256),
       "num_classes": 10,
-      "dtype": "float32",
-      "param_dtype": "float32",
+      "param_dtype": "float32",  # storage; compute is config.train.precision
     }
   )
 
 
 def classifier_config(config: ml_collections.ConfigDict) -> mlp.MLPConfig:
-  return config_section(mlp.MLPConfig, config.model)
+  return model_section(mlp.MLPConfig, config)
 
 
 def param_count(model_config: mlp.MLPConfig) -> int:
@@ -69,6 +68,5 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     record_template={"features": np.zeros(model_config.input_dim, np.float32), "label": 0},
     to_example=classification_example,
     unit="examples",
-    compute_dtype=model_config.dtype,
     flops_per_step=6.0 * param_count(model_config) * config.global_batch,
   )

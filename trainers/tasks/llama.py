@@ -25,7 +25,7 @@ import dataclasses
 import ml_collections
 
 from trainers.models import llama
-from trainers.tasks import Batch, Task, config_section
+from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
 from trainers.tasks.lm_data import lm_data
 from trainers.tasks.losses import chunked_cross_entropy_sums
@@ -35,13 +35,18 @@ PACKING_FEATURES = ("segment_ids", "positions")
 
 
 def default_model_config() -> ml_collections.ConfigDict:
-  """The section `config.model` of the Llama task: `LlamaConfig`'s fields and defaults."""
-  return ml_collections.ConfigDict(dataclasses.asdict(llama.LlamaConfig()))
+  """The section `config.model` of the Llama task: `LlamaConfig`'s fields and defaults.
+
+  All but `dtype`: what the model computes in is `config.train.precision`.
+  """
+  fields = dataclasses.asdict(llama.LlamaConfig())
+  del fields["dtype"]
+  return ml_collections.ConfigDict(fields)
 
 
 def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
   """The model's sizes from `config.model`; a misspelt key is an error naming it."""
-  return config_section(llama.LlamaConfig, config.model)
+  return model_section(llama.LlamaConfig, config)
 
 
 def next_token_loss(model, batch: Batch, rngs, train: bool):
@@ -83,7 +88,6 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     model=lambda rngs: llama.Llama(model_config, rngs=rngs),
     loss=next_token_loss,
     **data.fields,
-    compute_dtype=model_config.dtype,
     flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
     report=report,
   )

@@ -36,7 +36,7 @@ import numpy as np
 from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec
 from trainers.models import decode
 from trainers.models import transformer as lm
-from trainers.tasks import Task, config_section
+from trainers.tasks import Task, model_section
 from trainers.tasks.lm_data import lm_data
 from trainers.tasks.losses import chunked_cross_entropy_sums
 
@@ -51,8 +51,8 @@ def default_model_config() -> ml_collections.ConfigDict:
       "num_heads": 4,
       "d_ff": 1024,
       "vocab_size": 256,
-      # Compute dtype; "bfloat16" for mixed precision.
-      "dtype": "float32",
+      # Storage dtype of the parameters; what they compute in is
+      # config.train.precision (trainers/step/precision.py).
       "param_dtype": "float32",
       # lax.scan over the layers' stacked weights: XLA compiles one block, not
       # num_layers of them. False unrolls the blocks; checkpoints of one layout
@@ -73,7 +73,7 @@ def default_model_config() -> ml_collections.ConfigDict:
 
 def transformer_config(config: ml_collections.ConfigDict) -> lm.TransformerConfig:
   """The model's sizes from `config.model`; a misspelt key is an error naming it."""
-  return config_section(lm.TransformerConfig, config.model)
+  return model_section(lm.TransformerConfig, config)
 
 
 def next_token_loss(model, batch, rngs, train):
@@ -130,7 +130,6 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     model=lambda rngs: lm.TransformerLM(model_config, rngs=rngs),
     loss=next_token_loss,
     **data.fields,
-    compute_dtype=model_config.dtype,
     flops_per_step=lm.flops_per_token(model_config) * config.global_batch * seq_len,
     report=report,
   )
