@@ -69,3 +69,14 @@ def test_a_bf16_tables_gradient_is_summed_in_float32():
   )
   assert grad.dtype == jnp.bfloat16
   assert float(grad[0, 0]) == float(jnp.bfloat16(4096 * (1 + 2**-8)))
+
+
+def test_ids_fewer_than_the_batch_axes_are_looked_up_whole_on_every_device():
+  """A micro-batch of 3 rows on data=2,fsdp=4 (train.micro_batches): the rows stay whole."""
+  table, ids, weights = _inputs()
+  ids, weights = ids[:3], weights[:3]
+  value, grad = jax.value_and_grad(_loss)(table, ids, weights)
+  with rules.activation_rules(rules.preset("fsdp"), create_mesh("data=2,fsdp=4")):
+    sharded_value, sharded_grad = jax.jit(jax.value_and_grad(_loss))(table, ids, weights)
+  np.testing.assert_allclose(sharded_value, value, rtol=1e-5)
+  np.testing.assert_allclose(sharded_grad, grad, rtol=1e-5, atol=1e-6)

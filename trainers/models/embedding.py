@@ -52,6 +52,17 @@ def _mesh_axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _dividing(shape: Sequence[int], spec: PartitionSpec, mesh) -> list:
+  """`spec`'s entries, None where the entry's mesh axes do not divide that dimension."""
+  entries = []
+  for size, entry in zip(shape, spec):
+    devices = 1
+    for axis in _mesh_axes(entry):
+      devices *= mesh.shape[axis]
+    entries.append(entry if size % devices == 0 else None)
+  return entries
+
+
 def _local_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   """`table[ids]`, zeros for ids outside [0, rows): negative ids are out of range, not wrapped.
 
@@ -97,7 +108,11 @@ def lookup(
   table_spec = rules_lib.logical_to_spec(table_axes, rules, mesh)
   ids_spec = rules_lib.logical_to_spec(ids_axes, rules, mesh)
   rules_lib.check_divisible(f"embedding table {tuple(table_axes)}", table.shape, table_spec, mesh)
-  rules_lib.check_divisible(f"ids {tuple(ids_axes)}", ids.shape, ids_spec, mesh)
+  if _dividing(ids.shape, ids_spec, mesh) != list(ids_spec):
+    # Ids the rules' axes do not divide (a micro-batch of fewer rows than
+    # the batch axes have devices) cannot be split as the rules say; XLA
+    # lays such an array out as it can, so the lookup is left to it.
+    return _local_lookup(table, ids)
   if not any(table_spec) and not any(ids_spec):
     return _local_lookup(table, ids)  # nothing split (one device, or dp on a data=1 mesh)
   entries = (*table_spec, None, None)
