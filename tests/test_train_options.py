@@ -40,8 +40,12 @@ def test_profile_hook_writes_a_trace(data, tmp_path):
 
 @pytest.mark.slow
 def test_gradient_accumulation_and_bf16_compute(data, tmp_path):
-  whole = train_and_evaluate(tiny(data, stop_at_step=3), str(tmp_path / "whole"))
-  split = train_and_evaluate(tiny(data, stop_at_step=3, micro_batches=2), str(tmp_path / "split"))
+  # Each micro-batch splits over the batch axes as the batch does
+  # (`check_micro_batches`): 4 rows over data=4.
+  whole, split = tiny(data, stop_at_step=3), tiny(data, stop_at_step=3, micro_batches=2)
+  whole.mesh.ici = split.mesh.ici = "data=4,fsdp=1,tensor=2"
+  whole = train_and_evaluate(whole, str(tmp_path / "whole"))
+  split = train_and_evaluate(split, str(tmp_path / "split"))
   for (step_a, loss_a), (step_b, loss_b) in zip(whole["loss_history"], split["loss_history"]):
     assert step_a == step_b and loss_b == pytest.approx(loss_a, rel=1e-4)
   config = tiny(data, stop_at_step=5)

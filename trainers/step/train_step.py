@@ -17,6 +17,7 @@ skipped steps the rate logged at step s is the one the optimizer used,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -56,6 +57,36 @@ def branch_on_nonfinite(config: ml_collections.ConfigDict, mesh: jax.sharding.Me
   return mode == "branch"
 
 
+def check_micro_batches(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...]
+) -> None:
+  """Raises `ValueError` when a micro-batch does not split over the batch axes' devices.
+
+  Each micro-batch is laid out like the batch, rows split over the batch
+  axes: the models' activation constraints and the embedding lookup need its
+  rows to divide, as the global batch must.
+
+  Example:
+    >>> from configs import lm_tiny
+    >>> from spmd.mesh import create_mesh
+    >>> config = lm_tiny.get_config()
+    >>> config.global_batch, config.train.micro_batches = 8, 2
+    >>> check_micro_batches(config, create_mesh("data=8"), ("data",))
+    Traceback (most recent call last):
+    ...
+    ValueError: train.micro_batches=2 leaves 4 rows per micro-batch, which do not split over the 8 devices of the batch axes ('data',); use fewer micro-batches or a global_batch that is a multiple of 16
+  """
+  micro = int(config.train.get("micro_batches", 1))
+  devices = math.prod(mesh.shape[a] for a in batch_axes)
+  rows = config.global_batch // micro
+  if micro > 1 and rows % devices:
+    raise ValueError(
+      f"train.micro_batches={micro} leaves {rows} rows per micro-batch, which do not split "
+      f"over the {devices} devices of the batch axes {tuple(batch_axes)}; use fewer "
+      f"micro-batches or a global_batch that is a multiple of {micro * devices}"
+    )
+
+
 def make_train_step(
   setup: StateSetup,
   task: Task,
@@ -69,6 +100,7 @@ def make_train_step(
   `flat_reduce` says whether gradients are summed as one flat vector
   (`flat_gradient_reduction`); None decides it here.
   """
+  check_micro_batches(config, mesh, batch_axes)
   value_and_grad = jax.value_and_grad(loss_fn(setup, task, train=True), has_aux=True)
   branch = branch_on_nonfinite(config, mesh)
   if flat_reduce is None:
