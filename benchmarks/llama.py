@@ -71,7 +71,6 @@ def peer_config(args: argparse.Namespace):
     num_kv_heads=4,
     d_ff=2048,
     seq_len=args.seq_len or 256,
-    dtype="float32",
     param_dtype="float32",
     tie_embeddings=False,
     scan_layers=args.scan,
