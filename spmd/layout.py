@@ -84,6 +84,30 @@ def batch_sharding(
   return jax.sharding.NamedSharding(mesh, NamedSpec(axes if axes else None))
 
 
+def check_batch_divides(
+  mesh: jax.sharding.Mesh, global_batch: int, batch_axes: Sequence[str] | None = None
+) -> None:
+  """Raises `ValueError` unless `global_batch` rows split evenly over the batch axes.
+
+  Example:
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> check_batch_divides(mesh, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: global_batch=0 must be a positive number of rows
+  """
+  axes = batch_axes_of(mesh, batch_axes)
+  data_parallel = math.prod(mesh.shape[a] for a in axes)
+  if global_batch < 1:
+    raise ValueError(f"{global_batch=} must be a positive number of rows")
+  if global_batch % data_parallel:
+    raise ValueError(
+      f"{global_batch=} is not divisible by the data-parallel size {data_parallel} "
+      f"(batch axes {dict((a, mesh.shape[a]) for a in axes)})"
+    )
+
+
 def data_layout(
   mesh: jax.sharding.Mesh, global_batch: int, batch_axes: Sequence[str] | None = None
 ) -> DataLayout:
@@ -95,14 +119,8 @@ def data_layout(
       axes first in the mesh, or build it with `spmd.mesh.create_mesh`).
   """
   axes = batch_axes_of(mesh, batch_axes)
+  check_batch_divides(mesh, global_batch, axes)
   data_parallel = math.prod(mesh.shape[a] for a in axes)
-  if global_batch < 1:
-    raise ValueError(f"{global_batch=} must be a positive number of rows")
-  if global_batch % data_parallel:
-    raise ValueError(
-      f"{global_batch=} is not divisible by the data-parallel size {data_parallel} "
-      f"(batch axes {dict((a, mesh.shape[a]) for a in axes)})"
-    )
   sharding = batch_sharding(mesh, axes)
   per_device = sharding.devices_indices_map((global_batch,))
   by_process: dict[int, list[tuple[jax.Device, range]]] = {}

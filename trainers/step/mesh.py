@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
+from spmd.layout import check_batch_divides
 from spmd.mesh import create_mesh
 
 
@@ -23,4 +24,8 @@ def build_mesh(
 ) -> tuple[jax.sharding.Mesh, tuple[str, ...]]:
   """The run's mesh and the mesh axes that split the batch (also `spmd-plan`'s)."""
   mesh = create_mesh(config.mesh.ici, config.mesh.dcn or None, devices=devices)
-  return mesh, tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  axes = tuple(a for a in config.mesh.batch_axes if a in mesh.shape)
+  # Before anything traces a batch: an uneven one would fail deep in a
+  # layout instead, naming an activation rather than global_batch.
+  check_batch_divides(mesh, config.global_batch, axes)
+  return mesh, axes
