@@ -153,6 +153,7 @@ def test_the_decoders_task_losses_chunk_and_equal_the_plain_loss(task, make, mon
     assert error <= 1e-5, error
 
 
+@pytest.mark.slow
 def test_on_a_mesh_each_device_sums_its_rows_and_the_result_is_the_plain_one():
   mesh = create_mesh("data=2,fsdp=4")  # 8 row shards; the projection split over fsdp
   hidden, unembed, labels, mask = _inputs(batch=8, length=16)

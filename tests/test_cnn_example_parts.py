@@ -112,6 +112,7 @@ def test_cnn_holds_only_params_and_batch_stats(example):
   assert logits.shape == (4, 6) and logits.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_cnn_modes_switch_dropout_and_batch_stats(example):
   model = example["cnn"].CNN(6, dropout_rate=0.5, rngs=nnx.Rngs(0))
   images = jax.random.uniform(jax.random.key(1), (8, 16, 16, 1))

@@ -41,8 +41,6 @@ MESHES = [
 ]
 # Where XLA fell back before the embedding lookups were laid out by the rules.
 FALLBACK_MESHES = ["data=2,fsdp=4,tensor=1", "data=2,fsdp=2,tensor=2"]
-# The mesh and preset the fallbacks were first seen on; the rest are slow.
-FIRST_SEEN = ("data=2,fsdp=2,tensor=2", "fsdp_tp")
 needs_libtpu = pytest.mark.skipif(
   not libtpu_available(), reason="needs libtpu: pip install -e '.[tpu]' (CI installs it)"
 )
@@ -114,7 +112,7 @@ def _cases(meshes=MESHES):
         if layout in layouts:
           continue  # e.g. fsdp_tp on a mesh without tensor is fsdp
         layouts.add(layout)
-        marks = () if (ici, rules_name) == FIRST_SEEN else (pytest.mark.slow,)
+        marks = (pytest.mark.slow,)  # each compiles a train step: seconds apiece
         yield pytest.param(model, ici, rules_name, marks=marks, id=f"{model}-{ici}-{rules_name}")
 
 

@@ -59,6 +59,7 @@ def test_shapes_and_every_parameter_names_logical_axes(scan):
   assert not any("bias" in p for p in paths), paths
 
 
+@pytest.mark.slow
 def test_scanned_and_unrolled_layers_give_the_same_model():
   tokens = _tokens((2, 9))
   scanned = _model(scan_layers=True, remat_policy="full")(tokens)

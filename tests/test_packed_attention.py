@@ -108,6 +108,7 @@ def test_attention_gives_zero_weight_across_segments():
   assert (unpacked[:, :, future] == 0).all() and (unpacked[:, :, ~future] > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_segment_does_not_see_the_other_segments_tokens(scan_layers):
   model = TransformerLM(_config(scan_layers), rngs=nnx.Rngs(0))
@@ -123,6 +124,7 @@ def test_a_segment_does_not_see_the_other_segments_tokens(scan_layers):
   assert not np.allclose(after[row, others], before[row, others])  # the change did something
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_packed_loss_is_the_sum_of_each_documents_loss_alone(scan_layers):
   model = TransformerLM(_config(scan_layers), rngs=nnx.Rngs(0))

@@ -81,6 +81,7 @@ def _lm_tiny_matmul_flops(tokens: int, recomputed_attention_dots: int = 0) -> in
   return tokens * (flops + recomputed_attention_dots * attention_dot)
 
 
+@pytest.mark.slow
 def test_small_lm_state_bytes_match_hand_computed():
   plan = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
   assert plan.num_params == LM_TINY_PARAMS
@@ -113,6 +114,7 @@ def test_compiled_matmul_flops_of_unrolled_layers_match_hand_computed():
   assert looped.compute.compiled_flops == _lm_tiny_matmul_flops(32 * L // 8)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_tpu_matmuls_written_as_convolutions_count_the_same():
   # libtpu writes most of the step's matmuls as convolutions with padded,

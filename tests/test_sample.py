@@ -63,6 +63,7 @@ def test_cached_greedy_equals_the_full_forward_pass_token_for_token(name):
   np.testing.assert_allclose(logits, model(PROMPT), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy_and_a_key_gives_the_same_tokens_twice():
   model = _llama()
   greedy = decode.generate(model, PROMPT, 10)
