@@ -31,7 +31,6 @@ import numpy as np
 from trainers.data import lm_examples
 from trainers.data import tokenizer as tok
 from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec, tokenizer_codec
-from trainers.tasks import lm_sources
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,9 @@ CORPUS_RECORD_BYTES = 4096  # text_corpus records; LM examples are windows of th
 # The dataset modules (text_corpus, packed, datasets) import TFDS; they are
 # imported in the functions that prepare or read data, so that building a
 # task's model, config or step (a notebook, `spmd-plan`, the accelerator
-# check on a machine without TFDS) needs no TFDS.
+# check on a machine without TFDS) needs no TFDS. The same holds for
+# `lm_sources` (`data.sources`: pyarrow, zstandard, fsspec), imported where a
+# config has sources.
 
 
 def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
@@ -104,6 +105,8 @@ def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
     ValueError: data.tokenizer='bpe' needs data.pack=True on the text corpus: subword tokens are packed into windows (set data.pack=True, or data.tokenizer='bytes')
   """
   if config.data.get("sources"):
+    from trainers.tasks import lm_sources  # pyarrow and more: see the top
+
     lm_sources.check_sources(config)
   spec, pack, name = (
     tok.tokenizer_spec(config),
@@ -300,7 +303,11 @@ def lm_data(
     if prompt is not None:
       prompt_ids(codec(), prompt, vocab_size, seq_len)
 
-  prepare = lm_sources.sources_prepare if config.data.get("sources") else packed_prepare
+  prepare = packed_prepare
+  if config.data.get("sources"):
+    from trainers.tasks import lm_sources  # pyarrow and more: see the top
+
+    prepare = lm_sources.sources_prepare
   fields = dict(
     prepare_data=prepare(config, prepared, check, seq_len, vocab_size),
     record_template=packed.record_template(seq_len),
