@@ -9,8 +9,7 @@ gradient near zero can differ by more than 1e-5 of itself). bfloat16 inputs:
 both kernels compute the scores and softmax in float32 from the same bf16
 operands and round their results to bf16, so they differ by bf16 rounding,
 about as much as each differs from the float32 result: normwise <= 1e-2,
-forward and gradients, and element-wise within 1e-2 of the largest gradient
-(docs/engineering-log.md has the measured errors).
+forward and gradients, and element-wise within 1e-2 of the largest gradient.
 """
 
 import jax
