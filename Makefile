@@ -23,22 +23,26 @@ sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
 		$(BIN)/python examples/sharded_jit_demo.py
 
+# Two pytest-xdist workers, one per core; `loadgroup` keeps the tests that share a
+# module's setup (a reference run, say) on one worker (conftest.py groups them).
+WORKERS ?= -n 2 --dist loadgroup
+
 # The full suite, as CI runs it; it ends with its 25 slowest tests.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest $(WORKERS) --durations=25
 
 # The edit-test loop: no test that starts a process (conftest.py fails one that
 # does without the marker), no long training run.
 test-fast: $(BIN)/.installed
 	$(BIN)/ruff check .
-	SPMD_TEST_TIER=fast $(BIN)/python -m pytest -q -m "not multiprocess and not slow" --durations=15
+	SPMD_TEST_TIER=fast $(BIN)/python -m pytest $(WORKERS) -q -m "not multiprocess and not slow" --durations=15
 
 # The whole fault suite (CI runs a subset of the same tests); the table lands in
 # workdir/faults/report.md.
 faults: $(BIN)/.installed
-	SPMD_FAULTS=full $(BIN)/python -m pytest tests/faults -m faults
+	SPMD_FAULTS=full $(BIN)/python -m pytest $(WORKERS) tests/faults -m faults
 	cat workdir/faults/report.md
 
 # Every performance figure (P1-P10) in one run; the table lands in

@@ -1,5 +1,9 @@
 """Every test process sees 8 CPU devices, set before JAX starts its backend.
 
+Every process of the run (pytest, its xdist workers, the jobs tests start)
+compiles with XLA's fast CPU pipeline into one shared compilation cache
+(`tests/session_settings.py`).
+
 `make test-fast` sets `SPMD_TEST_TIER=fast` and deselects the `multiprocess`
 and `slow` tests. There, a test that still starts a process fails, naming the
 test and the command: every test that starts processes must carry the
@@ -12,8 +16,14 @@ import os
 import subprocess
 from pathlib import Path
 
-import jax
-import pytest
+from tests import session_settings
+
+session_settings.apply()  # before JAX reads its flags
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.faults import report as fault_report  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -33,20 +43,64 @@ DOCTESTS_THAT_START_PROCESSES = ("launch/local.py", "launch/processes.py", "laun
 _running = {"test": "collection"}
 
 
+_fault_rows: list[dict] = []  # the xdist controller's: every worker's fault report rows
+
+
+# Before xdist reads the groups off the markers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   for item in items:
     if isinstance(item, pytest.DoctestItem) and str(item.path).endswith(
       DOCTESTS_THAT_START_PROCESSES
     ):
       item.add_marker(pytest.mark.multiprocess)
+    if _shares_module_setup(item):
+      # `--dist loadgroup`: one worker runs the module, so its setup runs once.
+      item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _shares_module_setup(item) -> bool:
+  """True when the test uses a module-scoped fixture of its own module (a shared run, say)."""
+  info = getattr(item, "_fixtureinfo", None)
+  if info is None or getattr(item, "module", None) is None:
+    return False
+  return any(
+    defs[-1].scope == "module"
+    and defs[-1].baseid.endswith(".py")
+    and str(item.path).endswith(defs[-1].baseid)
+    for defs in info.name2fixturedefs.values()
+    if defs
+  )
 
 
 def pytest_runtest_protocol(item, nextitem):
   _running["test"] = item.nodeid  # returns None: pytest runs the test as usual
 
 
+def pytest_unconfigure(config):
+  session_settings.clean_up()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+  """xdist: a worker ended; keep the fault report rows it ran (tests/faults/conftest.py)."""
+  _fault_rows.extend(getattr(node, "workeroutput", {}).get(fault_report.WORKER_ROWS_KEY, ()))
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _is_xdist_controller(session.config) and _fault_rows:
+    fault_report.write(_fault_rows, fault_report.FULL)
+
+
+def _is_xdist_controller(config) -> bool:
+  """True in the process that hands tests to xdist workers and runs none itself."""
+  return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", 0))
+
+
 def pytest_configure(config):
-  if not FAST_TIER:
+  # The controller starts the workers as processes; the guard belongs in the
+  # processes that run tests.
+  if not FAST_TIER or _is_xdist_controller(config):
     return
   start = subprocess.Popen._execute_child
 

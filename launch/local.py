@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import shutil
@@ -27,7 +28,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 from launch import allocator
@@ -47,11 +50,55 @@ from spmd.errors import EXIT_USER_ERROR
 LocalJobResult = JobResult  # how a local job ended; `report()` has every output
 
 
+# How long a port handed out by `free_port` stays reserved for its job: long
+# enough for the coordinator to start and bind it.
+PORT_RESERVATION_S = 300.0
+
+
 def free_port() -> int:
-  """A TCP port on 127.0.0.1 that was free a moment ago."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A TCP port on 127.0.0.1 that was free a moment ago, reserved for the caller.
+
+  The port is given up when it is picked, and the coordinator binds it only
+  once its process has started, so two launchers on one machine could both
+  be handed the same free port in between. Each port handed out is recorded
+  under the machine's temporary folder for `PORT_RESERVATION_S`, and no
+  other `free_port` call on the machine returns it meanwhile.
+
+  >>> free_port() != free_port()
+  True
+  """
+  folder = os.path.join(tempfile.gettempdir(), f"spmd-ports-{os.getuid()}")
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, ".lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    _forget_old_reservations(folder)
+    for _ in range(100):
+      with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+      marker = os.path.join(folder, str(port))
+      try:
+        if time.time() - os.path.getmtime(marker) < PORT_RESERVATION_S:
+          continue  # handed out recently, maybe not bound yet
+      except FileNotFoundError:
+        pass
+      with open(marker, "w"):
+        pass
+      return port
+  raise RuntimeError(f"no free port on 127.0.0.1 that is not reserved in {folder}")
+
+
+def _forget_old_reservations(folder: str) -> None:
+  """Removes the port markers (files named by a number) whose reservation has run out."""
+  now = time.time()
+  for name in os.listdir(folder):
+    if name.isdigit():
+      path = os.path.join(folder, name)
+      try:
+        if now - os.path.getmtime(path) >= PORT_RESERVATION_S:
+          os.remove(path)
+      except FileNotFoundError:
+        pass
 
 
 def process_env(

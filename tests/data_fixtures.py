@@ -4,6 +4,8 @@ import pathlib
 
 import numpy as np
 
+from tests import session_settings
+
 SEQ_LEN = 16
 
 
@@ -67,15 +69,15 @@ def write_training_text(
 
 
 def training_data(root: pathlib.Path) -> dict[str, str]:
-  """Trainer test data under `root`: a text glob, a data dir, a shared compile cache.
+  """Trainer test data under `root`: a text glob, a data dir, the run's compile cache.
 
-  One compilation cache for all the runs of a test module: each layout
-  compiles once.
+  The pytest run's one compilation cache (`tests/session_settings.py`): each
+  layout compiles once for every test and job of the run.
   """
   return {
     "source": write_training_text(root),
     "dir": str(root / "data"),
-    "cache": str(root / "jax_cache"),
+    "cache": session_settings.compilation_cache_dir(),
   }
 
 

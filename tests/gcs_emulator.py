@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from launch.local import free_port
 
 
 def _binary() -> Path:
@@ -28,18 +29,12 @@ def _binary() -> Path:
   return found[0]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 class GcsEmulator:
   """fake-gcs-server with its objects in `root`; buckets are folders there."""
 
   def __init__(self, root: Path, buckets: tuple[str, ...] = ("bucket",)):
     self.root = Path(root)
-    self.port = _free_port()
+    self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self._process: subprocess.Popen | None = None
     for bucket in buckets:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.faults import harness, injection
 from tests.multiprocess import ROOT
+from tests.session_settings import compilation_cache_dir
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -70,7 +71,7 @@ def example(tmp_path_factory):
   return {
     "folder": copy,
     "data": tmp_path_factory.mktemp("cnn_data"),
-    "cache": tmp_path_factory.mktemp("cnn_cache"),
+    "cache": compilation_cache_dir(),
   }
 
 

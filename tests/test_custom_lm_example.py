@@ -26,6 +26,7 @@ from flax import nnx
 
 from tests.faults import harness
 from tests.multiprocess import ROOT
+from tests.session_settings import compilation_cache_dir
 from trainers.step import optim
 
 EXAMPLE = ROOT / "examples" / "custom_lm"
@@ -107,7 +108,7 @@ def test_the_copy_trains_with_its_loss_optimizer_and_hook(tmp_path):
     *OVERRIDES,
   ]
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy needs none
-  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "cache")
+  env["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir()
   job = harness.launch(train, workdir, 2, 2, 0, 240, env, copy)
   assert job.wait(260) == 0, job.output
   out = job.output

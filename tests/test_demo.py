@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiprocess import ROOT
+from tests.session_settings import default_pipeline_env
 from trainers.checkpoints.step_folders import COMMIT_MARKER
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(660)]
@@ -45,8 +46,10 @@ def run_make_demo(workdir: Path) -> subprocess.CompletedProcess:
     f"DEMO_WORKDIR={workdir}",
     f"DEMO_FLAGS={DEMO_FLAGS}",
   ]
-  # The checkout's own modules, whatever the venv's editable install points at.
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  # The checkout's own modules, whatever the venv's editable install points at;
+  # XLA's default pipeline and the demo's own compilation cache, as a user has them.
+  env = dict(default_pipeline_env(), PYTHONPATH=str(ROOT))
+  env.pop("JAX_COMPILATION_CACHE_DIR")
   process = subprocess.Popen(
     command,
     cwd=ROOT,

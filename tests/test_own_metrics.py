@@ -27,6 +27,7 @@ from flax import nnx
 
 from spmd.mesh import create_mesh
 from tests.faults import harness, injection
+from tests.session_settings import compilation_cache_dir
 from trainers.step import task_metrics
 from trainers.step.state import make_state
 from trainers.tasks import Task
@@ -190,7 +191,7 @@ def project(tmp_path_factory):
   return {
     "folder": folder,
     "data": tmp_path_factory.mktemp("regression_data"),
-    "cache": tmp_path_factory.mktemp("regression_cache"),
+    "cache": compilation_cache_dir(),
   }
 
 

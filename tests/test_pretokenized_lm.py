@@ -12,6 +12,7 @@ import tensorflow_datasets as tfds
 
 from spmd.mesh import create_mesh
 from tests.configs import train_tiny
+from tests.session_settings import compilation_cache_dir
 from trainers.data import pipeline, text_corpus
 from trainers.data.datasets import open_source
 from trainers.run.train import train_and_evaluate
@@ -175,7 +176,7 @@ def test_varied_records_keep_every_token_of_the_longest_and_mask_the_rest(data_d
 @pytest.mark.slow
 def test_a_vocabulary_of_1000_trains_samples_ids_and_ends_cleanly(data_dir, tmp_path):
   config = lm_config(data_dir, seq_len=16)
-  config.compilation_cache_dir = str(tmp_path / "cache")
+  config.compilation_cache_dir = compilation_cache_dir()
   config.train.steps, config.eval_every, config.checkpoint.every = 4, 0, 0
   summary = train_and_evaluate(config, str(tmp_path / "run"))
   assert summary["steps"] == 4 and np.isfinite(summary["eval_loss"])

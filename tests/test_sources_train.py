@@ -20,13 +20,11 @@ import pytest
 
 from tests.data_fixtures import source_texts, write_jsonl, write_parquet
 from tests.multiprocess import ROOT
+from tests.session_settings import compilation_cache_dir
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
-# XLA's cheapest CPU pipeline, as the fault suite's runs (tests/faults/harness.py): every
-# run here compiles with it, so they compare bit for bit, in half the compile time.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +32,7 @@ def corpus(tmp_path_factory):
   root = tmp_path_factory.mktemp("sources_train")
   a = write_jsonl(root / "DIR_A", source_texts(120, seed=1), files=3)
   b = write_parquet(root / "DIR_B", source_texts(80, seed=2), files=2)
-  return {"sources": f"{a}@0.7,{b}@0.3", "data": root / "data", "cache": root / "jax_cache"}
+  return {"sources": f"{a}@0.7,{b}@0.3", "data": root / "data", "cache": compilation_cache_dir()}
 
 
 def launch(corpus, workdir, num_processes, devices, config, *overrides):
@@ -55,8 +53,6 @@ def launch(corpus, workdir, num_processes, devices, config, *overrides):
     *overrides,
   ]
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(corpus["cache"]))
-  env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]).strip()
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   # Its own process group, so that a hung run is killed whole (a hung test is a failed one).
   launcher = subprocess.Popen(
     command,

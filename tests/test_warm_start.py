@@ -29,6 +29,7 @@ from spmd.mesh import create_mesh
 from tests.configs import stateful_classifier
 from tests.faults import harness
 from tests.multiprocess import ROOT
+from tests.session_settings import compilation_cache_dir
 from trainers.checkpoints.damage import CheckpointError
 from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.restore import restore_or_init
@@ -62,7 +63,7 @@ def start(env: dict, workdir: Path, processes: int, devices: int, *overrides: st
 def source(tmp_path_factory):
   env = {
     "data": str(tmp_path_factory.mktemp("blobs")),
-    "cache": str(tmp_path_factory.mktemp("warm_cache")),
+    "cache": compilation_cache_dir(),
   }
   workdir = tmp_path_factory.mktemp("source") / "run"
   job = start(

@@ -4,24 +4,18 @@ CI runs every test with few injections (`SPMD_FAULTS` unset); `make faults`
 sets `SPMD_FAULTS=full` for the full counts. Each test adds a row to the
 report: the fault, injections, how many ended as promised, the worst time to
 detection and the steps lost beyond the last committed checkpoint. The
-report is written at the end of the session to `$SPMD_FAULT_REPORT` (default
+report is written once at the end of the run (under xdist by the controller,
+with every worker's rows) to `$SPMD_FAULT_REPORT` (default
 `workdir/faults/report.json`, and `report.md` beside it); with
 `SPMD_FAULTS_UPDATE_DOCS=1` its table also goes into docs/faults.md
 (`tests.faults.report`).
 """
 
-import datetime
-import json
-import os
-from pathlib import Path
-
 import pytest
 
 from tests.data_fixtures import training_data
-from tests.faults.report import markdown, update_docs
-from tests.multiprocess import ROOT
+from tests.faults.report import FULL, WORKER_ROWS_KEY, write
 
-FULL = os.environ.get("SPMD_FAULTS", "") == "full"
 _ROWS: list[dict] = []
 
 
@@ -58,14 +52,10 @@ def record():
 
 
 def pytest_sessionfinish(session, exitstatus):
-  if not _ROWS:
-    return
-  path = Path(os.environ.get("SPMD_FAULT_REPORT", ROOT / "workdir" / "faults" / "report.json"))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # By fault number, in the order run within one fault.
-  rows = sorted(_ROWS, key=lambda r: int(r["fault"].split(".", 1)[0]))
-  report = {"full": FULL, "date": datetime.date.today().isoformat(), "rows": rows}
-  path.write_text(json.dumps(report, indent=1) + "\n")
-  path.with_suffix(".md").write_text(markdown(rows))
-  if os.environ.get("SPMD_FAULTS_UPDATE_DOCS") == "1":
-    update_docs(report)
+  # Under xdist each worker hands its rows to the controller, which writes
+  # one report with all of them (conftest.py); alone, pytest writes it here.
+  worker_output = getattr(session.config, "workeroutput", None)
+  if worker_output is not None:
+    worker_output[WORKER_ROWS_KEY] = list(_ROWS)
+  elif _ROWS:
+    write(_ROWS, FULL)

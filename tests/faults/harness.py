@@ -27,21 +27,11 @@ from tests.multiprocess import ROOT
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
-# Only process 0 writes JAX's persistent compilation cache, and on CPU the
-# other processes' cache keys differ, so every process but 0 compiles every
-# program at every (re)start. These settings halve that: XLA's cheapest CPU
-# pipeline (a faster compile of the same program; the reference runs use it
-# too, so comparisons stay bit-exact) and every program cached for process 0.
-FAST_COMPILE = {
-  "XLA_FLAGS": " ".join(
-    [
-      os.environ.get("XLA_FLAGS", ""),
-      "--xla_backend_optimization_level=0",
-      "--xla_llvm_disable_expensive_passes=true",
-    ]
-  ).strip(),
-  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-}
+# Jobs inherit the run's fast compile flags and its one compilation cache
+# (tests/session_settings.py): only process 0 writes that cache, and on CPU
+# the other processes' keys differ, so they compile at every (re)start; the
+# fast pipeline halves that, and the reference runs use it too, so
+# comparisons stay bit-exact.
 
 
 def train_flags(data: dict, workdir: Path, *overrides: str) -> list[str]:
@@ -138,7 +128,7 @@ def launch(
     "-m",
     *train,
   ]
-  env = dict(env, SPMD_AGREEMENT_TIMEOUT_S="60", **FAST_COMPILE)
+  env = dict(env, SPMD_AGREEMENT_TIMEOUT_S="60")
   launcher = subprocess.Popen(
     command,
     stdout=subprocess.PIPE,

@@ -19,13 +19,17 @@ Example:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import re
 from pathlib import Path
 
 from tests.multiprocess import ROOT
 
 FAULTS_DOC = Path(ROOT) / "docs" / "faults.md"
+FULL = os.environ.get("SPMD_FAULTS", "") == "full"  # `make faults`: the full injection counts
+WORKER_ROWS_KEY = "fault_report_rows"  # where an xdist worker hands its rows to the controller
 _BLOCK = re.compile(r"(<!-- faults:start -->\n)(.*?)(<!-- faults:end -->)", re.S)
 
 
@@ -65,6 +69,24 @@ def update_docs(report: dict, doc: Path = FAULTS_DOC) -> None:
   if not _BLOCK.search(text):
     raise ValueError(f"{doc} has no <!-- faults:start --> ... <!-- faults:end --> block")
   Path(doc).write_text(_BLOCK.sub(lambda m: m.group(1) + docs_block(report) + m.group(3), text))
+
+
+def write(rows: list[dict], full: bool) -> Path:
+  """Writes the session's rows to `$SPMD_FAULT_REPORT` (and .md beside it); returns the JSON's path.
+
+  Called once per pytest run, by the process that saw every row: pytest
+  itself, or the xdist controller after each worker handed its rows over
+  (conftest.py). Rows are ordered by fault number, then in the order run.
+  """
+  path = Path(os.environ.get("SPMD_FAULT_REPORT", ROOT / "workdir" / "faults" / "report.json"))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  rows = sorted(rows, key=lambda r: int(r["fault"].split(".", 1)[0]))
+  report = {"full": full, "date": datetime.date.today().isoformat(), "rows": rows}
+  path.write_text(json.dumps(report, indent=1) + "\n")
+  path.with_suffix(".md").write_text(markdown(rows))
+  if os.environ.get("SPMD_FAULTS_UPDATE_DOCS") == "1":
+    update_docs(report)
+  return path
 
 
 def main(argv: list[str] | None = None) -> None:

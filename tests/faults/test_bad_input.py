@@ -75,7 +75,6 @@ def test_a_host_with_another_config_stops_every_host_before_the_first_step(data,
     env={
       "PYTHONPATH": str(ROOT),
       "JAX_COMPILATION_CACHE_DIR": data["cache"],
-      **harness.FAST_COMPILE,
     },
   )
   took = time.monotonic() - started

@@ -83,7 +83,7 @@ def test_a_coordinator_address_in_use_is_named_before_anyone_waits(data, tmp_pat
       grace_s=2,  # process 1 waits for the coordinator that never starts: not for long
       echo=False,
       cwd=str(ROOT),
-      env={"PYTHONPATH": str(ROOT), **harness.FAST_COMPILE},
+      env={"PYTHONPATH": str(ROOT)},
     )
     took = time.monotonic() - started
   named = f"coordinator address '{address}' is already in use"

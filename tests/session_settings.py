@@ -1,0 +1,90 @@
+"""What every process of a pytest run shares: fast compiles and one compilation cache.
+
+`conftest.py` calls `apply()` before JAX starts, in the pytest process and
+(through the environment) in every xdist worker and every job a test starts:
+
+- XLA's cheapest CPU pipeline (`FAST_COMPILE_FLAGS`). Compiling is most of
+  the suite's time, and these flags change how fast XLA compiles, not what
+  a program computes: a test that compares two runs compares two runs
+  compiled alike. A test that checks the default pipeline itself (the
+  README's demo, a performance figure) takes `default_pipeline_env()`.
+- One persistent compilation cache for the whole run, with no minimum
+  compile time, so a program compiled by one test, worker or job is read
+  back by the next. It is on from the first compile, so no test depends on
+  another having switched it on. Tests that read XLA's log keep it off for
+  their compile (`spmd.compiler_log`).
+
+The first process to call `apply()` (the pytest controller under xdist)
+owns the session folder and removes it when the run ends; the processes it
+starts find it through `SESSION_DIR_ENV`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
+FAST_COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+)
+# Large enough never to evict within a run; setting a size turns on the
+# cache's file lock, so two workers and their jobs never read a half-written entry.
+_CACHE_MAX_BYTES = 8 << 30
+
+_owned: list[Path] = []
+
+
+def session_dir() -> Path:
+  """The folder every process of this pytest run shares (made by `apply`)."""
+  return Path(os.environ[SESSION_DIR_ENV])
+
+
+def compilation_cache_dir() -> str:
+  """The run's one persistent compilation cache: give it to a config's `compilation_cache_dir`."""
+  return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+def with_fast_compile(flags: str) -> str:
+  """`flags` (an XLA_FLAGS value) with the fast compile flags, each once.
+
+  >>> with_fast_compile("--xla_dump_to=/tmp/x --xla_backend_optimization_level=0")
+  '--xla_dump_to=/tmp/x --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+  """
+  words = flags.split()
+  return " ".join([*words, *(f for f in FAST_COMPILE_FLAGS if f not in words)])
+
+
+def default_pipeline_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """`env` (default: this process's) with XLA's default pipeline: the fast flags removed.
+
+  >>> default_pipeline_env({"XLA_FLAGS": "--a=1 --xla_backend_optimization_level=0"})["XLA_FLAGS"]
+  '--a=1'
+  """
+  out = dict(os.environ if env is None else env)
+  flags = [f for f in out.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
+  out["XLA_FLAGS"] = " ".join(flags)
+  return out
+
+
+def apply() -> None:
+  """Sets this process's environment for the run; call before JAX starts its backend."""
+  if SESSION_DIR_ENV not in os.environ:
+    folder = Path(tempfile.mkdtemp(prefix="spmd-tests-"))
+    _owned.append(folder)
+    os.environ[SESSION_DIR_ENV] = str(folder)
+  os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
+
+
+def clean_up() -> None:
+  """Removes the session folder, where this process made it."""
+  for folder in _owned:
+    shutil.rmtree(folder, ignore_errors=True)
+  _owned.clear()
