@@ -160,7 +160,7 @@ GRACE_S = 2
 # One run length for the tests that compare against an uninterrupted run, so
 # one reference serves them all (faults 1-4): room for a fault in each stretch
 # of 5 steps, and a few steps after the last.
-MOST_FAULTS = injections(5, 20)
+MOST_FAULTS = injections(3, 20)
 STEPS = 4 + 5 * MOST_FAULTS + 4
 EVERY = 2  # checkpoint interval: at most this many steps are redone after a kill
 
