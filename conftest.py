@@ -77,6 +77,14 @@ def pytest_runtest_protocol(item, nextitem):
   _running["test"] = item.nodeid  # returns None: pytest runs the test as usual
 
 
+@pytest.fixture(scope="session")
+def training_corpus() -> dict[str, str]:
+  """The run's one prepared training corpus (tests/shared_runs.py); a copy of its paths."""
+  from tests.shared_runs import prepared_training_data  # TFDS only for the tests that train
+
+  return dict(prepared_training_data())
+
+
 def pytest_unconfigure(config):
   session_settings.clean_up()
 

@@ -14,7 +14,6 @@ import pytest
 from etils import epath
 
 from tests.configs import train_tiny
-from tests.data_fixtures import training_data
 from trainers.checkpoints import saved_run, step_folders
 from trainers.checkpoints.damage import CheckpointError
 from trainers.checkpoints.manager import make_manager
@@ -145,8 +144,8 @@ def test_saves_past_keep_rotate_the_run_s_steps_and_never_a_foreign_folder(tmp_p
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("steps_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 def _tiny(data, steps: int, every: int, keep: int):

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from launch.local import run_local
-from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT, WORKERS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -33,8 +32,8 @@ STEPS = 10  # checkpoints and evals at 5 and 10
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("eval_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 def _env(data) -> dict[str, str]:

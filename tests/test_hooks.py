@@ -19,7 +19,6 @@ import textwrap
 import pytest
 
 from launch.local import run_local
-from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
 from trainers.hooks import Hook, Wrapper, load_hooks, resolve_hook_specs
 
@@ -121,8 +120,10 @@ def test_config_hooks_resolve_beside_the_config_file(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_user_hooks_run_on_schedule_on_every_process_without_extra_syncs(tmp_path_factory):
-  data = training_data(tmp_path_factory.mktemp("hook_data"))
+def test_user_hooks_run_on_schedule_on_every_process_without_extra_syncs(
+  training_corpus, tmp_path_factory
+):
+  data = training_corpus
   folder = tmp_path_factory.mktemp("elsewhere")
   (folder / "hooks.py").write_text(textwrap.dedent(HOOKS))
   (folder / "config.py").write_text(textwrap.dedent(CONFIG))

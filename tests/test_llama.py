@@ -2,11 +2,9 @@
 and on a CPU mesh, and a run of the real entry point on llama_tiny."""
 
 import collections
-import json
 import math
-import os
 import re
-import sys
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +13,11 @@ import pytest
 from flax import nnx
 
 from configs import llama3_8b, llama_tiny
-from launch.local import run_local
 from spmd import hlo, rules
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available
-from tests.data_fixtures import training_data
-from tests.multiprocess import ROOT
+from tests import shared_runs
 from trainers.models import llama, logical_axes
 from trainers.planning import plan as plan_lib
 from trainers.planning import targets
@@ -269,45 +265,12 @@ def test_fsdp_tp_losses_match_data_parallel(scan):
 # The real entry point.
 
 
-def _train_llama_tiny(data, workdir, *overrides):
-  """spmd-train on llama_tiny (packed BPE tokens of the test's text), 2 processes x 1 device."""
-  command = [
-    sys.executable,
-    "-m",
-    "trainers.run.train_cli",
-    f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
-    f"--workdir={workdir}",
-    f"--config.data.dir={data['dir']}",
-    f"--config.data.source={data['source']}",
-    "--config.train.steps=40",
-    "--config.train.warmup_steps=5",
-    "--config.log_every=1",
-    "--config.eval_every=0",
-    "--config.checkpoint.every=0",
-    "--config.data.validation_percent=25",
-    "--config.sample_tokens=8",
-    *overrides,
-  ]
-  result = run_local(
-    command,
-    num_processes=2,
-    devices_per_process=1,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
-  )
-  assert result.ok, result.report()
-  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}, result.processes[0].output
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_spmd_train_llama_tiny_on_packed_tokens_learns_and_resumes_bit_identically(tmp_path):
-  data = training_data(tmp_path / "data")
-  straight, out = _train_llama_tiny(data, tmp_path / "straight")
+  folder, facts = shared_runs.llama_tiny_run()
+  straight = {int(step): loss for step, loss in facts["losses"].items()}
+  out = facts["output"]
   curve = [straight[s] for s in range(1, 41)]
   assert np.mean(curve[-3:]) < 0.7 * np.mean(curve[:3]), curve
   assert all(math.isfinite(x) for x in curve)
@@ -316,10 +279,11 @@ def test_spmd_train_llama_tiny_on_packed_tokens_learns_and_resumes_bit_identical
   assert "MFU" in out and 99 < share <= 100, out[-2500:]
   assert "sample (greedy" in out and "text through the tokenizer" in out
 
-  # Stopped at 20, then resumed: the same losses to the last bit.
-  first, _ = _train_llama_tiny(data, tmp_path / "resumed", "--config.train.stop_at_step=20")
-  assert sorted(first) == list(range(1, 21))
-  resumed, out = _train_llama_tiny(data, tmp_path / "resumed")
+  # A copy of the straight run as it was at step 20 (its checkpoint there), resumed:
+  # the same losses to the last bit.
+  resumed_dir = shared_runs.copy_of(folder / "run", tmp_path / "resumed")
+  shutil.rmtree(resumed_dir / "checkpoints" / "40")
+  resumed, out = shared_runs.train_llama_tiny(facts["data"], resumed_dir)
   assert re.search(r"state from\s+: checkpoint step 20\n", out), out
   assert [resumed[s] for s in range(21, 41)] == curve[20:]
 

@@ -28,6 +28,7 @@ from flax import nnx
 from spmd.mesh import create_mesh
 from tests.faults import harness, injection
 from tests.session_settings import compilation_cache_dir
+from tests.shared_runs import copy_of
 from trainers.step import task_metrics
 from trainers.step.state import make_state
 from trainers.tasks import Task
@@ -290,9 +291,10 @@ def test_stopped_and_resumed_ends_bit_identical(project, tmp_path, reference):
 
 @real_runs
 def test_eval_mode_writes_and_prints_the_metrics_by_name(project, reference, tmp_path):
+  workdir = copy_of(reference["workdir"], tmp_path / "run")  # eval writes into its workdir
   job = harness.launch(
-    ["trainers.run.train_cli", "--mode=eval", f"--workdir={reference['workdir']}"],
-    reference["workdir"],
+    ["trainers.run.train_cli", "--mode=eval", f"--workdir={workdir}"],
+    workdir,
     1,
     2,
     0,
@@ -301,8 +303,8 @@ def test_eval_mode_writes_and_prints_the_metrics_by_name(project, reference, tmp
     project["folder"],
   )
   assert job.wait(320) == 0, job.output
-  written = json.loads((reference["workdir"] / "eval" / f"step_{STEPS}.json").read_text())
-  summary = json.loads((reference["workdir"] / "summary.json").read_text())
+  written = json.loads((workdir / "eval" / f"step_{STEPS}.json").read_text())
+  summary = json.loads((workdir / "summary.json").read_text())
   for key in ("eval_loss", "eval_mae", "eval_within_tenth"):
     assert written[key] == pytest.approx(summary[key], rel=1e-5), (key, written, summary)
     assert key in job.output, job.output

@@ -167,42 +167,21 @@ def test_a_byte_level_runs_codec_is_bytes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_path):
+  """Reads the straight llama_tiny run tests/test_llama.py resumes (tests/shared_runs.py)."""
   import subprocess
   import sys
 
-  from launch.local import run_local
-  from tests.data_fixtures import training_data
+  from tests import shared_runs
   from tests.multiprocess import ROOT
 
-  data = training_data(tmp_path / "data")
-  workdir = tmp_path / "run"
-  env = {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]}
-  train = [
-    sys.executable,
-    "-m",
-    "trainers.run.train_cli",
-    f"--config={ROOT / 'configs' / 'llama_tiny.py'}",
-    f"--workdir={workdir}",
-    f"--config.data.dir={data['dir']}",
-    f"--config.data.source={data['source']}",
-    "--config.data.validation_percent=25",
-    "--config.global_batch=8",
-    "--config.train.steps=20",
-    "--config.train.warmup_steps=5",
-    "--config.eval_every=0",
-    "--config.checkpoint.every=20",
-    "--config.sample_prompt=the",
-    "--config.sample_tokens=12",
-  ]
-  result = run_local(
-    train, num_processes=1, devices_per_process=1, timeout_s=240, grace_s=10, echo=False,
-    cwd=str(ROOT), env=env,
-  )  # fmt: skip
-  assert result.ok, result.report()
+  folder, facts = shared_runs.llama_tiny_run()
+  workdir = shared_runs.copy_of(folder / "run", tmp_path / "run")
+  env = {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": facts["data"]["cache"]}
   assert (workdir / "tokenizer.json").exists()
   # The run's own end-of-run sample (the Llama task's, with the cache), as it printed it.
-  output = result.processes[0].output
+  output = facts["output"]
   assert "sample (greedy, prompt 'the', text through the tokenizer" in output, output[-2000:]
   sample = subprocess.run(
     [sys.executable, "-m", "trainers.sampling.sample_cli", f"--workdir={workdir}", "--prompt=the",
@@ -215,7 +194,7 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
     sample.stdout,
     output[-1000:],
   )
-  assert "step 20, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
+  assert "step 40, " in sample.stderr and "+ 12 new tokens (greedy" in sample.stderr, sample.stderr
   drawn = subprocess.run(
     [sys.executable, "-m", "trainers.sampling.sample_cli", f"--workdir={workdir}", "--prompt=the model",
      "--num_tokens=8", "--temperature=1.0", "--top_k=5", "--seed=2", "--step=20"],

@@ -1,14 +1,17 @@
 """The trainer end to end: the real entry point, on 1, 2 and 4 processes.
 
 One 2-process x 2-device run of 20 steps is the reference; the other runs
-must match it: other process counts (losses to 1e-5), a stop and resume on
-the same layout (bit-identical state), a resume on another process count.
+must match it: other process counts (losses to 1e-5), a resume from a copy of
+its step-10 checkpoint on the same layout (bit-identical state), a resume on
+another process count. Runs that later tests read are module fixtures, and
+tests change only copies of them.
 Preemption, kills and other faults are in tests/faults.
 """
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,8 +19,8 @@ import numpy as np
 import pytest
 
 from launch.local import run_local
-from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT
+from tests.shared_runs import copy_of
 
 pytestmark = pytest.mark.multiprocess  # every test trains as real processes
 
@@ -25,8 +28,8 @@ CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("train_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 def flags(data, workdir, *overrides, config=CONFIG):
@@ -121,9 +124,11 @@ def test_same_losses_for_any_process_count(data, tmp_path, reference, four_proce
 
 
 def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
-  workdir = tmp_path / "run"
-  first = spmd_train(data, workdir, 2, 2, "--config.train.stop_at_step=10")
-  assert first.ok, first.report()
+  # The straight run as it stood at step 10 (its checkpoint there; stopping at a
+  # step is checked by `four_processes_ten_steps`), resumed to the end.
+  workdir = copy_of(reference["workdir"], tmp_path / "run")
+  for later in ("15", "20"):
+    shutil.rmtree(workdir / "checkpoints" / later)
   second = spmd_train(data, workdir, 2, 2)
   assert second.ok, second.report()
   assert re.search(r"state from\s+: checkpoint step 10\n", second.processes[0].output)
@@ -132,11 +137,12 @@ def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
   assert [got[s] for s in range(11, 21)] == [reference["losses"][s] for s in range(11, 21)]
 
 
-def test_resume_on_another_process_count(data, reference, four_processes_ten_steps):
+def test_resume_on_another_process_count(data, tmp_path, reference, four_processes_ten_steps):
   # Saved by 4 processes x 1 device, resumed by 1 process x 2 devices.
-  resumed = spmd_train(data, four_processes_ten_steps, 1, 2)
+  workdir = copy_of(four_processes_ten_steps, tmp_path / "run")
+  resumed = spmd_train(data, workdir, 1, 2)
   assert resumed.ok, resumed.report()
-  got = losses(four_processes_ten_steps)
+  got = losses(workdir)
   for step in range(11, 21):
     assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
 

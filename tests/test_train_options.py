@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from tests.configs import train_tiny
-from tests.data_fixtures import training_data
 from trainers.run.train import train_and_evaluate
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("options_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 def tiny(data, **train):

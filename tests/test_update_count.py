@@ -19,7 +19,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.configs import train_tiny
-from tests.data_fixtures import training_data
 from tests.faults import harness
 from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.saver import Saver
@@ -32,8 +31,8 @@ STOP = 8
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("update_count_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 def tiny(data, stop_at_step: int):

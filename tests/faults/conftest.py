@@ -13,7 +13,6 @@ with every worker's rows) to `$SPMD_FAULT_REPORT` (default
 
 import pytest
 
-from tests.data_fixtures import training_data
 from tests.faults.report import FULL, WORKER_ROWS_KEY, write
 
 _ROWS: list[dict] = []
@@ -25,8 +24,8 @@ def injections(ci: int, full: int) -> int:
 
 
 @pytest.fixture(scope="session")
-def data(tmp_path_factory):
-  return training_data(tmp_path_factory.mktemp("fault_data"))
+def data(training_corpus):
+  return training_corpus
 
 
 @pytest.fixture

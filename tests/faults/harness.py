@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests import shared_runs
 from tests.faults.conftest import injections
 from tests.multiprocess import ROOT
 
@@ -199,10 +200,15 @@ def reference_run(data: dict, tmp_path_factory) -> tuple[str, Path]:
   Its workdir keeps the last two checkpoints; tests copy them, never change them.
   """
   if "hash" not in _REFERENCE:
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    job = start(data, workdir, *long_run())
-    assert job.wait(600) == 0, job.output
-    _REFERENCE.update(hash=param_hash(job.output), workdir=workdir)
+
+    def build(folder: Path) -> dict:
+      job = start(data, folder / "run", *long_run())
+      assert job.wait(600) == 0, job.output
+      return {"hash": param_hash(job.output)}
+
+    # Once for the whole pytest run: the other xdist worker reads the same one.
+    folder, facts = shared_runs.shared_run(f"fault_reference_{STEPS}_steps", build)
+    _REFERENCE.update(hash=facts["hash"], workdir=folder / "run")
   return _REFERENCE["hash"], _REFERENCE["workdir"]
 
 
