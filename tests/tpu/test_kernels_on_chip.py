@@ -6,11 +6,11 @@ here they are compiled for the TPU. Errors are normwise relative,
 ||a - b|| / ||b||, and each bound says why it is what it is:
 
 - float32 under `jax.default_matmul_precision("highest")`: `F32_BOUND` = 1e-4.
-  Interpret mode agrees to about 3e-7; on the chip the kernel's exp and its
-  blockwise (online) softmax run on the TPU's own units, so the bound is
-  looser than the CPU test's 1e-5, and still a thousand times tighter than
-  one bfloat16 rounding.
-- bfloat16: `BF16_BOUND` = 1e-2, the CPU test's: both kernels read bfloat16
+  Interpret mode agrees to about 3e-7; on the chip the kernel's blockwise
+  (online) softmax and its backward pass run on the TPU's own units, and its
+  gradients agree to about 3e-5, so the bound is looser than the CPU test's
+  1e-5, and still forty times tighter than one bfloat16 rounding.
+- bfloat16, at the default precision: `BF16_BOUND` = 1e-2, the CPU test's: both kernels read bfloat16
   inputs and write a bfloat16 output (2^-8 = 3.9e-3 relative per rounding);
   interpret mode measured 2.8e-3 to 4.2e-3.
 
@@ -66,7 +66,11 @@ def _forward_and_gradients(kernel: str, q, k, v, cotangent, ids):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_splash_compiled_by_mosaic_matches_xla_forward_and_gradients(dtype, packed):
   bound = F32_BOUND if dtype == "float32" else BF16_BOUND
-  with jax.default_matmul_precision("highest"):
+  # "highest" asks float32 products of float32 inputs; for bfloat16 inputs the
+  # chip's own bfloat16 products are the point (and Mosaic refuses a
+  # bfloat16 kernel asked for "highest": "Bad lhs type").
+  precision = "highest" if dtype == "float32" else "default"
+  with jax.default_matmul_precision(precision):
     inputs = _attention_inputs(jnp.dtype(dtype), packed)
     splash, splash_text = _forward_and_gradients("splash", *inputs)
     xla, xla_text = _forward_and_gradients("xla", *inputs)
@@ -86,6 +90,8 @@ def test_the_chunked_loss_matches_the_plain_loss_and_its_gradients(dtype):
 
   Both accumulate the logits in float32 from the same inputs, so they differ
   only in the order of the sums: 1e-5 of the loss, 1e-4 of the gradients.
+  In bfloat16 the gradients come back in bfloat16, the inputs' dtype: one
+  rounding each, 2^-8 = 3.9e-3 at most (the chip measured 8.4e-4).
   """
   rows, length, d_model, vocab = 4, 512, 256, 8192
   keys = jax.random.split(jax.random.key(1), 3)
@@ -111,7 +117,8 @@ def test_the_chunked_loss_matches_the_plain_loss_and_its_gradients(dtype):
   }
   print(f"chunked vs plain loss, {dtype}: {errors}")
   assert errors["loss"] < 1e-5, errors
-  assert max(errors["d_hidden"], errors["d_unembed"]) < 1e-4, errors
+  gradient_bound = 1e-4 if dtype == "float32" else 2**-8
+  assert max(errors["d_hidden"], errors["d_unembed"]) < gradient_bound, errors
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[", re.M)
