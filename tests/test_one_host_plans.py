@@ -129,7 +129,7 @@ def test_the_tpu_compiler_gives_the_verdict_and_the_margin_only_warns():
 
 def test_a_v5e_program_may_use_what_the_chip_reports():
   # memory_stats()["bytes_limit"] on the chip, and the "available HBM" its compiler names.
-  assert chips.device_memory_bytes("TPU v5 lite") == 15.75 * GiB
+  assert chips.device_memory_bytes("TPU v5 lite") == 16_909_336_064
 
 
 def _spmd_plan(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
