@@ -13,7 +13,12 @@ For each row count of `configs/llama_tpu_check.py` it
 
 It reports PL1 = the plan's bytes per device / the device's compiled bytes
 (goal 0.97-1.03), whether the plan's verdict is the device's at each row
-count, and PL2: whether the measured step time lies in the plan's range.
+count, PL2: whether the measured step time lies in the plan's range, and P9:
+the MFU of the first row count's step (splash on a TPU). With
+`--train_steps=N` (0: skip) it then trains the same Llama for N steps with
+`train_and_evaluate`, what `spmd-train` runs, on the packed byte corpus
+(splash with segment ids), and reports P4 = the run's tokens/s ÷ the raw
+step's (goal >= 0.97).
 Needs jax, flax, optax, orbax, ml_collections and libtpu: no data set.
 Prints a table and writes the figures as JSON (`--out`).
 """
@@ -152,6 +157,27 @@ def on_device(config, steps: int, warmup: int) -> dict:
   return out
 
 
+def through_the_trainer(rows: int, steps: int, workdir: str, tiny: bool = False) -> dict:
+  """`train_and_evaluate` of the same Llama on the packed byte corpus: its summary's rates."""
+  from trainers.run.train import train_and_evaluate  # imports the data stack: only here
+
+  config = check_config(rows, tiny)
+  config.data.pack = True
+  config.train.steps = steps
+  config.train.warmup_steps = min(config.train.warmup_steps, steps)
+  config.log_every = max(1, steps // 6)
+  config.eval_every = 0
+  config.checkpoint.every = 0
+  summary = train_and_evaluate(config, workdir)
+  return {
+    "steps": steps,
+    "tokens_per_s": summary.get("tokens_per_s"),
+    "mfu": summary.get("mfu"),
+    "real_token_share": summary.get("real_token_share"),
+    "train_loss": summary.get("train_loss"),
+  }
+
+
 def judge(plan: dict, device: dict) -> dict:
   """PL1, whether the verdicts agree, and PL2, from one row count's plan and device figures."""
   out = {"verdicts_agree": plan["fits"] == device["compiled"]}
@@ -171,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out", default=os.environ.get("OUT", ".") + "/tpu_check.json")
   parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (the check's test)")
+  parser.add_argument("--train_steps", type=int, default=0, help="P4's run (0: skip it)")
+  parser.add_argument("--workdir", default="/tmp/spmd_tpu_check", help="P4's run's workdir")
   args = parser.parse_args(argv)
   device = jax.local_devices()[0]
   report = {
@@ -189,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     measured = on_device(config, args.steps, args.warmup)
     print(f"{rows} rows, on {device.device_kind}: {measured}", flush=True)
     report["rows"][rows] = {"plan": plan, "device": measured, **judge(plan, measured)}
+  first = report["rows"][next(iter(report["rows"]))]["device"]
+  report["p9_mfu"] = first.get("mfu")
+  if args.train_steps and first.get("tokens_per_s"):
+    rows = next(iter(report["rows"]))
+    trained = through_the_trainer(rows, args.train_steps, args.workdir, args.tiny)
+    print(f"spmd-train's step, {rows} rows, packed: {trained}", flush=True)
+    report["trainer"] = trained
+    if trained["tokens_per_s"]:
+      report["p4"] = trained["tokens_per_s"] / first["tokens_per_s"]
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(report, indent=1))
   print(f"\ntpu check on {device.device_kind}, plan for {args.topology} (jax {jax.__version__})")
@@ -209,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     agree = "" if r["verdicts_agree"] else "  (VERDICTS DISAGREE)"
     print(
       f"  {rows:>4}  {plan_word:>22}  {device_word:>22}  {pl1:>6}  {step:>9}  {span:>17}  {pl2}{agree}"
+    )
+  if report["p9_mfu"] is not None:
+    print(f"  P9  MFU of the step, splash: {report['p9_mfu']:.1%} (goal >= 60%)")
+  if "p4" in report:
+    t = report["trainer"]
+    print(
+      f"  P4  spmd-train's tokens/s / the raw step's: {report['p4']:.3f} (goal >= 0.97): "
+      f"{t['tokens_per_s']:,.0f} vs {first['tokens_per_s']:,.0f}, "
+      f"{(t['real_token_share'] or 0):.1%} real tokens"
     )
   print(f"  written to {args.out}")
   return 0
