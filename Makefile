@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo sharded-jit-demo test test-fast faults lint bench clean
+.PHONY: demo sharded-jit-demo test test-fast test-tpu faults lint bench clean
 
 $(BIN)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ test: $(BIN)/.installed
 test-fast: $(BIN)/.installed
 	$(BIN)/ruff check .
 	SPMD_TEST_TIER=fast $(BIN)/python -m pytest $(WORKERS) -q -m "not multiprocess and not slow" --durations=15
+
+# The tests that mean something only on a TPU (tests/tpu), in one process, as
+# that machine's own python3 runs them (after `eval "$$(benchmarks/tpu_setup.sh)"`;
+# no venv there). --confcutdir leaves out the suite's conftest.py, which pins JAX
+# to CPU devices; elsewhere these tests skip, saying why.
+TPU_PYTHON ?= python3
+test-tpu:
+	PYTHONUNBUFFERED=1 $(TPU_PYTHON) -m pytest -p no:cacheprovider --confcutdir=tests/tpu -v -s -rA tests/tpu
 
 # The whole fault suite (CI runs a subset of the same tests); the table lands in
 # workdir/faults/report.md.

@@ -16,6 +16,7 @@ the package keeps working, perhaps a little slower:
 | `global_state.preemption_sync_manager` (`jax._src.distributed`) | whether JAX's preemption service runs | `jax.distributed.is_initialized()` and `jax_enable_preemption_service` |
 | `global_state.client`, `.coordinator_address` | the coordination service's key-value store and barriers | none: required |
 | `jax._src.clusters.ClusterEnv._cluster_types` | whether JAX recognises this cluster (TPU VM, SLURM, ...) | none: required |
+| `jax._src.cloud_tpu_init.running_in_cloud_tpu_vm` | whether JAX took this machine for a Cloud TPU VM (its cluster detection then asks the GCE metadata server) | TPU chips in `/dev` (`accel*`, VFIO groups) and libtpu installed |
 | orbax's `experimental_orbax_use_distributed_barrier` flag | orbax's barriers as coordination-service calls | none: checked when the first checkpoint manager is made, since `spmd` does not import orbax |
 
 Names are bound at import: the fast path's `isinstance(x, ARRAY_TYPE)` and
@@ -33,8 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.metadata
+import importlib.util
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -184,6 +187,24 @@ def cluster_detected() -> bool:
   """True when JAX's own cluster detection (TPU VM, SLURM, Open MPI, ...) recognises this machine."""
   return any(
     env.is_env_present() for env in _cluster_env._cluster_types if not env.opt_in_only_method
+  )
+
+
+_cloud_tpu_init = lookup("jax._src.cloud_tpu_init")
+
+
+def on_cloud_tpu_vm() -> bool:
+  """Whether JAX took this machine for a Cloud TPU VM when it was imported.
+
+  Then JAX's cluster detection treats it as one host of a TPU slice and asks
+  the GCE metadata server for the slice's workers (`spmd.tpu_env` says why
+  `spmd.initialize` reads the environment first).
+  """
+  flag = getattr(_cloud_tpu_init, "running_in_cloud_tpu_vm", None)
+  if flag is not None:
+    return bool(flag)
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")) and (
+    importlib.util.find_spec("libtpu") is not None
   )
 
 

@@ -4,8 +4,12 @@ Where the settings come from, first match wins:
   1. arguments to `initialize`;
   2. the environment our launchers set (`SPMD_*`, below) or JAX's own
      (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`);
-  3. JAX's cluster detection (TPU VMs, SLURM, Open MPI, Kubernetes), when it
-     recognises the environment;
+  3. on a Cloud TPU VM, the slice's TPU_* variables (`spmd.tpu_env`): one host
+     is a single process, and no metadata server is asked; a slice whose
+     workers they do not name is read by JAX's detection, and where that
+     fails the job stops with one line saying what to set (`UserError`);
+     elsewhere, JAX's cluster detection (SLURM, Open MPI, Kubernetes), when
+     it recognises the environment;
   4. otherwise this is a single process, and only the CPU device count is set.
 
 JAX's default timeouts suit a pod (minutes). Jobs on one machine want
@@ -30,7 +34,8 @@ import socket
 
 import jax
 
-from spmd import compat
+from spmd import compat, tpu_env
+from spmd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +190,13 @@ def initialize(
   num_processes = _int_setting(num_processes, ENV_NUM_PROCESSES, "JAX_NUM_PROCESSES")
   process_id = _int_setting(process_id, ENV_PROCESS_ID, "JAX_PROCESS_ID")
   explicit = coordinator_address is not None or num_processes is not None
-  if num_processes == 1 or (not explicit and not cluster_detected()):
+  on_tpu_vm = not explicit and compat.on_cloud_tpu_vm()
+  if on_tpu_vm:
+    found = _tpu_vm_settings()
+    if found is None:  # one host: nothing to start, no server to ask
+      return _info(None)
+    coordinator_address, num_processes, process_id = found
+  if num_processes == 1 or (not explicit and not on_tpu_vm and not cluster_detected()):
     return _info(None)
   if (
     explicit
@@ -208,7 +219,7 @@ def initialize(
     _check_port_free(bind or coordinator_address)
   if jax.config.jax_cpu_collectives_implementation is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
+  settings = dict(
     coordinator_address=coordinator_address,
     num_processes=num_processes,
     process_id=process_id,
@@ -217,7 +228,82 @@ def initialize(
     shutdown_timeout_seconds=_seconds(shutdown_timeout_s, ENV_SHUTDOWN, 300),
     coordinator_bind_address=bind,
   )
+  if on_tpu_vm and None in (coordinator_address, num_processes, process_id):
+    _initialize_from_metadata(settings)
+  else:
+    jax.distributed.initialize(**settings)
   return _info(coordinator_address)
+
+
+# What a user sets where the slice's workers cannot be found (one line, exit 2).
+_SET_WORKERS = (
+  f"for a job on this host alone set {ENV_NUM_PROCESSES}=1; for one process per host set "
+  f"{tpu_env.WORKERS[0]} (every host, in order) and {tpu_env.WORKER_ID} on each host, or "
+  f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} (spmd-launch tpu sets them)"
+)
+
+
+def _tpu_vm_settings() -> tuple[str | None, int | None, int | None] | None:
+  """On a Cloud TPU VM: None for one host, else (coordinator, processes, id), None where unknown.
+
+  The environment decides where it can (`spmd.tpu_env`): one host needs no
+  distributed runtime, and a slice whose variables name every worker and this
+  one's index is set up from them, the coordinator on the first worker at
+  JAX's TPU port. What they leave open is asked of JAX's detection, which
+  reads the GCE metadata server (`_initialize_from_metadata`).
+  """
+  try:
+    tpu = tpu_env.read_slice()
+  except ValueError as e:
+    raise UserError(f"{e}; {_SET_WORKERS}") from None
+  if tpu.processes == 1:
+    log.info("one TPU host (%s): a single process", tpu.evidence)
+    return None
+  if tpu.names_every_worker:
+    host = tpu.workers[0].split(":")[0]
+    port = _env("JAX_COORDINATOR_PORT") or str(_TPU_COORDINATOR_PORT)
+    return f"{host}:{port}", len(tpu.workers), tpu.worker_id
+  log.info("TPU slice of %s hosts (%s): asking JAX's detection", tpu.processes, tpu.evidence)
+  return None, tpu.processes, None
+
+
+# The port JAX's TPU cluster detection gives the coordinator (jax._src.clusters).
+_TPU_COORDINATOR_PORT = 8482
+
+
+def _initialize_from_metadata(settings: dict) -> None:
+  """`jax.distributed.initialize` by JAX's TPU detection; a slice it cannot read is a `UserError`.
+
+  The detection asks the GCE metadata server for the workers and the
+  multislice coordinator. Where that server cannot be reached, or says
+  nothing, training each host alone would be wrong, so the job stops with one
+  line naming the cause and what to set.
+  """
+  hosts = settings["num_processes"]
+  what = f"this TPU VM is one host of a slice of {hosts}" if hosts else "this is a Cloud TPU VM"
+  try:
+    jax.distributed.initialize(**settings)
+  except Exception as e:
+    if not _metadata_failure(e):
+      raise
+    cause = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    raise UserError(
+      f"{what}, but its workers could not be read from the environment or the GCE "
+      f"metadata server ({cause}); {_SET_WORKERS}"
+    ) from None
+
+
+def _metadata_failure(error: BaseException) -> bool:
+  """Whether JAX's TPU detection failed for want of the metadata server or of its answers."""
+  module = type(error).__module__ or ""
+  text = str(error)
+  return (
+    module.startswith(("requests", "urllib3"))
+    or isinstance(error, OSError)
+    or "metadata" in text
+    or "should be defined" in text  # JAX found no cluster to ask
+    or "must be defined" in text
+  )
 
 
 def _check_port_free(address: str) -> None:

@@ -67,6 +67,34 @@ def topology_name(name: str) -> str:
   return f"{generation}:{'x'.join(map(str, grid))}"
 
 
+# The largest slice of each generation that is one host (Cloud TPU VMs:
+# v5litepod-8 and v6e-8 are one host of 8 chips; v4-8 and v5p-8 one of 4).
+_ONE_HOST_CHIPS = {"v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}
+# The hosts of larger slices: 4 chips each, 2x2.
+_POD_HOST = (2, 2, 1)
+
+
+def chips_per_host(name: str) -> tuple[int, int, int]:
+  """The chips of one host of a slice, as libtpu's `chips_per_host_bounds`.
+
+  A slice up to `_ONE_HOST_CHIPS` is one host holding the whole grid;
+  larger ones are hosts of 2x2 chips. libtpu's default, or a
+  `TPU_CHIPS_PER_HOST_BOUNDS` set on the machine that plans (a TPU VM
+  describes its own host there), would not describe one-host slices.
+
+  Example:
+    >>> chips_per_host("v5e-1"), chips_per_host("v5e-8"), chips_per_host("v6e-256")
+    ((1, 1, 1), (2, 4, 1), (2, 2, 1))
+    >>> chips_per_host("v5p-8"), chips_per_host("v5p-64")
+    ((2, 2, 1), (2, 2, 1))
+  """
+  generation, grid = topology_name(name).split(":", 1)
+  sizes = [int(x) for x in grid.split("x")]
+  if math.prod(sizes) <= _ONE_HOST_CHIPS.get(generation, 4):
+    return tuple([*sizes, 1, 1, 1][:3])
+  return _POD_HOST
+
+
 # Where libtpu logs when told nothing (its own default).
 LIBTPU_DEFAULT_LOG_DIR = "/tmp/tpu_logs"
 # The folder this process's libtpu logs to, fixed when `topology_devices` loads it.
@@ -127,6 +155,7 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
 
   Raises:
     RuntimeError: libtpu is not installed.
+    ValueError: libtpu does not know the slice (the message is its one line).
   """
   if not libtpu_available():
     raise RuntimeError(
@@ -145,7 +174,18 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
   extra = {}
   if _CORES_PER_CHIP.get(full.split(":")[0]) == 2:
     extra["chip_config_name"] = "megacore"  # one JAX device per chip, as on real pods
-  desc = topologies.get_topology_desc(
-    platform="tpu", topology_name=full, num_slices=num_slices, **extra
-  )
+  try:
+    desc = topologies.get_topology_desc(
+      platform="tpu",
+      topology_name=full,
+      num_slices=num_slices,
+      chips_per_host_bounds=chips_per_host(full),
+      **extra,
+    )
+  except jax.errors.JaxRuntimeError as e:
+    # libtpu's refusal of a shape it does not know is about the input.
+    raise ValueError(
+      f"libtpu cannot describe TPU slice {name!r} ({full}, {num_slices=}): "
+      f"{' '.join(str(e).split())[:300]}"
+    ) from None
   return tuple(desc.devices)

@@ -21,8 +21,10 @@ class Memory:
   temp_bytes: int | None  # activations and other temporaries
   code_bytes: int | None
   total_bytes: int | None  # arguments + outputs - donated + temporaries + code
-  device_bytes: int | None  # the device's HBM (None: not in the table)
-  margin: float  # share of HBM kept free for the runtime and fragmentation
+  device_bytes: (
+    int | None
+  )  # the HBM a program may use, as the device reports it (None: not in the table)
+  margin: float  # share of HBM a plan wants free: a warning for compiled TPU steps, the rule for estimates
 
   @property
   def state_bytes(self) -> int:
@@ -30,7 +32,14 @@ class Memory:
 
   @property
   def usable_bytes(self) -> float | None:
+    """HBM less the margin."""
     return None if self.device_bytes is None else self.device_bytes * (1 - self.margin)
+
+  @property
+  def short_of_margin(self) -> bool:
+    """The compiled total leaves less than the margin of HBM free."""
+    usable = self.usable_bytes
+    return usable is not None and self.total_bytes is not None and self.total_bytes > usable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +89,10 @@ class Plan:
   collectives: list[hlo.Collective]
   fits: bool | None
   suggestions: list[str]
+  # What gave `fits`: "compiler" (the target's compiler compiled or refused
+  # the step), "estimate" (the total against HBM less the margin, for CPU
+  # stand-ins), "state" (not compiled; the state alone) or "" (unknown).
+  verdict_by: str = ""
   kv_cache: KVCachePlan | None = None  # None: the model has no KV-cache decoder
   compile_error: str | None = None  # the compiler's refusal, when it ran out of memory
   # Arrays the SPMD partitioner could not reshard cheaply, so it copies them

@@ -144,7 +144,7 @@ def make_plan(
     device_bytes,
     margin,
   )
-  fits = _fits(memory, step.compile_error)
+  fits, verdict_by = _fits(memory, step.compile_error, compiled is not None, target.estimated)
   compile_total = None
   if compile_step and verify_suggestions:
     compile_total = _micro_batch_totals(config, step_for, state, batch)
@@ -169,6 +169,7 @@ def make_plan(
     compute=_compute(task, config, target, mesh.devices.size, efficiency, step.flops),
     collectives=step.collectives,
     fits=fits,
+    verdict_by=verdict_by,
     suggestions=suggestions,
     kv_cache=kv_cache,
     compile_error=step.compile_error,
@@ -257,17 +258,29 @@ def _compute(
   return Compute(flops, model_flops, peak, efficiency, step_time, achieved)
 
 
-def _fits(memory: Memory, compile_error: str | None) -> bool | None:
-  """The verdict: None when the device's memory or (not compiled) the step's need is unknown."""
+def _fits(
+  memory: Memory, compile_error: str | None, compiled: bool, estimated: bool
+) -> tuple[bool | None, str]:
+  """The verdict, and what gave it: "compiler", "estimate" or "state" ("" when unknown).
+
+  For a TPU target the compiler is libtpu's own, which refuses a program
+  whose buffers exceed the chip's HBM: a step it compiles fits, one it
+  refuses does not. The margin is no part of that verdict (the report warns
+  beside it when less than the margin is left). A step compiled for CPU
+  stand-ins (GPUs) has estimated temporaries, so there the total must leave
+  the margin free. Not compiled: only a state too big for the device is a
+  verdict.
+  """
+  if compile_error is not None:
+    return False, "compiler"
+  if compiled and not estimated:
+    return True, "compiler"
   usable = memory.usable_bytes
   if usable is None:
-    return None
-  if compile_error is not None:
-    return False
+    return None, ""
   if memory.total_bytes is not None:
-    return memory.total_bytes <= usable
-  # Not compiled: only a state too big for the device is a verdict.
-  return False if memory.state_bytes > usable else None
+    return memory.total_bytes <= usable, "estimate"
+  return (False, "state") if memory.state_bytes > usable else (None, "")
 
 
 def _advice(

@@ -36,6 +36,38 @@ def _kv_cache_rows(plan: Plan) -> list[str]:
   ]
 
 
+def _verdict(plan: Plan) -> str:
+  """The verdict line: the target compiler's word where it has one, then the margin's warning."""
+  m = plan.memory
+  needed = m.total_bytes if m.total_bytes is not None else m.state_bytes
+  by = getattr(plan, "verdict_by", "")
+  if plan.fits is None:
+    return "unknown (device memory not in the table)" if m.device_bytes is None else "unknown"
+  if plan.compile_error and m.total_bytes is None:
+    return f"DOES NOT FIT: {plan.compile_error}"
+  if by == "compiler":
+    if not plan.fits:
+      short = needed - m.device_bytes if m.device_bytes is not None else None
+      return "DOES NOT FIT: the TPU compiler refused the step" + (
+        f", short by {_bytes(short)} of {_bytes(m.device_bytes)}" if short and short > 0 else ""
+      )
+    text = "FITS: the TPU compiler accepted the step"
+    if m.device_bytes is not None and m.total_bytes is not None:
+      text += f", {_bytes(m.total_bytes)} of {_bytes(m.device_bytes)}"
+    if m.short_of_margin:
+      text += (
+        f" (warning: less than the {m.margin:.0%} margin left free; "
+        "fragmentation or a larger program may not fit)"
+      )
+    return text
+  spare = m.usable_bytes - needed
+  return (
+    f"FITS, {_bytes(spare)} to spare after a {m.margin:.0%} margin"
+    if plan.fits
+    else f"DOES NOT FIT: short by {_bytes(-spare)} (after a {m.margin:.0%} margin)"
+  )
+
+
 def format_plan(plan: Plan, config_name: str = "") -> str:
   """The plan as a table for people."""
   m, c = plan.memory, plan.compute
@@ -67,18 +99,7 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     f"  total            {_bytes(m.total_bytes if m.total_bytes is not None else m.state_bytes)}"
     f" of {_bytes(m.device_bytes)} HBM",
   ]
-  if plan.fits is None:
-    verdict = "unknown (device memory not in the table)" if m.device_bytes is None else "unknown"
-  elif plan.compile_error and m.total_bytes is None:
-    verdict = f"DOES NOT FIT: {plan.compile_error}"
-  else:
-    needed = m.total_bytes if m.total_bytes is not None else m.state_bytes
-    spare = m.usable_bytes - needed
-    verdict = (
-      f"FITS, {_bytes(spare)} to spare after a {m.margin:.0%} margin"
-      if plan.fits
-      else f"DOES NOT FIT: short by {_bytes(-spare)} (after a {m.margin:.0%} margin)"
-    )
+  verdict = _verdict(plan)
   fallbacks = getattr(plan, "fallbacks", [])
   if fallbacks:
     verdict += (

@@ -118,13 +118,17 @@ def table_peak(device_kind: str, dtype: Any) -> float | None:
   return None if mode is None else getattr(chip, mode)
 
 
-# Memory per JAX device (bytes). TPU: the Cloud TPU system-architecture pages
-# (v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB per chip). NVIDIA: datasheets
-# (decimal GB, as sold). First match wins, so specific variants come first.
+# Memory per JAX device (bytes) that a program may use. A TPU reserves part
+# of its HBM for the runtime: of a v5e chip's 16 GiB, XLA may use what its
+# `memory_stats()["bytes_limit"]` reports (about 15.75 GiB, the "available
+# HBM" its compiler refuses a program against), so a plan judges against that. The other TPUs:
+# the Cloud TPU system-architecture pages (v4 32 GiB, v5p 95 GiB, v6e 32 GiB
+# per chip), not yet read off a device. NVIDIA: datasheets (decimal GB, as
+# sold). First match wins, so specific variants come first.
 _GiB, _GB = 2**30, 10**9
 _MEMORY: tuple[tuple[str, int], ...] = (
   (r"^tpu v4$", 32 * _GiB),
-  (r"^tpu v5 ?(lite|e)$", 16 * _GiB),
+  (r"^tpu v5 ?(lite|e)$", 16_909_336_064),  # bytes_limit, read off a v5e chip
   (r"^tpu v5p?$", 95 * _GiB),
   (r"^tpu v6 ?(lite|e)$", 32 * _GiB),
   (r"\bgh200\b.*\b144\s?gb\b", 144 * _GB),
@@ -138,11 +142,11 @@ _MEMORY: tuple[tuple[str, int], ...] = (
 
 
 def device_memory_bytes(device_kind: str) -> int | None:
-  """HBM per device for `device_kind` (as JAX names it), or None if not in the table.
+  """HBM a program may use per device of `device_kind` (as JAX names it), or None if not in the table.
 
   Example:
-    >>> device_memory_bytes("TPU v5 lite") / 2**30, device_memory_bytes("NVIDIA H200") / 1e9
-    (16.0, 141.0)
+    >>> round(device_memory_bytes("TPU v5 lite") / 2**30, 2), device_memory_bytes("NVIDIA H200") / 1e9
+    (15.75, 141.0)
   """
   kind = _normalise_kind(device_kind)
   return next((size for pattern, size in _MEMORY if re.search(pattern, kind)), None)

@@ -1,0 +1,264 @@
+"""The TPU check: the plan of the 501M Llama against what the chip's compiler and clock say.
+
+  python -m benchmarks.tpu_check [--rows=8,12] [--steps=10] [--out=FILE]   # on one TPU chip
+  python -m benchmarks.tpu_check --tiny                                   # its test, on a CPU
+
+For each row count of `configs/llama_tpu_check.py` it
+  1. plans the train step for `--topology` (default v5e-1) as `spmd-plan`
+     does: compiled by libtpu for the slice's description, nothing allocated;
+  2. compiles the same step for this machine's device and reads the
+     compiled program's `memory_analysis()`; the compiler's refusal
+     (RESOURCE_EXHAUSTED) is the device's verdict;
+  3. where it compiled, runs it on synthetic batches and times the steps.
+
+It reports PL1 = the plan's bytes per device / the device's compiled bytes
+(goal 0.97-1.03), whether the plan's verdict is the device's at each row
+count, PL2: whether the measured step time lies in the plan's range, and P9:
+the MFU of the first row count's step (splash on a TPU). With
+`--train_steps=N` (0: skip) it then trains the same Llama for N steps with
+`train_and_evaluate`, what `spmd-train` runs, on the packed byte corpus
+(splash with segment ids), and reports P4 = the run's tokens/s ÷ the raw
+step's (goal >= 0.97).
+Needs jax, flax, optax, orbax, ml_collections and libtpu: no data set.
+Prints a table and writes the figures as JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import llama_tpu_check  # noqa: E402
+from spmd.layout import batch_sharding  # noqa: E402
+from trainers.config import resolve  # noqa: E402
+from trainers.planning import plan as plan_lib  # noqa: E402
+from trainers.planning.targets import tpu_target  # noqa: E402
+from trainers.reporting import chips  # noqa: E402
+from trainers.step.loss import abstract_batch  # noqa: E402
+from trainers.step.mesh import build_mesh  # noqa: E402
+from trainers.step.state import make_state  # noqa: E402
+from trainers.step.train_step import make_train_step  # noqa: E402
+from trainers.tasks import make_task  # noqa: E402
+
+GiB = 2**30
+# `--tiny`: the same check at a size a CPU compiles in seconds (its own test).
+TINY = {
+  "num_layers": 2,
+  "d_model": 128,
+  "num_heads": 4,
+  "num_kv_heads": 2,
+  "d_ff": 256,
+  "vocab_size": 512,
+  "seq_len": 256,
+}
+
+
+def check_config(rows: int, tiny: bool = False):
+  """`configs/llama_tpu_check.py` with `rows` rows a step (`--tiny`: CPU-sized)."""
+  config = llama_tpu_check.get_config()
+  if tiny:
+    config.model.update(TINY)
+  config.global_batch = rows
+  return resolve(config, ROOT / "configs" / "llama_tpu_check.py")
+
+
+def planned(config, topology: str) -> dict:
+  """What `spmd-plan --topology=TOPOLOGY` says of the step."""
+  plan = plan_lib.make_plan(config, tpu_target(topology), verify_suggestions=False)
+  m, c = plan.memory, plan.compute
+  return {
+    "fits": plan.fits,
+    "verdict_by": plan.verdict_by,
+    "total_bytes": m.total_bytes,
+    "temp_bytes": m.temp_bytes,
+    "device_bytes": m.device_bytes,
+    "step_time_s_range": list(c.step_time_s) if c.step_time_s else None,
+    "mfu_range": list(c.mfu) if c.mfu else None,
+    "compile_error": plan.compile_error,
+    "attention": plan.attention,
+  }
+
+
+def _synthetic_batch(task, rows: int, vocab: int, sharding) -> dict:
+  rng = np.random.default_rng(0)
+  out = {}
+  for name, shape in abstract_batch(task, rows).items():
+    if jnp.issubdtype(shape.dtype, jnp.integer):
+      value = rng.integers(0, vocab, shape.shape).astype(shape.dtype)
+    else:
+      value = np.ones(shape.shape, shape.dtype)  # the mask: every token counts
+    out[name] = jax.device_put(value, sharding)
+  return out
+
+
+def on_device(config, steps: int, warmup: int) -> dict:
+  """The step compiled for this machine's device: its memory analysis, then its time."""
+  task = make_task(config)
+  mesh, axes = build_mesh(config)
+  setup = make_state(task.model, config, mesh, axes, task.optimizer)
+  step = make_train_step(setup, task, config, mesh, axes)
+  sharding = batch_sharding(mesh, axes)
+  state_shapes = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  started = time.perf_counter()
+  try:
+    compiled = step.lower(
+      state_shapes, abstract_batch(task, config.global_batch, sharding)
+    ).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return {"compiled": False, "refusal": " ".join(str(e).split())[:400]}
+  compile_s = time.perf_counter() - started
+  stats = compiled.memory_analysis()
+  out = {
+    "compiled": True,
+    "compile_s": compile_s,
+    "total_bytes": plan_lib._total_bytes(stats),
+    "temp_bytes": stats.temp_size_in_bytes,
+    "argument_bytes": stats.argument_size_in_bytes,
+    "output_bytes": stats.output_size_in_bytes,
+    "alias_bytes": stats.alias_size_in_bytes,
+    "code_bytes": stats.generated_code_size_in_bytes,
+  }
+  batch = _synthetic_batch(task, config.global_batch, config.model.vocab_size, sharding)
+  state = setup.init()
+  for _ in range(warmup):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(state)
+  started = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(state)
+  step_s = (time.perf_counter() - started) / steps
+  device = jax.local_devices()[0]
+  peak = chips.table_peak(device.device_kind, config.train.precision)
+  memory = device.memory_stats() or {}
+  out.update(
+    step_s=step_s,
+    tokens_per_s=config.global_batch * config.model.seq_len / step_s,
+    mfu=task.flops_per_step / step_s / peak if peak else None,
+    loss=float(metrics["loss"]),
+    peak_bytes_in_use=memory.get("peak_bytes_in_use"),
+    bytes_limit=memory.get("bytes_limit"),
+  )
+  return out
+
+
+def through_the_trainer(rows: int, steps: int, workdir: str, tiny: bool = False) -> dict:
+  """`train_and_evaluate` of the same Llama on the packed byte corpus: its summary's rates."""
+  from trainers.run.train import train_and_evaluate  # imports the data stack: only here
+
+  config = check_config(rows, tiny)
+  config.data.pack = True
+  config.train.steps = steps
+  config.train.warmup_steps = min(config.train.warmup_steps, steps)
+  config.log_every = max(1, steps // 6)
+  config.eval_every = 0
+  config.checkpoint.every = 0
+  summary = train_and_evaluate(config, workdir)
+  return {
+    "steps": steps,
+    "tokens_per_s": summary.get("tokens_per_s"),
+    "mfu": summary.get("mfu"),
+    "real_token_share": summary.get("real_token_share"),
+    "train_loss": summary.get("train_loss"),
+  }
+
+
+def judge(plan: dict, device: dict) -> dict:
+  """PL1, whether the verdicts agree, and PL2, from one row count's plan and device figures."""
+  out = {"verdicts_agree": plan["fits"] == device["compiled"]}
+  if device["compiled"] and plan["total_bytes"]:
+    out["pl1"] = plan["total_bytes"] / device["total_bytes"]
+  if device.get("step_s") and plan["step_time_s_range"]:
+    low, high = plan["step_time_s_range"]
+    out["pl2_in_range"] = low <= device["step_s"] <= high
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", default="8,12", help="row counts a step, comma separated")
+  parser.add_argument("--topology", default="v5e-1", help="the slice the plan is for")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--out", default=os.environ.get("OUT", ".") + "/tpu_check.json")
+  parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (the check's test)")
+  parser.add_argument("--train_steps", type=int, default=0, help="P4's run (0: skip it)")
+  parser.add_argument("--workdir", default="/tmp/spmd_tpu_check", help="P4's run's workdir")
+  args = parser.parse_args(argv)
+  device = jax.local_devices()[0]
+  report = {
+    "jax": jax.__version__,
+    "device_kind": device.device_kind,
+    "topology": args.topology,
+    "date": time.strftime("%Y-%m-%d"),
+    "rows": {},
+  }
+  print(f"jax {jax.__version__} on {jax.devices()}", flush=True)
+  for rows in (int(r) for r in args.rows.split(",")):
+    config = check_config(rows, args.tiny)
+    started = time.perf_counter()
+    plan = planned(config, args.topology)
+    print(f"{rows} rows, plan ({time.perf_counter() - started:.0f} s): {plan}", flush=True)
+    measured = on_device(config, args.steps, args.warmup)
+    print(f"{rows} rows, on {device.device_kind}: {measured}", flush=True)
+    report["rows"][rows] = {"plan": plan, "device": measured, **judge(plan, measured)}
+  first = report["rows"][next(iter(report["rows"]))]["device"]
+  report["p9_mfu"] = first.get("mfu")
+  if args.train_steps and first.get("tokens_per_s"):
+    rows = next(iter(report["rows"]))
+    trained = through_the_trainer(rows, args.train_steps, args.workdir, args.tiny)
+    print(f"spmd-train's step, {rows} rows, packed: {trained}", flush=True)
+    report["trainer"] = trained
+    if trained["tokens_per_s"]:
+      report["p4"] = trained["tokens_per_s"] / first["tokens_per_s"]
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(report, indent=1))
+  print(f"\ntpu check on {device.device_kind}, plan for {args.topology} (jax {jax.__version__})")
+  print(
+    f"  {'rows':>4}  {'plan':>22}  {'device':>22}  {'PL1':>6}  {'step':>9}  {'plan range':>17}  PL2"
+  )
+  for rows, r in report["rows"].items():
+    p, d = r["plan"], r["device"]
+    plan_word = ("fits" if p["fits"] else "does not fit") + (
+      f" {p['total_bytes'] / GiB:.2f} GiB" if p["total_bytes"] else ""
+    )
+    device_word = f"runs {d['total_bytes'] / GiB:.2f} GiB" if d["compiled"] else "refused"
+    step = f"{d['step_s'] * 1e3:.0f} ms" if d.get("step_s") else "-"
+    span = p["step_time_s_range"]
+    span = f"{span[0] * 1e3:.0f}-{span[1] * 1e3:.0f} ms" if span else "-"
+    pl1 = f"{r['pl1']:.3f}" if "pl1" in r else "-"
+    pl2 = {True: "yes", False: "NO"}.get(r.get("pl2_in_range"), "-")
+    agree = "" if r["verdicts_agree"] else "  (VERDICTS DISAGREE)"
+    print(
+      f"  {rows:>4}  {plan_word:>22}  {device_word:>22}  {pl1:>6}  {step:>9}  {span:>17}  {pl2}{agree}"
+    )
+  if report["p9_mfu"] is not None:
+    print(f"  P9  MFU of the step, splash: {report['p9_mfu']:.1%} (goal >= 60%)")
+  if "p4" in report:
+    t = report["trainer"]
+    print(
+      f"  P4  spmd-train's tokens/s / the raw step's: {report['p4']:.3f} (goal >= 0.97): "
+      f"{t['tokens_per_s']:,.0f} vs {first['tokens_per_s']:,.0f}, "
+      f"{(t['real_token_share'] or 0):.1%} real tokens"
+    )
+  print(f"  written to {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
