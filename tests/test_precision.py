@@ -10,6 +10,7 @@ float32; its losses stay within bfloat16's rounding of the float32 run's.
 
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -19,6 +20,8 @@ import pytest
 from flax import nnx
 
 from spmd.layout import batch_sharding
+from trainers.checkpoints.saved_run import saved_config
+from trainers.config import resolve
 from trainers.config.defaults import get_config
 from trainers.step.loss import abstract_batch
 from trainers.step.mesh import build_mesh
@@ -214,3 +217,18 @@ def test_an_unknown_precision_is_an_error_naming_the_setting():
     ValueError, match=r"train.precision='bf16' must be one of \('float32', 'bfloat16'\)"
   ):
     check_values(config)
+
+
+@pytest.mark.parametrize("meant", ["bfloat16", "float32"])
+def test_a_config_json_from_before_the_policy_opens_as_the_precision_it_meant(tmp_path, meant):
+  """A run saved before `train.precision` existed wrote `model.dtype` and no precision."""
+  from configs import lm_tiny_bytes
+
+  old = json.loads(resolve(lm_tiny_bytes.get_config()).to_json())  # as a run writes it
+  del old["train"]["precision"]
+  old["model"].update(dtype=meant, d_model=48, num_heads=3)
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  config = saved_config(tmp_path)
+  assert config.train.precision == meant
+  assert "dtype" not in config.model
+  assert make_task(config) is not None
