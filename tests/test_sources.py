@@ -224,3 +224,34 @@ def test_gs_sources_list_with_generations_and_read_every_format(tmp_path, monkey
   finally:
     gcsfs.GCSFileSystem.clear_instance_cache()
     emulator.stop()
+
+
+def _strings_with_invalid_utf8(values: list[bytes]):
+  """A string column holding `values` as they are, UTF-8 or not (Arrow does not check)."""
+  import pyarrow as pa
+
+  offsets = [0]
+  for value in values:
+    offsets.append(offsets[-1] + len(value))
+  offsets = pa.array(offsets, pa.int32()).buffers()[1]
+  column = pa.Array.from_buffers(
+    pa.string(), len(values), [None, offsets, pa.py_buffer(b"".join(values))]
+  )
+  return pa.table({"text": column})
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_undecodable_text_in_a_column_is_a_bad_row_naming_file_and_row(tmp_path, suffix):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  table = _strings_with_invalid_utf8([b"caf\xc3\xa9", b"ok", b"torn \xe2\x82", b"last"])
+  path = tmp_path / f"mixed.{suffix}"
+  if suffix == "parquet":
+    pq.write_table(table, path)
+  else:
+    with pa.ipc.new_stream(str(path), table.schema) as writer:
+      writer.write_table(table)
+  with pytest.raises(SourceError, match=rf"mixed.{suffix} row 2: 'text' is not valid UTF-8"):
+    read(path)
+  assert read(path, skip_bad_rows=1) == ["café", "ok", "last"]

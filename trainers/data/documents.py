@@ -14,8 +14,8 @@ One reader per format, each with the library made for it:
 
 Rows are named as a user finds them: `line N` (from 1) in JSONL, `row N`
 (from 0, within the file) in Parquet and Arrow. A row that cannot be a
-document (not JSON, no `text_field`, a value that is not a string, a null)
-is a `BadRow`; `SourceDocuments` lets a source have `skip_bad_rows` of them
+document (not JSON, no `text_field`, a value that is not a string, a null,
+text that is not UTF-8) is a `BadRow`; `SourceDocuments` lets a source have `skip_bad_rows` of them
 and raises `SourceError` naming the file and row of the next. A file that
 cannot be read at all (corrupt, truncated, not the format its name says)
 is a `SourceError` naming the file and the row it reached.
@@ -148,12 +148,28 @@ def _check_column(file: SourceFile, schema: pa.Schema, field: str) -> None:
     raise SourceError(f"{file.path} row 0: column {field!r} holds {kind}, not strings")
 
 
+def _decoded(column: pa.Array) -> list[str | UnicodeDecodeError | None]:
+  """A batch's strings; a value that is not UTF-8 (Arrow does not check) as its error."""
+  try:
+    return column.to_pylist()
+  except UnicodeDecodeError:  # rare: find the rows one by one
+    values = []
+    for scalar in column:
+      try:
+        values.append(scalar.as_py())
+      except UnicodeDecodeError as e:
+        values.append(e)
+    return values
+
+
 def _column_rows(file: SourceFile, batches: Iterator[pa.RecordBatch], field: str) -> Iterator[Row]:
   row = 0
   for batch in batches:
-    for value in batch.column(field).to_pylist():
+    for value in _decoded(batch.column(field)):
       if value is None:
         yield BadRow(file.path, f"row {row}", f"{field!r} is null, not a string")
+      elif isinstance(value, UnicodeDecodeError):
+        yield BadRow(file.path, f"row {row}", f"{field!r} is not valid UTF-8 ({value})")
       else:
         yield Document(file, row, value)
       row += 1
