@@ -19,6 +19,7 @@ from trainers.data.source_files import (
   SourceError,
   SourceSpec,
   list_source,
+  list_sources,
   parse_sources,
 )
 
@@ -255,3 +256,24 @@ def test_undecodable_text_in_a_column_is_a_bad_row_naming_file_and_row(tmp_path,
   with pytest.raises(SourceError, match=rf"mixed.{suffix} row 2: 'text' is not valid UTF-8"):
     read(path)
   assert read(path, skip_bad_rows=1) == ["café", "ok", "last"]
+
+
+def test_a_file_listed_by_two_sources_or_twice_in_one_is_refused_naming_both(tmp_path):
+  write_jsonl(tmp_path / "d", TEXTS, files=2)
+  (tmp_path / "d" / "c.jsonl").write_text('{"text": "one"}\n')
+  d = tmp_path / "d"
+  setting = f"{d}/c.jsonl@1,{d}/*.jsonl@2,{d}/./c.jsonl@1"
+  with pytest.raises(
+    UserError, match=rf"{d}/c.jsonl is listed by '{d}/c.jsonl' and by '{d}/\*.jsonl'"
+  ):
+    list_sources(parse_sources(setting))
+  (tmp_path / "e").mkdir()
+  (tmp_path / "e" / "again.jsonl").symlink_to(d / "c.jsonl")  # one file, two names
+  with pytest.raises(
+    UserError, match=r"e/again.jsonl \(listed by .*\) and .*d/c.jsonl \(listed by .*\) are one file"
+  ):
+    list_sources(parse_sources(f"{d}/part-*.jsonl,{d}/c.jsonl,{tmp_path}/e"))
+  assert [len(s.files) for s in list_sources(parse_sources(f"{d}/part-*.jsonl,{d}/c.jsonl"))] == [
+    2,
+    1,
+  ]

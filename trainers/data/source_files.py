@@ -169,6 +169,45 @@ def list_source(spec: SourceSpec, setting: str = "data.sources") -> Source:
   return Source(spec=text, weight=spec.weight, files=tuple(sorted(files, key=lambda f: f.key)))
 
 
+def list_sources(specs: list[SourceSpec], setting: str = "data.sources") -> list[Source]:
+  """Every source of a setting listed (`list_source`), each file read by one of them once.
+
+  A file that two sources list (`d/c.jsonl` and `d/*.jsonl`), or one source
+  twice (through a link), would be trained on twice an epoch without a
+  word: it is a `SourceError` naming both. Local paths are compared
+  resolved (`..`, `.` and links), URLs as listed.
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> _ = (root / "a.jsonl").write_text('{"text": "hi"}\\n')
+  >>> list_sources(parse_sources(f"{root}/a.jsonl,{root}/*.jsonl"))  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  trainers.data.source_files.SourceError: data.sources: .../a.jsonl is listed by '.../a.jsonl' and by '.../*.jsonl'; ...
+  """
+  sources = [list_source(spec, setting) for spec in specs]
+  seen: dict[str, tuple[SourceFile, str]] = {}
+  for source in sources:
+    for file in source.files:
+      same = file.path if paths.is_url(file.path) else os.path.realpath(file.path)
+      if same not in seen:
+        seen[same] = (file, source.spec)
+        continue
+      first, by = seen[same]
+      if first.path == file.path:
+        what = f"{file.path} is listed by {by!r} and by {source.spec!r}"
+      else:
+        what = (
+          f"{file.path} (listed by {source.spec!r}) and {first.path} (listed by {by!r}) are "
+          f"one file, {same}"
+        )
+      raise SourceError(
+        f"{setting}: {what}; a file is read once an epoch, so list it in one source only "
+        "(narrow the glob, or give it its own source and a weight)"
+      )
+  return sources
+
+
 def _glob_root(pattern: str) -> str:
   """The folder part of `pattern` before its first wildcard."""
   fixed = []
