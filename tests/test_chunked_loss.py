@@ -170,3 +170,38 @@ def test_on_a_mesh_each_device_sums_its_rows_and_the_result_is_the_plain_one():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _with_labels_outside_the_vocabulary(vocab=300):
+  """HF's ignore index (-100) and `vocab` itself as labels, where the mask is 0."""
+  hidden, unembed, labels, mask = _inputs(vocab=vocab)
+  mask = mask.at[:, :3].set(0.0)
+  outside = labels.at[0, 0].set(-100).at[1, 1].set(vocab).at[0, 2].set(-1)
+  return hidden, unembed, labels, outside, mask
+
+
+@pytest.mark.parametrize("chunk", [4, 24])  # 24: the plain path (one chunk)
+def test_labels_outside_the_vocabulary_are_ignored_where_the_mask_is_0(chunk):
+  hidden, unembed, labels, outside, mask = _with_labels_outside_the_vocabulary()
+
+  def loss(*a):
+    return losses.chunked_cross_entropy_sums(*a, chunk=chunk)
+
+  (got, (weight, correct)), grads = _loss_and_grads(loss, hidden, unembed, outside, mask)
+  (want, (_, want_correct)), want_grads = _loss_and_grads(_plain, hidden, unembed, labels, mask)
+  np.testing.assert_allclose(got, want, rtol=1e-5)  # the same, as if those labels were any other
+  assert float(correct) == float(want_correct) and float(weight) == float(jnp.sum(mask))
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [4, 24])
+def test_a_label_outside_the_vocabulary_under_mask_1_is_an_error_naming_it(chunk):
+  hidden, unembed, _, outside, mask = _with_labels_outside_the_vocabulary()
+  mask = mask.at[1, 1].set(1.0)  # labels[1, 1] = 300 now counts
+  message = r"labels\[1, 1\]=300 is outside \[0, 300\) where the mask is 1"
+  with pytest.raises(ValueError, match=message):
+    losses.chunked_cross_entropy_sums(hidden, unembed, outside, mask, chunk=chunk)
+  jitted = jax.jit(lambda *a: losses.chunked_cross_entropy_sums(*a, chunk=chunk)[0])
+  with pytest.raises(Exception, match=message):  # in a compiled step: raised from the device
+    jax.block_until_ready(jitted(hidden, unembed, outside, mask))

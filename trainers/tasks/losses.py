@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from spmd import rules as rules_lib
 from spmd.rules import constrain
-from trainers.tasks import cross_entropy_sums
+from trainers.tasks import check_labels, cross_entropy_sums
 
 CHUNK_LOGITS = 2**25
 """Logits per row of one chunk at most (`default_chunk`): 128 MiB in float32."""
@@ -83,7 +83,10 @@ def chunked_cross_entropy_sums(
       table transposed), in the compute dtype; the logits are accumulated in
       float32.
     labels: int [batch, length], the targets.
-    mask: [batch, length], 1.0 where a target counts.
+    mask: [batch, length], 1.0 where a target counts. Where it is 0 the label
+      is ignored (HF's -100, say); a label outside `[0, vocab)` where it is
+      not is a `ValueError` naming it (`trainers.tasks.check_labels`), on
+      both paths.
     chunk: tokens per chunk; it must divide `length`. None: `default_chunk`.
 
   Returns:
@@ -122,6 +125,7 @@ def chunked_cross_entropy_sums(
     )
     logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
     return cross_entropy_sums(logits, labels, mask)
+  check_labels(labels, mask, vocab)
   mask = mask.astype(jnp.float32)
   # JAX traces the backward pass after the loss returns, outside the rules
   # the trainer entered for the loss: they go with it, so that its chunks are
@@ -169,9 +173,13 @@ def _forward(hidden, unembed, labels, mask, chunk):
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_c[..., None]
     target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     correct = (jnp.argmax(logits, axis=-1) == labels_c).astype(jnp.float32)
+    # As the plain path: a label outside the vocabulary is ignored where the
+    # mask is 0 and NaN where it is not (`check_labels` raises then).
+    inside = (labels_c >= 0) & (labels_c < logits.shape[-1])
+    losses = jnp.where(mask_c != 0, jnp.where(inside, lse - target, jnp.nan) * mask_c, 0.0)
     loss_sum, correct_sum = totals
     return (
-      loss_sum + jnp.sum((lse - target) * mask_c),
+      loss_sum + jnp.sum(losses),
       correct_sum + jnp.sum(correct * mask_c),
     ), lse
 
