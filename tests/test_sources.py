@@ -277,3 +277,17 @@ def test_a_file_listed_by_two_sources_or_twice_in_one_is_refused_naming_both(tmp
     2,
     1,
   ]
+
+
+def test_a_same_size_copy_that_keeps_its_mtime_is_not_taken_for_the_file_it_replaced(tmp_path):
+  """`cp -p` of another file of the same size: size and mtime agree, the content does not."""
+  import os
+
+  path = tmp_path / "c.jsonl"
+  path.write_text('{"text": "the first version of this row"}\n' * 3)
+  before = list_source(SourceSpec(str(path))).identity()
+  stat = os.stat(path)
+  path.write_text('{"text": "the other version of this row"}\n' * 3)  # the same size
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+  assert list_source(SourceSpec(str(path))).identity() != before
