@@ -5,6 +5,7 @@ import gzip
 import json
 import re
 
+import numpy as np
 import pytest
 
 from spmd.errors import UserError
@@ -291,3 +292,57 @@ def test_a_same_size_copy_that_keeps_its_mtime_is_not_taken_for_the_file_it_repl
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
   assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
   assert list_source(SourceSpec(str(path))).identity() != before
+
+
+def _lines_of_text(count: int) -> str:
+  """Lines unlike the corpus: code, prose, blank lines and indented ones (cuts a BPE could see)."""
+  shapes = ["def f{i}(x):", "    return x * {i}", "", "Line {i}: é ü — naïve", "   ", "{i}{i}{i}"]
+  return "".join(shapes[i % len(shapes)].format(i=i) + "\n" for i in range(count))
+
+
+def _packed_records(path, tokenizer):
+  from trainers.data import packed, source_packed
+
+  documents = docs.SourceDocuments(list_source(SourceSpec(str(path))))
+  ids = source_packed._token_ids(documents, tokenizer)
+  return packed.pack_documents(ids, seq_len=32, dtype=np.int32, run_windows=4)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_large_text_file_packs_in_pieces_as_read_whole_in_bounded_memory(
+  tmp_path, monkeypatch, tokenizer
+):
+  import tracemalloc
+
+  from trainers.data import source_packed
+  from trainers.data.tokenizer import Tokenizer, train_bpe
+
+  if tokenizer == "bpe":
+    tokenizer = Tokenizer(train_bpe([_lines_of_text(300)], 320, tmp_path / "tok.json"))
+  else:
+    tokenizer = None
+  small, large = tmp_path / "small.txt", tmp_path / "large.txt"
+  small.write_text(_lines_of_text(4_000))
+  large.write_text(_lines_of_text(16_000))
+  monkeypatch.setattr(docs, "TEXT_PIECE", 1 << 30)
+  whole = list(_packed_records(large, tokenizer))
+  monkeypatch.setattr(docs, "TEXT_PIECE", 4096)
+  monkeypatch.setattr(source_packed, "_ENCODE_CHARS", 4096)  # tokenized a piece at a time
+  pieces = list(_packed_records(large, tokenizer))
+  assert len(pieces) == len(whole) > 10
+  for got, want in zip(pieces, whole):
+    assert got.keys() == want.keys()
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  assert {int(r["document"]) for r in pieces} == {0}  # one document, however many pieces
+
+  def peak(path) -> int:
+    tracemalloc.start()
+    for _ in _packed_records(path, tokenizer):
+      pass
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+  # Four times the text, about the same peak (read whole, it is four times too).
+  assert peak(large) < 1.5 * peak(small), (peak(large), peak(small))

@@ -10,7 +10,10 @@ One reader per format, each with the library made for it:
   .arrow                         an HF `datasets` folder's files, Arrow IPC
                                  streams (`pyarrow.ipc`: no `datasets` needed);
   .txt                           the whole file is one document (UTF-8; bytes
-                                 that are not become U+FFFD, as the text corpus).
+                                 that are not become U+FFFD, as the text corpus),
+                                 read in pieces of about `TEXT_PIECE` bytes
+                                 cut at line breaks (`Document.part` counts
+                                 them), so a large file is never held whole.
 
 Rows are named as a user finds them: `line N` (from 1) in JSONL, `row N`
 (from 0, within the file) in Parquet and Arrow. A row that cannot be a
@@ -50,6 +53,7 @@ from etils import epath
 from trainers.data.source_files import Source, SourceError, SourceFile
 
 ARROW_BATCH_ROWS = 1024  # Parquet rows per read: memory is a batch, not a file
+TEXT_PIECE = 4 << 20  # bytes of a .txt file read at a time: memory is a piece, not a file
 BAD_ROWS_SHOWN = 20  # bad rows a report names; the count is always whole
 # A trained BPE learns from at most this many characters of text, shared
 # between the sources, and from each file at least MIN_FILE_SAMPLE of it (so
@@ -65,6 +69,7 @@ class Document:
   file: SourceFile
   row: int  # the line (JSONL, from 1) or row (Parquet and Arrow, from 0; .txt: 0)
   text: str
+  part: int = 0  # a .txt file's pieces after the first (1, 2, ...) continue its document
 
   @property
   def key(self) -> str:
@@ -198,10 +203,21 @@ def _arrow_rows(file: SourceFile, raw: BinaryIO, field: str) -> Iterator[Row]:
 
 
 def _text_rows(file: SourceFile, raw: BinaryIO, field: str) -> Iterator[Row]:
+  """The file as one document, in pieces that end at a line break (a line longer stays whole).
+
+  No UTF-8 sequence holds the byte of a line break, so the pieces decode as
+  the whole file would.
+  """
   del field  # a text file is its own document
-  text = raw.read().decode("utf-8", errors="replace")
-  if text:
-    yield Document(file, 0, text)
+  part, held = 0, bytearray()
+  while block := raw.read(TEXT_PIECE):
+    held += block
+    cut = held.rfind(b"\n") + 1
+    if cut:
+      yield Document(file, 0, held[:cut].decode("utf-8", errors="replace"), part)
+      part, held = part + 1, held[cut:]
+  if held:
+    yield Document(file, 0, held.decode("utf-8", errors="replace"), part)
 
 
 def _lines(file: SourceFile, raw: BinaryIO) -> BinaryIO:
