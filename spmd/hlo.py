@@ -17,7 +17,8 @@ Replica groups come in three spellings, all handled: explicit
 the positions in its device assignment (for `jax.jit` over a mesh: the
 mesh's devices in flat order).
 
-The same module's matmul FLOPs and dots (`matmul_flops`, `dots`) are read by
+The same module's matmul FLOPs, dots and their dtypes (`matmul_flops`, `dots`,
+`matmul_flops_by_dtype`) are read by
 `spmd.hlo_matmuls` and offered here too, so that `spmd.hlo` stays the one
 place to read a compiled program from; `spmd.hlo_text` holds the reading
 both share (computations, loop trip counts, array sizes).
@@ -41,7 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spmd.hlo_matmuls import Dot, dots, matmul_flops
+from spmd.hlo_matmuls import Dot, dots, matmul_flops, matmul_flops_by_dtype
 from spmd.hlo_text import array_bytes, executed_computations
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
   "collectives",
   "dots",
   "matmul_flops",
+  "matmul_flops_by_dtype",
   "parse_groups",
 ]
 

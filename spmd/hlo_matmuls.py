@@ -3,7 +3,8 @@
 `matmul_flops` counts the dots and convolutions once per execution, loop
 trip counts included, which XLA's cost analysis does not do for loop
 bodies; `dots` lists the dots themselves, as `jax.lax.dot_general` would
-take them, to replay a step's matmuls alone.
+take them, to replay a step's matmuls alone; `matmul_flops_by_dtype` says
+what the dots and convolutions multiply (their operands' dtypes).
 
 Example:
   >>> text = '''ENTRY %main (a: f32[8,32], b: f32[32,16]) -> f32[8,16] {
@@ -128,16 +129,55 @@ def matmul_flops(hlo_text: str) -> float:
     >>> matmul_flops(text) == 2 * 8 * 16 * 32
     True
   """
-  total = 0.0
+  return sum(times * _flops(*rest) for times, *rest in _matmuls(hlo_text))
+
+
+def _flops(line: str, m: re.Match, out: list[int], lhs: list[int], rhs: list[int]) -> float:
+  """One execution's FLOPs of a dot or convolution."""
+  if m.group("op") == "dot":
+    contracting = _CONTRACTING.search(line)
+    inner = math.prod(lhs[i] for i in parse_dims(contracting.group(1))) if contracting else 1
+    return float(2 * math.prod(out) * inner)
+  return float(_convolution_flops(line, out, lhs, rhs))
+
+
+_TYPED_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z]+\d*[a-z0-9]*)\[", re.M)
+
+
+def _operand_dtypes(args: str, types: dict[str, str]) -> tuple[str, ...]:
+  """Each operand's dtype, as numpy names it: printed inline or looked up by name."""
+  found = []
+  for arg in args.split(", ")[:2]:
+    inline = ARRAY.search(arg)
+    name = arg.split()[-1].lstrip("%") if arg.split() else ""
+    hlo_dtype = inline.group(1) if inline else types.get(name, "unknown")
+    found.append(_NUMPY_DTYPES.get(hlo_dtype, hlo_dtype))
+  return tuple(found)
+
+
+def matmul_flops_by_dtype(hlo_text: str) -> dict[tuple[str, ...], float]:
+  """`matmul_flops` split by the dtypes of each dot's or convolution's operands (numpy names).
+
+  What the program multiplies in: a bfloat16 weight against a float32 input
+  is a float32 product of a widened weight, and a compiler may widen
+  bfloat16 products itself (XLA:CPU does), so the operands, not the
+  parameters, tell.
+
+  Example:
+    >>> text = '''ENTRY %main (a: bf16[8,32], b: bf16[32,16]) -> f32[8,16] {
+    ...   %a = bf16[8,32]{1,0} parameter(0)
+    ...   %b = bf16[32,16]{1,0} parameter(1)
+    ...   ROOT %d = f32[8,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ... }'''
+    >>> matmul_flops_by_dtype(text)
+    {('bfloat16', 'bfloat16'): 8192.0}
+  """
+  types = dict(_TYPED_NAME.findall(hlo_text))
+  found: dict[tuple[str, ...], float] = {}
   for times, line, m, out, lhs, rhs in _matmuls(hlo_text):
-    if m.group("op") == "dot":
-      contracting = _CONTRACTING.search(line)
-      inner = math.prod(lhs[i] for i in parse_dims(contracting.group(1))) if contracting else 1
-      flops = 2 * math.prod(out) * inner
-    else:
-      flops = _convolution_flops(line, out, lhs, rhs)
-    total += times * flops
-  return total
+    key = _operand_dtypes(m.group("args"), types)
+    found[key] = found.get(key, 0.0) + times * _flops(line, m, out, lhs, rhs)
+  return found
 
 
 @dataclasses.dataclass(frozen=True)

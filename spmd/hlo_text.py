@@ -45,7 +45,9 @@ DTYPE_BYTES = {
 }
 # One array type, e.g. `f32[8,4]`: its dtype and dimensions.
 ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_COMPUTATION = re.compile(
+  r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$"
+)  # lowered HLO: no signature
 _WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # One computation name, or a braced list of them: `condition=%c, body=%b` must

@@ -186,3 +186,24 @@ def test_both_decoders_give_the_same_logits_with_splash_as_with_xla():
     xla = make("xla")(tokens, ids, positions)
     assert [c.kernel for c in choices] == ["splash"] and choices[0].interpret
     np.testing.assert_allclose(splash, xla, rtol=1e-5, atol=1e-5)
+
+
+def test_under_a_matmul_precision_splash_cannot_take_auto_picks_xla_and_splash_is_an_error():
+  def choose(requested, dtype=jnp.bfloat16):
+    return attention.choose_kernel(
+      requested, platform="tpu", length=1024, dtype=dtype, segments=True
+    )
+
+  assert choose("auto").kernel == "splash"
+  with jax.default_matmul_precision("bfloat16"):  # one bf16 pass: what splash computes
+    assert choose("auto").kernel == "splash"
+  for precision in ("highest", "float32", "high"):
+    with jax.default_matmul_precision(precision):
+      picked = choose("auto")
+      assert picked.kernel == "xla", precision
+      assert f"jax_default_matmul_precision={precision!r}" in picked.describe()
+      with pytest.raises(
+        ValueError, match=rf"model.attention='splash' .*jax_default_matmul_precision='{precision}'"
+      ) as raised:
+        choose("splash")
+      assert "\n" not in str(raised.value)

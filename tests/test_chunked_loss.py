@@ -130,9 +130,9 @@ SIZES = dict(vocab_size=96, num_layers=1, d_model=16, num_heads=2, scan_layers=F
   ids=["llama", "llama-tied", "transformer"],
 )
 def test_the_decoders_task_losses_chunk_and_equal_the_plain_loss(task, make, monkeypatch):
-  # At most 4 x 96 logits per row: the 16 tokens in chunks of 4.
-  monkeypatch.setattr(losses, "CHUNK_LOGITS", 4 * 96)
-  assert losses.default_chunk(16, 96) == 4
+  # At most 2 rows x 4 tokens x 96 logits: the 16 tokens in chunks of 4.
+  monkeypatch.setattr(losses, "CHUNK_LOGITS", 2 * 4 * 96)
+  assert losses.default_chunk(16, 96, rows=2) == 4
   model = make()
   batch = _batch(96, packed=True)
 
@@ -170,3 +170,67 @@ def test_on_a_mesh_each_device_sums_its_rows_and_the_result_is_the_plain_one():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _with_labels_outside_the_vocabulary(vocab=300):
+  """HF's ignore index (-100) and `vocab` itself as labels, where the mask is 0."""
+  hidden, unembed, labels, mask = _inputs(vocab=vocab)
+  mask = mask.at[:, :3].set(0.0)
+  outside = labels.at[0, 0].set(-100).at[1, 1].set(vocab).at[0, 2].set(-1)
+  return hidden, unembed, labels, outside, mask
+
+
+@pytest.mark.parametrize("chunk", [4, 24])  # 24: the plain path (one chunk)
+def test_labels_outside_the_vocabulary_are_ignored_where_the_mask_is_0(chunk):
+  hidden, unembed, labels, outside, mask = _with_labels_outside_the_vocabulary()
+
+  def loss(*a):
+    return losses.chunked_cross_entropy_sums(*a, chunk=chunk)
+
+  (got, (weight, correct)), grads = _loss_and_grads(loss, hidden, unembed, outside, mask)
+  (want, (_, want_correct)), want_grads = _loss_and_grads(_plain, hidden, unembed, labels, mask)
+  np.testing.assert_allclose(got, want, rtol=1e-5)  # the same, as if those labels were any other
+  assert float(correct) == float(want_correct) and float(weight) == float(jnp.sum(mask))
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [4, 24])
+def test_a_label_outside_the_vocabulary_under_mask_1_is_an_error_naming_it(chunk):
+  hidden, unembed, _, outside, mask = _with_labels_outside_the_vocabulary()
+  mask = mask.at[1, 1].set(1.0)  # labels[1, 1] = 300 now counts
+  message = r"labels\[1, 1\]=300 is outside \[0, 300\) where the mask is 1"
+  with pytest.raises(ValueError, match=message):
+    losses.chunked_cross_entropy_sums(hidden, unembed, outside, mask, chunk=chunk)
+  jitted = jax.jit(lambda *a: losses.chunked_cross_entropy_sums(*a, chunk=chunk)[0])
+  with pytest.raises(Exception, match=message):  # in a compiled step: raised from the device
+    jax.block_until_ready(jitted(hidden, unembed, outside, mask))
+
+
+def test_the_chunk_budget_counts_every_row_a_device_holds(monkeypatch):
+  # 4 rows of 64 tokens, a vocabulary of 300: a budget of 4 rows x 16 tokens.
+  monkeypatch.setattr(losses, "CHUNK_LOGITS", 4 * 16 * 300)
+  assert losses.default_chunk(64, 300, rows=4) == 16 and losses.default_chunk(64, 300) == 64
+  inputs = _inputs(batch=4, length=64, vocab=300)
+  found = [
+    e.params["length"]
+    for e in jax.make_jaxpr(lambda *a: losses.chunked_cross_entropy_sums(*a)[0])(*inputs).eqns
+    if e.primitive.name == "custom_vjp_call"
+    for e in e.params["call_jaxpr"].jaxpr.eqns
+    if e.primitive.name == "scan"
+  ]
+  assert found == [4], found  # 64 tokens in 4 chunks of 16, not one chunk of 64 per row
+
+
+def test_a_length_with_no_good_divisor_is_padded_to_a_multiple_of_the_chunk(monkeypatch):
+  monkeypatch.setattr(losses, "CHUNK_LOGITS", 2 * 8 * 300)  # 2 rows x 8 tokens
+  assert losses.default_chunk(61, 300, rows=2) == 8  # 61 is prime: not 61 chunks of 1
+  assert losses.default_chunk(60, 300, rows=2) == 6  # a divisor at least half the budget
+  inputs = _inputs(length=61, vocab=300)
+  (loss, (weight, correct)), grads = _loss_and_grads(losses.chunked_cross_entropy_sums, *inputs)
+  (want, (want_weight, want_correct)), want_grads = _loss_and_grads(_plain, *inputs)
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert float(weight) == float(want_weight) and float(correct) == float(want_correct)
+  assert grads[0].shape == inputs[0].shape
+  for got, w in zip(grads, want_grads):
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-7)

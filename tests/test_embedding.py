@@ -6,6 +6,8 @@ backward, ids outside the table give zeros, and a bf16 table's gradient is
 summed in float32.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,3 +82,24 @@ def test_ids_fewer_than_the_batch_axes_are_looked_up_whole_on_every_device():
     sharded_value, sharded_grad = jax.jit(jax.value_and_grad(_loss))(table, ids, weights)
   np.testing.assert_allclose(sharded_value, value, rtol=1e-5)
   np.testing.assert_allclose(sharded_grad, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_on_data_2_fsdp_4_a_bf16_tables_gradient_is_reduced_across_devices_in_float32():
+  """As the bf16 policy runs it: a float32 table cast to bf16 inside the differentiated loss."""
+  table, ids, weights = _inputs()
+
+  def loss(table, ids, weights):
+    return _loss(table.astype(jnp.bfloat16), ids, weights.astype(jnp.bfloat16).astype(jnp.float32))
+
+  mesh = create_mesh("data=2,fsdp=4")
+  with rules.activation_rules(rules.preset("fsdp"), mesh):
+    step = jax.jit(jax.grad(loss))
+    text = step.lower(table, ids, weights).as_text(dialect="hlo")
+    grad = step(table, ids, weights)
+  reductions = re.findall(r"= (\w+)\[[^\]]*\]\S* (reduce-scatter|all-reduce)\(", text)
+  # The columns' all-gather goes back as a reduce-scatter over fsdp, the rows'
+  # gradient adds up over data: both in float32, rounded to bf16 once after.
+  assert {kind for _, kind in reductions} >= {"reduce-scatter"}, reductions
+  assert {dtype for dtype, _ in reductions} == {"f32"}, reductions
+  want = jax.grad(loss)(table, ids, weights)
+  np.testing.assert_allclose(grad, want, rtol=1e-2, atol=1e-2)

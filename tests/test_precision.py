@@ -10,6 +10,9 @@ float32; its losses stay within bfloat16's rounding of the float32 run's.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import json
 import re
 
 import jax
@@ -19,7 +22,10 @@ import pytest
 from flax import nnx
 
 from spmd.layout import batch_sharding
+from trainers.checkpoints.saved_run import saved_config
+from trainers.config import resolve
 from trainers.config.defaults import get_config
+from trainers.reporting.peaks import PeakInfo
 from trainers.step.loss import abstract_batch
 from trainers.step.mesh import build_mesh
 from trainers.step.precision import Precision
@@ -28,6 +34,7 @@ from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, make_task
 
 FEATURES, HIDDEN, OUTPUTS, ROWS = 12, 24, 3, 16
+PEAK = PeakInfo(1e12, "table")
 
 
 class Seen(nnx.Variable):
@@ -214,3 +221,147 @@ def test_an_unknown_precision_is_an_error_naming_the_setting():
     ValueError, match=r"train.precision='bf16' must be one of \('float32', 'bfloat16'\)"
   ):
     check_values(config)
+
+
+@pytest.mark.parametrize("meant", ["bfloat16", "float32"])
+def test_a_config_json_from_before_the_policy_opens_as_the_precision_it_meant(tmp_path, meant):
+  """A run saved before `train.precision` existed wrote `model.dtype` and no precision."""
+  from configs import lm_tiny_bytes
+
+  old = json.loads(resolve(lm_tiny_bytes.get_config()).to_json())  # as a run writes it
+  del old["train"]["precision"]
+  old["model"].update(dtype=meant, d_model=48, num_heads=3)
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  config = saved_config(tmp_path)
+  assert config.train.precision == meant
+  assert "dtype" not in config.model
+  assert make_task(config) is not None
+
+
+def lowered_matmuls(step, state, batch) -> list[tuple[str, str, str]]:
+  """(op, lhs, rhs dtype) of the step's dots and convolutions, as lowered."""
+  text = step.lower(state, batch).as_text(dialect="hlo")
+  types = dict(re.findall(r"^\s*(?:ROOT )?([\w.\-]+) = (\w+)\[", text, re.M))
+  pattern = r"= \w+\[[^\]]*\]\S* (dot|convolution)\(([\w.\-]+), ([\w.\-]+)\)"
+  return [(op, types[a], types[b]) for op, a, b in re.findall(pattern, text)]
+
+
+def cnn_example_step(precision: str, **model):
+  """examples/cnn_classifier's task, config and step, on the 8 CPU devices."""
+  from pathlib import Path
+
+  spec = importlib.util.spec_from_file_location(
+    "cnn_example_config", Path(__file__).parents[1] / "examples/cnn_classifier/config.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.global_batch, config.train.precision = 16, precision
+  config.model.update(model)
+  config = resolve(config, spec.origin)
+  task = make_task(config)
+  mesh, axes = build_mesh(config)
+  setup = make_state(task.model, config, mesh, axes)
+  step = make_train_step(setup, task, config, mesh, axes)
+  return task, config, setup, step, mesh, axes
+
+
+def test_the_cnn_example_convolves_in_bfloat16_under_the_policy():
+  """A stock NNX CNN with BatchNorm that casts its own images to float32."""
+  _, config, setup, step, _, _ = cnn_example_step("bfloat16")
+  batch = abstract_batch(make_task(config), config.global_batch, None)
+  found = lowered_matmuls(step, setup.abstract, batch)
+  convolutions = [f for f in found if f[0] == "convolution"]
+  # 3 convolutions forward, 3 kernel gradients, 2 input gradients; the head's dots.
+  assert len(convolutions) == 8, found
+  assert all(f[1:] == ("bf16", "bf16") for f in found), found
+
+
+class NormedRegressor(nnx.Module):
+  """Linear -> BatchNorm -> Linear: BatchNorm alone would hand the second dot float32."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+    self.norm = nnx.BatchNorm(HIDDEN, rngs=rngs)
+    self.out = nnx.Linear(HIDDEN, OUTPUTS, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+def test_a_batch_norm_model_computes_in_bfloat16_and_keeps_its_statistics_in_float32():
+  task = dataclasses.replace(regression_task(), model=NormedRegressor)
+  config = config_for("bfloat16")
+  mesh, axes = build_mesh(config)
+  setup = make_state(task.model, config, mesh, axes)
+  step = make_train_step(setup, task, config, mesh, axes)
+  batch = batch_for(mesh, axes)
+  assert {f[1:] for f in lowered_matmuls(step, setup.abstract, batch)} == {("bf16", "bf16")}
+  state = setup.init()
+  new_state, _ = step(state, batch)
+  stats = jax.tree.leaves(new_state["model_state"])
+  assert stats and {str(s.dtype) for s in stats} == {"float32"}
+  assert not np.allclose(new_state["model_state"]["norm"]["mean"], 0.0)  # updated
+
+
+@pytest.mark.slow
+def test_the_cnn_examples_bfloat16_losses_stay_near_its_float32_losses():
+  losses = {}
+  for precision in ("float32", "bfloat16"):
+    task, config, setup, step, mesh, axes = cnn_example_step(precision, features=(8, 16))
+    rng = np.random.default_rng(0)
+    shapes = task.example_shapes()
+    batch = {
+      "image": rng.uniform(0, 1, (16, *shapes["image"][0])).astype(np.float32),
+      "label": rng.integers(0, config.model.num_classes, 16).astype(np.int32),
+      "mask": np.ones(16, np.float32),
+    }
+    batch = {k: jax.device_put(v, batch_sharding(mesh, axes)) for k, v in batch.items()}
+    state, losses[precision] = setup.init(), []
+    for _ in range(3):
+      state, metrics = step(state, batch)
+      losses[precision].append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=3e-2)
+  assert losses["float32"][-1] < losses["float32"][0]  # it learns, in either
+
+
+class Float32Regressor(nnx.Module):
+  """A model that insists on float32: its layers name their dtype, which the policy leaves."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(FEATURES, HIDDEN, dtype=jnp.float32, rngs=rngs)
+    self.out = nnx.Linear(HIDDEN, OUTPUTS, dtype=jnp.float32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def test_a_bfloat16_step_with_no_bfloat16_matmul_says_so_once_and_takes_the_float32_peak(
+  caplog, monkeypatch
+):
+  from trainers.reporting import throughput
+
+  monkeypatch.setattr(throughput, "_said", set())  # what this process has said before
+  config = config_for("bfloat16")
+  mesh, axes = build_mesh(config)
+  batch = batch_for(mesh, axes)
+  texts = {}
+  for name, model in (("widened", Float32Regressor), ("reached", NormedRegressor)):
+    task = dataclasses.replace(regression_task(), model=model)
+    setup = make_state(task.model, config, mesh, axes)
+    step = make_train_step(setup, task, config, mesh, axes)
+    texts[name] = step.lower(setup.abstract, batch).as_text(dialect="hlo")
+  with caplog.at_level("WARNING", logger=throughput.__name__):
+    assert throughput.step_compute_dtype("bfloat16", texts["reached"]) == "bfloat16"
+    for _ in range(2):
+      assert throughput.step_compute_dtype("bfloat16", texts["widened"]) == "float32"
+  said = [r.getMessage() for r in caplog.records if "bfloat16 x bfloat16" in r.getMessage()]
+  assert len(said) == 1 and "float32 peak" in said[0], said
+  # The run's MFU takes the peak of what the compiled step multiplies in:
+  # this CPU's compiler widens every bfloat16 product, so float32 here.
+  asked = []
+  monkeypatch.setattr(
+    throughput.peaks, "peak_flops", lambda device, dtype, cache_dir: asked.append(dtype) or PEAK
+  )
+  throughput.measure_throughput(step, setup, task, config, mesh, axes, "")
+  assert asked == ["float32"]

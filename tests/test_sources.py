@@ -5,6 +5,7 @@ import gzip
 import json
 import re
 
+import numpy as np
 import pytest
 
 from spmd.errors import UserError
@@ -19,6 +20,7 @@ from trainers.data.source_files import (
   SourceError,
   SourceSpec,
   list_source,
+  list_sources,
   parse_sources,
 )
 
@@ -224,3 +226,123 @@ def test_gs_sources_list_with_generations_and_read_every_format(tmp_path, monkey
   finally:
     gcsfs.GCSFileSystem.clear_instance_cache()
     emulator.stop()
+
+
+def _strings_with_invalid_utf8(values: list[bytes]):
+  """A string column holding `values` as they are, UTF-8 or not (Arrow does not check)."""
+  import pyarrow as pa
+
+  offsets = [0]
+  for value in values:
+    offsets.append(offsets[-1] + len(value))
+  offsets = pa.array(offsets, pa.int32()).buffers()[1]
+  column = pa.Array.from_buffers(
+    pa.string(), len(values), [None, offsets, pa.py_buffer(b"".join(values))]
+  )
+  return pa.table({"text": column})
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_undecodable_text_in_a_column_is_a_bad_row_naming_file_and_row(tmp_path, suffix):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  table = _strings_with_invalid_utf8([b"caf\xc3\xa9", b"ok", b"torn \xe2\x82", b"last"])
+  path = tmp_path / f"mixed.{suffix}"
+  if suffix == "parquet":
+    pq.write_table(table, path)
+  else:
+    with pa.ipc.new_stream(str(path), table.schema) as writer:
+      writer.write_table(table)
+  with pytest.raises(SourceError, match=rf"mixed.{suffix} row 2: 'text' is not valid UTF-8"):
+    read(path)
+  assert read(path, skip_bad_rows=1) == ["café", "ok", "last"]
+
+
+def test_a_file_listed_by_two_sources_or_twice_in_one_is_refused_naming_both(tmp_path):
+  write_jsonl(tmp_path / "d", TEXTS, files=2)
+  (tmp_path / "d" / "c.jsonl").write_text('{"text": "one"}\n')
+  d = tmp_path / "d"
+  setting = f"{d}/c.jsonl@1,{d}/*.jsonl@2,{d}/./c.jsonl@1"
+  with pytest.raises(
+    UserError, match=rf"{d}/c.jsonl is listed by '{d}/c.jsonl' and by '{d}/\*.jsonl'"
+  ):
+    list_sources(parse_sources(setting))
+  (tmp_path / "e").mkdir()
+  (tmp_path / "e" / "again.jsonl").symlink_to(d / "c.jsonl")  # one file, two names
+  with pytest.raises(
+    UserError, match=r"e/again.jsonl \(listed by .*\) and .*d/c.jsonl \(listed by .*\) are one file"
+  ):
+    list_sources(parse_sources(f"{d}/part-*.jsonl,{d}/c.jsonl,{tmp_path}/e"))
+  assert [len(s.files) for s in list_sources(parse_sources(f"{d}/part-*.jsonl,{d}/c.jsonl"))] == [
+    2,
+    1,
+  ]
+
+
+def test_a_same_size_copy_that_keeps_its_mtime_is_not_taken_for_the_file_it_replaced(tmp_path):
+  """`cp -p` of another file of the same size: size and mtime agree, the content does not."""
+  import os
+
+  path = tmp_path / "c.jsonl"
+  path.write_text('{"text": "the first version of this row"}\n' * 3)
+  before = list_source(SourceSpec(str(path))).identity()
+  stat = os.stat(path)
+  path.write_text('{"text": "the other version of this row"}\n' * 3)  # the same size
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+  assert list_source(SourceSpec(str(path))).identity() != before
+
+
+def _lines_of_text(count: int) -> str:
+  """Lines unlike the corpus: code, prose, blank lines and indented ones (cuts a BPE could see)."""
+  shapes = ["def f{i}(x):", "    return x * {i}", "", "Line {i}: é ü — naïve", "   ", "{i}{i}{i}"]
+  return "".join(shapes[i % len(shapes)].format(i=i) + "\n" for i in range(count))
+
+
+def _packed_records(path, tokenizer):
+  from trainers.data import packed, source_packed
+
+  documents = docs.SourceDocuments(list_source(SourceSpec(str(path))))
+  ids = source_packed._token_ids(documents, tokenizer)
+  return packed.pack_documents(ids, seq_len=32, dtype=np.int32, run_windows=4)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_large_text_file_packs_in_pieces_as_read_whole_in_bounded_memory(
+  tmp_path, monkeypatch, tokenizer
+):
+  import tracemalloc
+
+  from trainers.data import source_packed
+  from trainers.data.tokenizer import Tokenizer, train_bpe
+
+  if tokenizer == "bpe":
+    tokenizer = Tokenizer(train_bpe([_lines_of_text(300)], 320, tmp_path / "tok.json"))
+  else:
+    tokenizer = None
+  small, large = tmp_path / "small.txt", tmp_path / "large.txt"
+  small.write_text(_lines_of_text(4_000))
+  large.write_text(_lines_of_text(16_000))
+  monkeypatch.setattr(docs, "TEXT_PIECE", 1 << 30)
+  whole = list(_packed_records(large, tokenizer))
+  monkeypatch.setattr(docs, "TEXT_PIECE", 4096)
+  monkeypatch.setattr(source_packed, "_ENCODE_CHARS", 4096)  # tokenized a piece at a time
+  pieces = list(_packed_records(large, tokenizer))
+  assert len(pieces) == len(whole) > 10
+  for got, want in zip(pieces, whole):
+    assert got.keys() == want.keys()
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  assert {int(r["document"]) for r in pieces} == {0}  # one document, however many pieces
+
+  def peak(path) -> int:
+    tracemalloc.start()
+    for _ in _packed_records(path, tokenizer):
+      pass
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+  # Four times the text, about the same peak (read whole, it is four times too).
+  assert peak(large) < 1.5 * peak(small), (peak(large), peak(small))

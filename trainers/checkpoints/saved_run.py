@@ -47,6 +47,8 @@ from trainers.checkpoints.manager import read_only_manager
 from trainers.checkpoints.restore import checked_step
 from trainers.checkpoints.step_folders import COMMIT_MARKER, step_of
 from trainers.config import resolve
+from trainers.step.precision import PRECISIONS
+from trainers.tasks import BUILTIN_TASKS
 
 CONFIG_FILE = "config.json"
 CODE_DIR = "code"
@@ -96,15 +98,38 @@ def _tokenizer_from_copy(spec: str, workdir: epath.Path) -> str:
   return str(copy) if copy.exists() else spec
 
 
+def _from_before_the_policy(config: dict[str, Any]) -> dict[str, Any]:
+  """A config saved before `train.precision` existed, in today's settings.
+
+  Such a run named its compute dtype as `model.dtype`, which the built-in
+  models now take from `train.precision` (and refuse as a setting): the run
+  meant that precision, so it becomes `train.precision`. A file task keeps
+  its `model.dtype` too, since its own code may read it.
+  """
+  model, train = config.get("model") or {}, config.get("train") or {}
+  if "dtype" not in model or "precision" in train:
+    return config
+  if model["dtype"] not in PRECISIONS:
+    raise ValueError(
+      f"config.json: model.dtype={model['dtype']!r} (a run from before train.precision) is not "
+      f"one of {PRECISIONS}, the precisions a run can compute in"
+    )
+  config.setdefault("train", {})["precision"] = model["dtype"]
+  if config.get("task") in (*BUILTIN_TASKS, *BUILTIN_TASKS.values()):
+    del model["dtype"]
+  return config
+
+
 def config_from_json(
   text: str, workdir: str | epath.Path | None = None, instead: str = ""
 ) -> ml_collections.ConfigDict:
   """A resolved config saved as JSON, checked again as `trainers.config.resolve` checks a file.
 
   `workdir`, when given, is where to look for a file task's copy (`code/`);
-  `instead` as in `saved_config`.
+  `instead` as in `saved_config`. A config from before `train.precision`
+  (its compute dtype as `model.dtype`) opens as the precision it named.
   """
-  config = ml_collections.ConfigDict(_tuples(json.loads(text)))
+  config = ml_collections.ConfigDict(_tuples(_from_before_the_policy(json.loads(text))))
   if workdir is not None:
     config.task = _task_from_copy(config.task, paths.user_path(workdir), instead)
     if "tokenizer" in config.get("data", {}):

@@ -10,12 +10,15 @@ One reader per format, each with the library made for it:
   .arrow                         an HF `datasets` folder's files, Arrow IPC
                                  streams (`pyarrow.ipc`: no `datasets` needed);
   .txt                           the whole file is one document (UTF-8; bytes
-                                 that are not become U+FFFD, as the text corpus).
+                                 that are not become U+FFFD, as the text corpus),
+                                 read in pieces of about `TEXT_PIECE` bytes
+                                 cut at line breaks (`Document.part` counts
+                                 them), so a large file is never held whole.
 
 Rows are named as a user finds them: `line N` (from 1) in JSONL, `row N`
 (from 0, within the file) in Parquet and Arrow. A row that cannot be a
-document (not JSON, no `text_field`, a value that is not a string, a null)
-is a `BadRow`; `SourceDocuments` lets a source have `skip_bad_rows` of them
+document (not JSON, no `text_field`, a value that is not a string, a null,
+text that is not UTF-8) is a `BadRow`; `SourceDocuments` lets a source have `skip_bad_rows` of them
 and raises `SourceError` naming the file and row of the next. A file that
 cannot be read at all (corrupt, truncated, not the format its name says)
 is a `SourceError` naming the file and the row it reached.
@@ -50,6 +53,7 @@ from etils import epath
 from trainers.data.source_files import Source, SourceError, SourceFile
 
 ARROW_BATCH_ROWS = 1024  # Parquet rows per read: memory is a batch, not a file
+TEXT_PIECE = 4 << 20  # bytes of a .txt file read at a time: memory is a piece, not a file
 BAD_ROWS_SHOWN = 20  # bad rows a report names; the count is always whole
 # A trained BPE learns from at most this many characters of text, shared
 # between the sources, and from each file at least MIN_FILE_SAMPLE of it (so
@@ -65,6 +69,7 @@ class Document:
   file: SourceFile
   row: int  # the line (JSONL, from 1) or row (Parquet and Arrow, from 0; .txt: 0)
   text: str
+  part: int = 0  # a .txt file's pieces after the first (1, 2, ...) continue its document
 
   @property
   def key(self) -> str:
@@ -148,12 +153,28 @@ def _check_column(file: SourceFile, schema: pa.Schema, field: str) -> None:
     raise SourceError(f"{file.path} row 0: column {field!r} holds {kind}, not strings")
 
 
+def _decoded(column: pa.Array) -> list[str | UnicodeDecodeError | None]:
+  """A batch's strings; a value that is not UTF-8 (Arrow does not check) as its error."""
+  try:
+    return column.to_pylist()
+  except UnicodeDecodeError:  # rare: find the rows one by one
+    values = []
+    for scalar in column:
+      try:
+        values.append(scalar.as_py())
+      except UnicodeDecodeError as e:
+        values.append(e)
+    return values
+
+
 def _column_rows(file: SourceFile, batches: Iterator[pa.RecordBatch], field: str) -> Iterator[Row]:
   row = 0
   for batch in batches:
-    for value in batch.column(field).to_pylist():
+    for value in _decoded(batch.column(field)):
       if value is None:
         yield BadRow(file.path, f"row {row}", f"{field!r} is null, not a string")
+      elif isinstance(value, UnicodeDecodeError):
+        yield BadRow(file.path, f"row {row}", f"{field!r} is not valid UTF-8 ({value})")
       else:
         yield Document(file, row, value)
       row += 1
@@ -182,10 +203,21 @@ def _arrow_rows(file: SourceFile, raw: BinaryIO, field: str) -> Iterator[Row]:
 
 
 def _text_rows(file: SourceFile, raw: BinaryIO, field: str) -> Iterator[Row]:
+  """The file as one document, in pieces that end at a line break (a line longer stays whole).
+
+  No UTF-8 sequence holds the byte of a line break, so the pieces decode as
+  the whole file would.
+  """
   del field  # a text file is its own document
-  text = raw.read().decode("utf-8", errors="replace")
-  if text:
-    yield Document(file, 0, text)
+  part, held = 0, bytearray()
+  while block := raw.read(TEXT_PIECE):
+    held += block
+    cut = held.rfind(b"\n") + 1
+    if cut:
+      yield Document(file, 0, held[:cut].decode("utf-8", errors="replace"), part)
+      part, held = part + 1, held[cut:]
+  if held:
+    yield Document(file, 0, held.decode("utf-8", errors="replace"), part)
 
 
 def _lines(file: SourceFile, raw: BinaryIO) -> BinaryIO:

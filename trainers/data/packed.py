@@ -94,6 +94,13 @@ def document_order(count: int, seed: int) -> np.ndarray:
   return np.random.default_rng([seed, count]).permutation(count)
 
 
+@dataclasses.dataclass(frozen=True)
+class Continued:
+  """More tokens of the document before it (a file read in pieces): no document starts here."""
+
+  tokens: np.ndarray
+
+
 def pack_documents(
   documents: Iterable[np.ndarray],
   seq_len: int,
@@ -105,8 +112,10 @@ def pack_documents(
   `run_windows` (windows a record holds) defaults to `windows_per_record(seq_len)`.
   Streamed: the documents are read once, in order, and memory holds one
   record's run and the document being cut, never the whole stream, so a
-  corpus of any size packs in the same memory. Empty documents are skipped
-  (they do not count in `document`).
+  corpus of any size packs in the same memory. A document may come in
+  pieces: a `Continued` goes on with the document before it, so a large
+  one is never held whole either. Empty documents are skipped (they do not
+  count in `document`).
   """
   per = run_windows or windows_per_record(seq_len)
   run = per * seq_len
@@ -130,11 +139,13 @@ def pack_documents(
     }
 
   for document in documents:
-    document = np.asarray(document)
+    continued = isinstance(document, Continued) and bool(opened)
+    document = np.asarray(document.tokens if isinstance(document, Continued) else document)
     if not len(document):
       continue
-    opened.append((base + buffered, documents_seen))
-    documents_seen += 1
+    if not continued:
+      opened.append((base + buffered, documents_seen))
+      documents_seen += 1
     pending.append(document)
     buffered += len(document)
     if buffered < run + 1:
@@ -426,12 +437,18 @@ class PackedLm(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     yield from enumerate(runs)
 
 
-def framed(ids: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
-  """A document's ids between its tokenizer's BOS and EOS (those it has); bytes: as they are."""
+def framed(
+  ids: np.ndarray, tokenizer: Tokenizer | None, start: bool = True, end: bool = True
+) -> np.ndarray:
+  """A document's ids between its tokenizer's BOS and EOS (those it has); bytes: as they are.
+
+  A piece of a document takes the BOS only if it is its `start`, the EOS only
+  if it is its `end`.
+  """
   if tokenizer is None:
     return ids
-  head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-  tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  head = [tokenizer.bos_id] if tokenizer.bos_id is not None and start else []
+  tail = [tokenizer.eos_id] if tokenizer.eos_id is not None and end else []
   return np.concatenate(
     [np.asarray(head, np.int64), ids.astype(np.int64), np.asarray(tail, np.int64)]
   )

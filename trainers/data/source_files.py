@@ -14,9 +14,11 @@ one of:
 
 Each file has a split key (its path relative to the folder, or to the
 glob's fixed prefix), which decides each of its documents' split
-(`trainers.data.holdout`), and an identity: its size and modification time
-(local, in nanoseconds) or generation (object stores). Prepared data is
-keyed by the identities, so a changed file prepares anew.
+(`trainers.data.holdout`), and an identity: its size and its modification
+time (local, in nanoseconds, with a digest of its first and last
+`ENDS_BLOCK` bytes, so a same-size copy that kept its mtime is seen) or
+generation (object stores). Prepared data is keyed by the identities, so a
+changed file prepares anew.
 
 Example:
   >>> [(s.spec, s.weight) for s in parse_sources("a/*.jsonl@0.7, gs://b/c.parquet@0.3")]
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -53,6 +56,7 @@ FORMATS = {
 HF_STATE = "state.json"  # what `Dataset.save_to_disk` writes beside its Arrow files
 HF_DICT = "dataset_dict.json"  # `DatasetDict.save_to_disk`: one folder per split
 _GLOB_MAGIC = frozenset("*?[")
+ENDS_BLOCK = 16 << 10  # bytes read at each end of a local file for its identity
 
 
 class SourceError(UserError):
@@ -75,7 +79,7 @@ class SourceFile:
   key: str  # relative to the source's folder or glob prefix: decides each document's split
   format: str  # a value of FORMATS
   size: int
-  version: str  # modification time in ns (local) or the object's generation
+  version: str  # mtime in ns + a digest of the ends (local), or the object's generation
 
   def identity(self) -> list:
     return [self.key, self.format, self.size, self.version]
@@ -169,6 +173,45 @@ def list_source(spec: SourceSpec, setting: str = "data.sources") -> Source:
   return Source(spec=text, weight=spec.weight, files=tuple(sorted(files, key=lambda f: f.key)))
 
 
+def list_sources(specs: list[SourceSpec], setting: str = "data.sources") -> list[Source]:
+  """Every source of a setting listed (`list_source`), each file read by one of them once.
+
+  A file that two sources list (`d/c.jsonl` and `d/*.jsonl`), or one source
+  twice (through a link), would be trained on twice an epoch without a
+  word: it is a `SourceError` naming both. Local paths are compared
+  resolved (`..`, `.` and links), URLs as listed.
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> _ = (root / "a.jsonl").write_text('{"text": "hi"}\\n')
+  >>> list_sources(parse_sources(f"{root}/a.jsonl,{root}/*.jsonl"))  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  trainers.data.source_files.SourceError: data.sources: .../a.jsonl is listed by '.../a.jsonl' and by '.../*.jsonl'; ...
+  """
+  sources = [list_source(spec, setting) for spec in specs]
+  seen: dict[str, tuple[SourceFile, str]] = {}
+  for source in sources:
+    for file in source.files:
+      same = file.path if paths.is_url(file.path) else os.path.realpath(file.path)
+      if same not in seen:
+        seen[same] = (file, source.spec)
+        continue
+      first, by = seen[same]
+      if first.path == file.path:
+        what = f"{file.path} is listed by {by!r} and by {source.spec!r}"
+      else:
+        what = (
+          f"{file.path} (listed by {source.spec!r}) and {first.path} (listed by {by!r}) are "
+          f"one file, {same}"
+        )
+      raise SourceError(
+        f"{setting}: {what}; a file is read once an epoch, so list it in one source only "
+        "(narrow the glob, or give it its own source and a weight)"
+      )
+  return sources
+
+
 def _glob_root(pattern: str) -> str:
   """The folder part of `pattern` before its first wildcard."""
   fixed = []
@@ -221,7 +264,7 @@ class _Lister:
           f"readers know; they read {sorted(FORMATS)} and HF `datasets` folders"
         )
       return None
-    return SourceFile(self.url(path), key, kind, *_size_and_version(info))
+    return SourceFile(self.url(path), key, kind, *self._size_and_version(path, info))
 
   def folder(self, root: str) -> list[SourceFile]:
     join = os.path.join if self.fs is None else lambda a, b: f"{a.rstrip('/')}/{b}"
@@ -269,16 +312,49 @@ class _Lister:
       if not self.isfile(path):
         raise SourceError(f"{self.setting}: {self.url(path)}, listed in {HF_STATE}, is missing")
       key = f"{index:05d}-{name}"
-      files.append(SourceFile(self.url(path), key, "arrow", *_size_and_version(self.info(path))))
+      identity = self._size_and_version(path, self.info(path))
+      files.append(SourceFile(self.url(path), key, "arrow", *identity))
     if not files:
       raise SourceError(f"{self.setting}: the HF `datasets` folder {self.url(root)} has no files")
     return files
+
+  def _size_and_version(self, path: str, info: dict) -> tuple[int, str]:
+    size, version = _size_and_version(info)
+    if self.fs is None:  # a store's generation changes with the content; a local mtime need not
+      version = f"{version}+{_ends_checksum(path, size)}"
+    return size, version
 
   def _read(self, path: str) -> str:
     if self.fs is None:
       with open(path, encoding="utf-8") as f:
         return f.read()
     return self.fs.cat_file(path).decode("utf-8")
+
+
+def _ends_checksum(path: str, size: int) -> str:
+  """A digest of a local file's first and last `ENDS_BLOCK` bytes (the whole of a small file).
+
+  A copy that keeps its size and mtime (`cp -p`, `rsync -t`) but not its
+  content changes at its start or end; reading two blocks costs little
+  however large the file. A change inside a large file's middle alone, with
+  size and mtime kept, is not seen (docs/data.md says so).
+
+  >>> import tempfile, pathlib
+  >>> path = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+  >>> _ = path.write_text("x" * 100)
+  >>> _ends_checksum(str(path), 100) == _ends_checksum(str(path), 100), len(_ends_checksum(str(path), 100))
+  (True, 16)
+  """
+  digest = hashlib.sha256()
+  try:
+    with open(path, "rb") as f:
+      digest.update(f.read(ENDS_BLOCK))
+      if size > ENDS_BLOCK:
+        f.seek(max(ENDS_BLOCK, size - ENDS_BLOCK))
+        digest.update(f.read(ENDS_BLOCK))
+  except OSError as e:
+    raise SourceError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+  return digest.hexdigest()[:16]
 
 
 def _size_and_version(info: dict) -> tuple[int, str]:

@@ -7,7 +7,10 @@ builder, plan and template read them unchanged.
 The documents are streamed (`trainers.data.documents`): read file after
 file in row order, tokenized a batch at a time, framed with BOS/EOS, and
 packed as they come. Memory holds a batch of documents and one run,
-whatever the source's size. They are packed in reading order, not
+whatever the source's size. A .txt file, one document, is read, tokenized
+and packed in pieces cut at line breaks, with the ids of the whole: a cut
+moves on past lines the tokenizer would tokenize otherwise apart than
+together. They are packed in reading order, not
 shuffled: the input pipeline shuffles the windows every epoch (records,
 then windows within blocks), so the documents' order only decides which
 share a window, and a source packs the same for any seed (its key has
@@ -52,6 +55,8 @@ NAME = "packed_source"
 REPORT = "source_report.json"
 _ENCODE_DOCUMENTS = 256  # documents per tokenizer call: the libraries' threads get a batch
 _ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
+_CUT_CHECK_CHARS = 1024  # of the lines either side of a large file's cut, tokenized to check it
+_CUT_TRIES = 64  # lines a cut may move on before the pieces are joined
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,7 +161,8 @@ class PackedSource(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       if not document.text:
         return False  # an empty document holds nothing
       mine = split_of(document.key, config.validation_percent) == config.split
-      tally["documents" if mine else "other_split"] += 1
+      if not document.part:  # a large file's later pieces are the same document
+        tally["documents" if mine else "other_split"] += 1
       return mine
 
     documents = SourceDocuments(config.source(), config.text_field, config.skip_bad_rows, keep)
@@ -179,21 +185,83 @@ class PackedSource(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     (self.data_path / REPORT).write_text(json.dumps(report, indent=1))
 
 
-def _token_ids(documents: Iterable[Document], tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
-  """Each document's ids, framed; tokenized in batches (`encode_batch` uses several threads)."""
-  batch: list[str] = []
+def _token_ids(
+  documents: Iterable[Document], tokenizer: Tokenizer | None
+) -> Iterator[np.ndarray | packed.Continued]:
+  """Each document's ids, framed; tokenized in batches (`encode_batch` uses several threads).
+
+  A document read in pieces (a large .txt) comes out in pieces, each after
+  the first `packed.Continued`, with BOS on its first and EOS on its last.
+  """
+  if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
+    for document in documents:
+      ids = np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
+      yield packed.Continued(ids) if document.part else ids
+    return
+  batch: list[tuple[str, bool, bool]] = []
   chars = 0
-  for document in documents:
-    if tokenizer is None:  # bytes, unframed: a byte vocabulary has no room for markers
-      yield np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
-      continue
-    batch.append(document.text)
-    chars += len(document.text)
+  for piece in _pieces(documents, tokenizer):
+    batch.append(piece)
+    chars += len(piece[0])
     if len(batch) >= _ENCODE_DOCUMENTS or chars >= _ENCODE_CHARS:
-      yield from (packed.framed(ids, tokenizer) for ids in tokenizer.encode_batch(batch))
+      yield from _encoded(batch, tokenizer)
       batch, chars = [], 0
   if batch:
-    yield from (packed.framed(ids, tokenizer) for ids in tokenizer.encode_batch(batch))
+    yield from _encoded(batch, tokenizer)
+
+
+def _encoded(
+  batch: list[tuple[str, bool, bool]], tokenizer: Tokenizer
+) -> Iterator[np.ndarray | packed.Continued]:
+  for (_, start, end), ids in zip(batch, tokenizer.encode_batch([t for t, _, _ in batch])):
+    ids = packed.framed(ids, tokenizer, start, end)
+    yield ids if start else packed.Continued(ids)
+
+
+def _pieces(
+  documents: Iterable[Document], tokenizer: Tokenizer
+) -> Iterator[tuple[str, bool, bool]]:
+  """`(text, starts a document, ends it)`: the documents' pieces, cut where the tokenizer can.
+
+  A cut is moved on, a line at a time, past lines the tokenizer would
+  tokenize otherwise apart than together (whitespace that merges across the
+  line break, a dummy prefix at a text's start), so the ids are the whole
+  document's. A tokenizer that cuts cleanly nowhere gets the document whole.
+  """
+  held: list = []  # [text, starts a document]
+  for document in documents:
+    if held and document.part:
+      at = _clean_cut(tokenizer, held[0], document.text)
+      if at is None:
+        held[0] += document.text
+        continue
+      yield held[0] + document.text[:at], held[1], False
+      held = [document.text[at:], False]
+      continue
+    if held:
+      yield held[0], held[1], True
+    held = [document.text, not document.part]
+  if held:
+    yield held[0], held[1], True
+
+
+def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> int | None:
+  """The first line break of `after` (0: its start) where the tokenizer cuts cleanly, if any.
+
+  Clean: the line before the cut and the one after tokenize apart as together.
+  """
+  last = before[before.rfind("\n", 0, len(before) - 1) + 1 :]
+  at = 0
+  for _ in range(_CUT_TRIES):
+    end = after.find("\n", at) + 1 or len(after)
+    first = after[at:end][:_CUT_CHECK_CHARS]
+    last = last[-_CUT_CHECK_CHARS:]
+    if tokenizer.encode(last + first) == tokenizer.encode(last) + tokenizer.encode(first):
+      return at
+    if end == len(after):
+      return None
+    last, at = after[at:end], end
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

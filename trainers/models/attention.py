@@ -12,7 +12,10 @@ what was asked, XLA runs it and the log says why (`choose_kernel`):
 
 - splash needs a sequence that is a multiple of 128 (its block size);
   on a platform other than TPU it runs in Pallas interpret mode: exact but
-  slow, for checking its numerics on a CPU.
+  slow, for checking its numerics on a CPU. Its bf16 matmuls are one bf16
+  pass: under a `jax_default_matmul_precision` asking for more ("high",
+  "highest", "float32", ...) Mosaic cannot compile them, so "auto" takes XLA
+  and an explicit "splash" is an error naming the setting.
 - cuDNN's public API takes a causal mask but no segment ids, computes in
   bf16 or fp16 only, and takes a head_dim that is a multiple of 8 and at
   most 128 (what every GPU takes; Hopper's 256 is not used); on other
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "xla", "splash", "cudnn")
 """The values of `model.attention`."""
+
+SPLASH_PRECISIONS = (None, "default", "fastest", "bfloat16")
+"""The `jax_default_matmul_precision` values splash's bf16 kernel compiles under (one pass)."""
 
 SPLASH_BLOCKS = (512, 256, 128)
 """Splash's block sizes, largest first: the largest that divides the sequence is used."""
@@ -115,11 +121,17 @@ def choose_kernel(
   dtype: jnp.dtype,
   segments: bool,
   head_dim: int = 128,
+  matmul_precision: str | None = "current",
 ) -> Choice:
   """The kernel that runs attention over `length` tokens on `platform`, and why.
 
   `segments`: the rows are packed (segment ids restrict attention to each
-  document).
+  document). `matmul_precision`: JAX's `jax_default_matmul_precision` the
+  program is traced under ("current": its value now).
+
+  Raises:
+    ValueError: `requested` is "splash" and splash cannot compile under
+      `matmul_precision` in `dtype` (`SPLASH_PRECISIONS`).
 
   Example:
     >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.bfloat16, segments=True)
@@ -131,6 +143,8 @@ def choose_kernel(
   """
   check_kernel(requested)
   dtype = jnp.dtype(dtype)
+  if matmul_precision == "current":
+    matmul_precision = jax.config.jax_default_matmul_precision
   if requested == "auto":
     wanted = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
     if wanted == "xla":
@@ -143,6 +157,17 @@ def choose_kernel(
     block = next((b for b in SPLASH_BLOCKS if length % b == 0), None)
     if block is None:
       why = f"sequence {length} is not a multiple of 128, the least block of splash attention"
+      return Choice("xla", requested, why)
+    if dtype != jnp.float32 and matmul_precision not in SPLASH_PRECISIONS:
+      why = (
+        f"jax_default_matmul_precision={matmul_precision!r} asks more than the one {dtype} pass "
+        "splash's kernel multiplies in, and Mosaic cannot compile it"
+      )
+      if requested == "splash":
+        raise ValueError(
+          f"model.attention='splash' cannot run here: {why}; set model.attention='auto' or "
+          "'xla', or trace without that precision"
+        )
       return Choice("xla", requested, why)
     what = f"{length} tokens in blocks of {block}" + (", segment ids" if segments else "")
     if platform != "tpu":

@@ -12,7 +12,10 @@ steps) it runs as a `shard_map` whose layout follows the rules:
     that fall in its rows, zeros elsewhere, and one all-reduce over those
     axes adds the pieces (exactly: one term is nonzero);
   - each device looks up only its own rows of the batch, so the output, and
-    the gradient's scatter-add into the table, stay split like the batch.
+    the gradient's scatter-add into the table, stay split like the batch;
+  - a table narrower than float32 (bf16 under the precision policy) is
+    gathered in its own dtype, but its gradient is summed across devices in
+    float32 and rounded once (a custom VJP: the lookup's transpose at float32).
 
 Why not leave the gather to XLA: with the batch split over `(data, fsdp)`
 and the table's columns over `fsdp`, a gather's output would want `fsdp`
@@ -37,7 +40,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +141,39 @@ def lookup(
     return jax.lax.psum(_local_lookup(table_shard, shifted), row_axes)
 
   out_spec = PartitionSpec(*ids_spec, *([None] * (ids.ndim + 1 - len(ids_spec))))
-  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec)(
-    table, ids
-  )
+  laid_out = jax.shard_map(local, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec)
+  if jnp.finfo(table.dtype).bits >= 32:
+    return laid_out(table, ids)
+  return _reduced_in_float32(laid_out, tuple(table.shape), table, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reduced_in_float32(
+  laid_out: Callable, shape: tuple[int, ...], table: jax.Array, ids: jax.Array
+) -> jax.Array:
+  """`laid_out(table, ids)`, whose gradient crosses devices in float32, rounded to bf16 once.
+
+  The lookup's transpose sums each device's scatter-add across devices (a
+  reduce-scatter over the gathered columns, a sum over the batch axes that
+  hold the table whole): in a bf16 table's dtype that sum would round at
+  every step of the reduction. The forward pass keeps the table's dtype
+  (its all-gather moves bf16); the backward pass is the same lookup's
+  transpose at float32. That is the program JAX lowers, and what XLA:CPU
+  compiles; XLA:TPU may still move the final rounding ahead of the sum
+  over the batch axes, which only the chip's compiler decides.
+  """
+  return laid_out(table, ids)
+
+
+def _reduced_fwd(laid_out, shape, table, ids):
+  return laid_out(table, ids), (jnp.zeros((0,), table.dtype), ids)
+
+
+def _reduced_bwd(laid_out, shape, residuals, cotangent):
+  marker, ids = residuals
+  wide = jax.ShapeDtypeStruct(shape, jnp.float32)
+  (d_table,) = jax.linear_transpose(lambda t: laid_out(t, ids), wide)(cotangent.astype(jnp.float32))
+  return d_table.astype(marker.dtype), None
+
+
+_reduced_in_float32.defvjp(_reduced_fwd, _reduced_bwd)

@@ -48,6 +48,7 @@ from trainers.planning import advice
 from trainers.planning.figures import Compute, KVCachePlan, Memory, Plan
 from trainers.planning.targets import Target
 from trainers.reporting import chips
+from trainers.reporting.throughput import step_compute_dtype
 from trainers.step.loss import abstract_batch
 from trainers.step.mesh import build_mesh
 from trainers.step.state import make_state
@@ -133,7 +134,9 @@ def make_plan(
       fallbacks = log.fallbacks
     if keep_compiled is not None and compiled is not None:
       keep_compiled.append(compiled)
-  step = _read_step(compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes)
+  step = _read_step(
+    compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes, config.train.precision
+  )
   memory = Memory(
     params_bytes,
     optimizer_bytes,
@@ -166,7 +169,9 @@ def make_plan(
     hosts_feeding=_hosts_feeding(layout, target),
     compiled=compiled is not None,
     memory=memory,
-    compute=_compute(task, config, target, mesh.devices.size, efficiency, step.flops),
+    compute=_compute(
+      task, config, target, mesh.devices.size, efficiency, step.flops, step.computes_in
+    ),
     collectives=step.collectives,
     fits=fits,
     verdict_by=verdict_by,
@@ -208,10 +213,15 @@ class _StepReading:
   flops: float | None = None
   collectives: list[hlo.Collective] = dataclasses.field(default_factory=list)
   compile_error: str | None = None
+  computes_in: str | None = None  # the dtype its matmuls take (`step_compute_dtype`)
 
 
 def _read_step(
-  compiled: Any, refusal: Exception | None, mesh: jax.sharding.Mesh, state_and_batch_bytes: int
+  compiled: Any,
+  refusal: Exception | None,
+  mesh: jax.sharding.Mesh,
+  state_and_batch_bytes: int,
+  precision: str = "float32",
 ) -> _StepReading:
   """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
   if refusal is not None:
@@ -235,6 +245,11 @@ def _read_step(
     # in a scan it would report about one layer's worth.
     flops=hlo.matmul_flops(text) or None,
     collectives=hlo.collectives(text, slices),
+    # A program compiled for CPU stand-ins (a GPU plan) is widened by XLA:CPU:
+    # only a program for the real chips tells what they multiply in.
+    computes_in=(
+      step_compute_dtype(precision, text) if mesh.devices.flat[0].platform != "cpu" else None
+    ),
   )
 
 
@@ -245,9 +260,14 @@ def _compute(
   num_devices: int,
   efficiency: tuple[float, float],
   flops: float | None,
+  computes_in: str | None = None,
 ) -> Compute:
-  """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak."""
-  peak = chips.table_peak(target.device_kind, config.train.precision)
+  """The step's FLOPs per device, and the step time and MFU they give at `efficiency` of peak.
+
+  The peak is that of the dtype the compiled step multiplies in
+  (`computes_in`), the policy's when nothing compiled.
+  """
+  peak = chips.table_peak(target.device_kind, computes_in or config.train.precision)
   # Without the task's model FLOPs, the compiled (hardware) FLOPs stand in.
   model_flops = (task.flops_per_step or (flops or 0.0) * num_devices) / num_devices
   step_time = achieved = None

@@ -40,6 +40,7 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     # The casts sit inside the differentiated function, so the gradients
     # come back in the parameters' own (float32) dtype (`step.precision`).
     model = build_model(setup, policy.cast_params(params), model_state, key)
+    policy.reach_modules(model)  # stock layers compute in the policy's dtype too
     batch = policy.cast_batch(batch)
     if train:
       model.train()

@@ -12,6 +12,13 @@ inside the differentiated loss:
   weights: a bfloat16 weight against a float32 input promotes the dot back
   to float32.
 
+- the compute dtype onto every submodule that takes a `dtype` and has not
+  chosen one (`nnx.Conv`, `nnx.Linear`, `nnx.BatchNorm`, ... leave it None):
+  a model that casts its inputs to float32 itself, or a BatchNorm whose
+  float32 statistics would promote its output, still hands its matmuls and
+  convolutions bfloat16. BatchNorm computes its statistics in float32
+  whatever its dtype, and keeps them so.
+
 The gradients come back in the parameters' float32 (the cast is part of the
 differentiated function), and the loss, its weight and the metric sums are
 cast to float32 as the task returns them, so micro-batches and eval batches
@@ -38,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 PRECISIONS = ("float32", "bfloat16")
 """The values `config.train.precision` takes."""
@@ -82,6 +90,26 @@ class Precision:
   def cast_params(self, params: Any) -> Any:
     """The float32 parameters in the compute dtype (others as stored)."""
     return self._down(params) if self.casts else params
+
+  def reach_modules(self, model: Any) -> int:
+    """Sets the compute dtype on `model`'s submodules whose `dtype` is None; returns how many.
+
+    A submodule that names its own dtype keeps it (a head kept in float32).
+
+    Example:
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> Precision("bfloat16").reach_modules(model), model.layers[1].dtype
+      (2, dtype(bfloat16))
+    """
+    if not self.casts:
+      return 0
+    reached = 0
+    for _, module in nnx.iter_modules(model):
+      if "dtype" in vars(module) and module.dtype is None:
+        module.dtype = jnp.dtype(self.compute)
+        reached += 1
+    return reached
 
   def cast_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
     """The batch's float32 features in the compute dtype, but `float32_features`."""

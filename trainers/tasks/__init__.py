@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import sys
@@ -212,6 +213,51 @@ class Task:
     return jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
 
 
+def _outside(index: Any, label: Any, weight: Any, count: Any, shape: tuple, classes: int) -> str:
+  where = ", ".join(str(int(i)) for i in np.unravel_index(int(index), shape))
+  return (
+    f"labels[{where}]={int(label)} is outside [0, {classes}) where the mask is "
+    f"{float(weight):g} ({int(count)} such labels in this batch): a label to ignore (HF's "
+    "-100) needs mask 0 there"
+  )
+
+
+def _raise_outside(*found: Any, shape: tuple, classes: int) -> None:
+  raise ValueError(_outside(*found, shape, classes))
+
+
+def check_labels(labels: jax.Array, mask: jax.Array, classes: int) -> None:
+  """Raises `ValueError` naming the first label outside `[0, classes)` where `mask` is not 0.
+
+  Where the mask is 0 any label is ignored (HF's -100 among them). Concrete
+  arrays are checked here; in a traced program (a train step) the check
+  runs on the device and raises when the step runs: only a few scalars
+  leave the device, and only then.
+
+  Example:
+    >>> check_labels(jnp.array([[3, -100]]), jnp.array([[1.0, 0.0]]), classes=4)
+    >>> check_labels(jnp.array([[3, -100]]), jnp.array([[1.0, 1.0]]), classes=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: labels[0, 1]=-100 is outside [0, 4) where the mask is 1 (1 such labels in this batch): a label to ignore (HF's -100) needs mask 0 there
+  """
+  bad = (mask != 0) & ((labels < 0) | (labels >= classes))
+  # Elementwise ops and reductions only: a gather from rows split over
+  # devices could gather them all.
+  flat = jnp.arange(bad.size, dtype=jnp.int32).reshape(bad.shape)
+  first = jnp.min(jnp.where(bad, flat, bad.size))
+  at = flat == first
+  found = (first, jnp.sum(jnp.where(at, labels, 0)), jnp.sum(jnp.where(at, mask, 0)), jnp.sum(bad))
+  try:
+    concrete = bool(np.any(bad))
+  except jax.errors.TracerBoolConversionError:
+    raise_it = functools.partial(_raise_outside, shape=labels.shape, classes=classes)
+    jax.lax.cond(jnp.any(bad), lambda: jax.debug.callback(raise_it, *found), lambda: None)
+    return
+  if concrete:
+    raise ValueError(_outside(*found, labels.shape, classes))
+
+
 def cross_entropy_sums(
   logits: jax.Array, labels: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
@@ -219,19 +265,26 @@ def cross_entropy_sums(
 
   `logits` are `[..., classes]`, `labels` integers `[...]`, `mask` 1.0 for
   what counts (0.0 for padding). Next-token prediction is the same with a
-  sequence axis.
+  sequence axis. Where the mask is 0 the label is ignored, whatever it is
+  (HF's -100); a label outside `[0, classes)` where it is not is an error
+  naming it (`check_labels`).
 
   Example:
     >>> loss_sum, weight, sums = cross_entropy_sums(
-    ...   jnp.array([[2.0, 0.0], [0.0, 2.0]]), jnp.array([0, 0]), jnp.array([1.0, 0.0]))
+    ...   jnp.array([[2.0, 0.0], [0.0, 2.0]]), jnp.array([0, -100]), jnp.array([1.0, 0.0]))
     >>> float(weight), float(sums["accuracy"]), round(float(loss_sum), 4)
     (1.0, 1.0, 0.1269)
   """
   import optax
 
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  classes = logits.shape[-1]
+  check_labels(labels, mask, classes)
+  inside = (labels >= 0) & (labels < classes)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(inside, labels, 0))
+  # NaN where a label outside counts (the check has raised), nothing where it is masked.
+  ce = jnp.where(mask != 0, jnp.where(inside, ce, jnp.nan) * mask, 0.0)
   correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+  return jnp.sum(ce), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
 
 
 def resolve_task_spec(spec: str, config_dir: str | Path | None = None) -> str:

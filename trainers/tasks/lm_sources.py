@@ -37,7 +37,7 @@ from trainers.data import documents as docs
 from trainers.data import tokenizer as tok
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
 from trainers.data.mixture import DataMixture, MixtureSource
-from trainers.data.source_files import Source, list_source, parse_sources
+from trainers.data.source_files import Source, list_sources, parse_sources
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +112,11 @@ def sources_prepare(
   data = config.data
 
   def prepare(data_dir: str) -> DataMixture:
-    train = [list_source(s) for s in parse_sources(data.sources)]
+    train = list_sources(parse_sources(data.sources))
     evals = []
     if data.eval_sources:
       setting = "data.eval_sources"
-      evals = [list_source(s, setting) for s in parse_sources(data.eval_sources, setting)]
+      evals = list_sources(parse_sources(data.eval_sources, setting), setting)
     percent = 0.0 if evals else float(data.validation_percent)
     prepared.tokenizer = _tokenizer(config, data_dir, train, percent, vocab_size)
     prepared.identity = (

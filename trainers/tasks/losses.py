@@ -11,8 +11,11 @@ token's log-normalizer, [batch, length] in float32). The projection is part
 of each chunk, so the full logits are never formed, forward or backward.
 
 The vocabulary is not chunked: a chunk of `chunk` tokens holds
-`chunk * vocab` logits per row, and `default_chunk` picks the chunk so that
-this stays under `CHUNK_LOGITS` (about 128 MiB of float32 per row). Under
+`rows * chunk * vocab` logits on a device holding `rows` rows, and
+`default_chunk` picks the chunk so that this stays under `CHUNK_LOGITS`
+(about 128 MiB of float32 per device; the backward pass holds a few such
+buffers). A length with no divisor near that is padded to a multiple of the
+chunk with masked tokens. Under
 tensor-parallel rules the vocabulary axis of each chunk is split over the
 devices as the full logits would be.
 
@@ -44,10 +47,10 @@ import jax.numpy as jnp
 
 from spmd import rules as rules_lib
 from spmd.rules import constrain
-from trainers.tasks import cross_entropy_sums
+from trainers.tasks import check_labels, cross_entropy_sums
 
 CHUNK_LOGITS = 2**25
-"""Logits per row of one chunk at most (`default_chunk`): 128 MiB in float32."""
+"""Logits of one chunk on one device at most (`default_chunk`): 128 MiB in float32."""
 
 _LOGITS_AXES = ("batch", "length", "vocab")
 # The projection whole along d_model: gathered once for all chunks (under FSDP
@@ -56,15 +59,26 @@ _GATHERED = (None, "vocab")
 _PROJECTION = ("embed", "vocab")  # the output projection's parameter axes
 
 
-def default_chunk(length: int, vocab: int) -> int:
-  """The longest chunk that divides `length` and holds at most `CHUNK_LOGITS` logits per row.
+def default_chunk(length: int, vocab: int, rows: int = 1) -> int:
+  """The chunk for `rows` rows per device: at most `CHUNK_LOGITS` logits, `rows * chunk * vocab`.
+
+  The longest chunk under that budget that divides `length`, unless the
+  longest divisor is under half the budget (a length with no small factors,
+  8191 say): then the budget itself, and `chunked_cross_entropy_sums` pads
+  the length to a multiple of it, rather than loop over chunks of one token.
+  A length within the budget is one chunk (the plain path).
 
   Example:
-    >>> default_chunk(8192, 128256), default_chunk(128, 256)
-    (256, 128)
+    >>> default_chunk(8192, 128256), default_chunk(8192, 128256, rows=8), default_chunk(128, 256)
+    (256, 32, 128)
+    >>> default_chunk(8191, 128256)  # prime: 8191 is padded to 8192
+    261
   """
-  most = max(1, CHUNK_LOGITS // vocab)
-  return max(c for c in range(1, min(length, most) + 1) if length % c == 0)
+  most = max(1, CHUNK_LOGITS // (max(1, rows) * vocab))
+  if length <= most:
+    return length
+  divisor = max(c for c in range(1, most + 1) if length % c == 0)
+  return divisor if 2 * divisor >= most else most
 
 
 def chunked_cross_entropy_sums(
@@ -83,8 +97,13 @@ def chunked_cross_entropy_sums(
       table transposed), in the compute dtype; the logits are accumulated in
       float32.
     labels: int [batch, length], the targets.
-    mask: [batch, length], 1.0 where a target counts.
-    chunk: tokens per chunk; it must divide `length`. None: `default_chunk`.
+    mask: [batch, length], 1.0 where a target counts. Where it is 0 the label
+      is ignored (HF's -100, say); a label outside `[0, vocab)` where it is
+      not is a `ValueError` naming it (`trainers.tasks.check_labels`), on
+      both paths.
+    chunk: tokens per chunk; it must divide `length`. None: `default_chunk`
+      for the rows each device holds under the active rules (the length
+      padded with masked tokens when it chose a chunk that does not divide).
 
   Returns:
     `(loss_sum, weight, {"accuracy": correct_sum})`, as `cross_entropy_sums`.
@@ -112,7 +131,13 @@ def chunked_cross_entropy_sums(
       f"{labels.shape=} {mask.shape=}"
     )
   length, vocab = hidden.shape[1], unembed.shape[1]
-  chunk = default_chunk(length, vocab) if chunk is None else chunk
+  if chunk is None:
+    chunk = default_chunk(length, vocab, hidden.shape[0] // _row_shards(hidden.shape[0]))
+    if length % chunk:  # no good divisor: padded with masked tokens, which add nothing
+      pad = [(0, 0), (0, -length % chunk)]
+      hidden = jnp.pad(hidden, [*pad, (0, 0)])
+      labels, mask = jnp.pad(labels, pad), jnp.pad(mask, pad)
+      length = hidden.shape[1]
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or length % chunk:
     raise ValueError(f"{chunk=} must be a positive integer dividing the length {length}")
   weight = jnp.sum(mask)
@@ -122,6 +147,7 @@ def chunked_cross_entropy_sums(
     )
     logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
     return cross_entropy_sums(logits, labels, mask)
+  check_labels(labels, mask, vocab)
   mask = mask.astype(jnp.float32)
   # JAX traces the backward pass after the loss returns, outside the rules
   # the trainer entered for the loss: they go with it, so that its chunks are
@@ -169,9 +195,13 @@ def _forward(hidden, unembed, labels, mask, chunk):
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_c[..., None]
     target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     correct = (jnp.argmax(logits, axis=-1) == labels_c).astype(jnp.float32)
+    # As the plain path: a label outside the vocabulary is ignored where the
+    # mask is 0 and NaN where it is not (`check_labels` raises then).
+    inside = (labels_c >= 0) & (labels_c < logits.shape[-1])
+    losses = jnp.where(mask_c != 0, jnp.where(inside, lse - target, jnp.nan) * mask_c, 0.0)
     loss_sum, correct_sum = totals
     return (
-      loss_sum + jnp.sum((lse - target) * mask_c),
+      loss_sum + jnp.sum(losses),
       correct_sum + jnp.sum(correct * mask_c),
     ), lse
 
