@@ -24,6 +24,7 @@ import pytest
 
 from launch.local import run_local
 from tests.multiprocess import ROOT, WORKERS
+from tests.shared_runs import copy_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -97,7 +98,8 @@ def written(workdir: Path, step: int) -> dict:
 METRICS = ("eval_loss", "eval_accuracy", "eval_weight")
 
 
-def test_eval_on_two_and_four_processes_equals_the_runs_final_eval(data, trained):
+def test_eval_on_two_and_four_processes_equals_the_runs_final_eval(data, trained, tmp_path):
+  trained = copy_of(trained, tmp_path / "run")  # eval writes into its workdir
   training_metrics = (trained / "metrics.jsonl").read_bytes()
   final = evals(trained)[STEPS]
   got = {}
@@ -114,7 +116,8 @@ def test_eval_on_two_and_four_processes_equals_the_runs_final_eval(data, trained
   assert (trained / "metrics.jsonl").read_bytes() == training_metrics
 
 
-def test_a_named_step_and_a_missing_one(data, trained):
+def test_a_named_step_and_a_missing_one(data, trained, tmp_path):
+  trained = copy_of(trained, tmp_path / "run")
   result = spmd_eval(data, trained, 1, 2, "--step=5")
   assert result.ok, result.report()
   got = written(trained, 5)
@@ -141,6 +144,7 @@ def fresh_process(*args: str) -> dict:
 
 
 def test_export_then_a_fresh_process_gets_the_runs_eval_loss(data, trained, tmp_path):
+  trained = copy_of(trained, tmp_path / "run")
   out = tmp_path / "weights.npz"
   done = fresh_process(
     "-m", "trainers.checkpoints.export_cli", f"--workdir={trained}", f"--out={out}"
