@@ -239,9 +239,12 @@ def test_sigterm_to_the_launcher_lets_the_job_save_on_every_worker(fake, tmp_pat
     "time.sleep(120)\n"
   )
   logs = tmp_path / "logs"
+  # `timeout` passes the test's SIGTERM on and SIGKILLs `-k` seconds later: the
+  # job's save and stop, on two workers' busy cores, must fit in that. It took
+  # over 5 s there, so `-k` is the launcher's own --term-grace and some.
   launcher = subprocess.Popen(
     [
-      *("timeout", "-k", "5", "60", *LAUNCHER, "--zone", "z", "--no-copy", "--remote-dir", "."),
+      *("timeout", "-k", "30", "60", *LAUNCHER, "--zone", "z", "--no-copy", "--remote-dir", "."),
       *("--term-grace", "20", "--log-dir", str(logs), "--", sys.executable, "-c", code),
     ],
     env=fake.env,
