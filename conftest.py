@@ -57,6 +57,13 @@ def pytest_collection_modifyitems(config, items):
     if _shares_module_setup(item):
       # `--dist loadgroup`: one worker runs the module, so its setup runs once.
       item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+  # The long tests first, so that two workers end together on short ones rather
+  # than one waiting on a long module started last (stable: order kept within each).
+  items.sort(key=lambda item: 0 if _is_long(item) else 1)
+
+
+def _is_long(item) -> bool:
+  return any(item.get_closest_marker(name) for name in ("multiprocess", "slow"))
 
 
 def _shares_module_setup(item) -> bool:
