@@ -202,9 +202,10 @@ def test_a_label_outside_the_vocabulary_under_mask_1_is_an_error_naming_it(chunk
   message = r"labels\[1, 1\]=300 is outside \[0, 300\) where the mask is 1"
   with pytest.raises(ValueError, match=message):
     losses.chunked_cross_entropy_sums(hidden, unembed, outside, mask, chunk=chunk)
+  # In a compiled step it is NaN, for the non-finite guard (see `check_labels`: a
+  # callback raising from the device would keep the step out of JAX's cache).
   jitted = jax.jit(lambda *a: losses.chunked_cross_entropy_sums(*a, chunk=chunk)[0])
-  with pytest.raises(Exception, match=message):  # in a compiled step: raised from the device
-    jax.block_until_ready(jitted(hidden, unembed, outside, mask))
+  assert np.isnan(jitted(hidden, unembed, outside, mask))
 
 
 def test_the_chunk_budget_counts_every_row_a_device_holds(monkeypatch):

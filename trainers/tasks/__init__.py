@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib
 import importlib.util
 import sys
@@ -222,17 +221,15 @@ def _outside(index: Any, label: Any, weight: Any, count: Any, shape: tuple, clas
   )
 
 
-def _raise_outside(*found: Any, shape: tuple, classes: int) -> None:
-  raise ValueError(_outside(*found, shape, classes))
-
-
 def check_labels(labels: jax.Array, mask: jax.Array, classes: int) -> None:
   """Raises `ValueError` naming the first label outside `[0, classes)` where `mask` is not 0.
 
   Where the mask is 0 any label is ignored (HF's -100 among them). Concrete
-  arrays are checked here; in a traced program (a train step) the check
-  runs on the device and raises when the step runs: only a few scalars
-  leave the device, and only then.
+  arrays are checked here. A traced program (a train step) is not: a host
+  callback in the step would keep JAX from writing it to the persistent
+  compilation cache, so every start would compile it again. There the
+  label's loss is NaN instead, which the step's non-finite guard skips and,
+  repeated, stops the run on (`train.nonfinite_guard`).
 
   Example:
     >>> check_labels(jnp.array([[3, -100]]), jnp.array([[1.0, 0.0]]), classes=4)
@@ -242,19 +239,15 @@ def check_labels(labels: jax.Array, mask: jax.Array, classes: int) -> None:
     ValueError: labels[0, 1]=-100 is outside [0, 4) where the mask is 1 (1 such labels in this batch): a label to ignore (HF's -100) needs mask 0 there
   """
   bad = (mask != 0) & ((labels < 0) | (labels >= classes))
-  # Elementwise ops and reductions only: a gather from rows split over
-  # devices could gather them all.
-  flat = jnp.arange(bad.size, dtype=jnp.int32).reshape(bad.shape)
-  first = jnp.min(jnp.where(bad, flat, bad.size))
-  at = flat == first
-  found = (first, jnp.sum(jnp.where(at, labels, 0)), jnp.sum(jnp.where(at, mask, 0)), jnp.sum(bad))
   try:
     concrete = bool(np.any(bad))
   except jax.errors.TracerBoolConversionError:
-    raise_it = functools.partial(_raise_outside, shape=labels.shape, classes=classes)
-    jax.lax.cond(jnp.any(bad), lambda: jax.debug.callback(raise_it, *found), lambda: None)
-    return
+    return  # traced: the loss is NaN there (see above)
   if concrete:
+    flat = np.flatnonzero(np.asarray(bad))
+    first = int(flat[0])
+    at = np.unravel_index(first, bad.shape)
+    found = (first, np.asarray(labels)[at], np.asarray(mask)[at], flat.size)
     raise ValueError(_outside(*found, labels.shape, classes))
 
 

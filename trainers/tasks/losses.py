@@ -99,8 +99,8 @@ def chunked_cross_entropy_sums(
     labels: int [batch, length], the targets.
     mask: [batch, length], 1.0 where a target counts. Where it is 0 the label
       is ignored (HF's -100, say); a label outside `[0, vocab)` where it is
-      not is a `ValueError` naming it (`trainers.tasks.check_labels`), on
-      both paths.
+      not is a `ValueError` naming it on concrete arrays, and a NaN loss in
+      a compiled step (`trainers.tasks.check_labels`), on both paths.
     chunk: tokens per chunk; it must divide `length`. None: `default_chunk`
       for the rows each device holds under the active rules (the length
       padded with masked tokens when it chose a chunk that does not divide).
@@ -196,7 +196,7 @@ def _forward(hidden, unembed, labels, mask, chunk):
     target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     correct = (jnp.argmax(logits, axis=-1) == labels_c).astype(jnp.float32)
     # As the plain path: a label outside the vocabulary is ignored where the
-    # mask is 0 and NaN where it is not (`check_labels` raises then).
+    # mask is 0 and NaN where it is not (`check_labels` raises on concrete arrays).
     inside = (labels_c >= 0) & (labels_c < logits.shape[-1])
     losses = jnp.where(mask_c != 0, jnp.where(inside, lse - target, jnp.nan) * mask_c, 0.0)
     loss_sum, correct_sum = totals
