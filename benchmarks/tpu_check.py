@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--trace_steps", type=int, default=0, help="profile the first row count's step"
   )
-  parser.add_argument("--p11_rows", type=int, default=4, help="P11's rows (0: skip P11)")
+  parser.add_argument("--p11_rows", type=int, default=2, help="P11's rows (0: skip P11)")
   parser.add_argument("--p11_rounds", type=int, default=6)
   parser.add_argument(
     "--tuning", default="", help="a setting, or benchmarks.tpu_tuning's report: its best"

@@ -47,7 +47,7 @@ from trainers.tasks import losses  # noqa: E402
 # What the product does with no tuning applied (the defaults `apply` restores).
 DEFAULTS = {
   "splash_block": None,  # the largest of attention.SPLASH_BLOCKS that divides the sequence
-  "splash_fused_bwd": False,
+  "splash_fused_bwd": attention.SPLASH_FUSED_BACKWARD,
   "chunk_logits": losses.CHUNK_LOGITS,
 }
 _PRODUCT_BLOCKS = attention.SPLASH_BLOCKS
@@ -109,11 +109,12 @@ def apply(setting: dict) -> None:
   if block is not None:
     attention.SPLASH_BLOCKS = (int(block), *(b for b in _PRODUCT_BLOCKS if b < int(block)))
   fused = bool(knobs["splash_fused_bwd"])
-  attention._splash_local = _splash_local_with(True) if fused else _PRODUCT_LOCAL
+  product = fused == attention.SPLASH_FUSED_BACKWARD
+  attention._splash_local = _PRODUCT_LOCAL if product else _splash_local_with(fused)
   losses.CHUNK_LOGITS = int(knobs["chunk_logits"])
 
 
-_CONFIG_KNOBS = ("rows", "remat_policy", "scan_unroll")
+_CONFIG_KNOBS = ("rows", "remat_policy", "scan_unroll", "nonfinite_guard")
 
 
 def configure(config, setting: dict):
@@ -124,6 +125,8 @@ def configure(config, setting: dict):
     config.model.remat_policy = setting["remat_policy"]
   if "scan_unroll" in setting:
     config.model.scan_unroll = int(setting["scan_unroll"])
+  if "nonfinite_guard" in setting:
+    config.train.nonfinite_guard = setting["nonfinite_guard"]
   return config
 
 
@@ -157,7 +160,7 @@ def top_ops(trace_events: list[dict], steps: int, hlo_text: str, top: int = 15) 
     name = e.get("name", "")
     if e.get("ph") != "X" or "dur" not in e or name not in text:
       continue
-    if name.startswith(("while", "call", "conditional")):
+    if name.startswith(("while", "call", "cond")):
       continue
     per_pid[e.get("pid")][name] += e["dur"]
   if not per_pid:
@@ -204,14 +207,15 @@ def profile(compiled, state, batch, steps: int, hlo_text: str) -> tuple[dict, ob
 # ---------------------------------------------------------------------------
 # The sweep.
 
+# The alternatives to the product's defaults (which the first sweep, from
+# blocks of 512 and two backward kernels, chose: docs/performance.md).
 CANDIDATES = [
-  {"splash_fused_bwd": True},
-  {"splash_block": 1024},
+  {"splash_fused_bwd": False},
+  {"splash_block": 512},
   {"splash_block": 2048},
-  {"splash_block": 256},
-  {"chunk_logits": 2**26},  # one chunk of 2048 tokens at a 32000 vocabulary: the plain loss
-  {"chunk_logits": 2**24},  # chunks of 512
+  {"chunk_logits": 2**24},  # chunks of 512 tokens at a 32000 vocabulary
   {"scan_unroll": 2},
+  {"nonfinite_guard": "branch"},
   {"rows": 10},  # last: a batch that compiles may still fail at run time
 ]
 
