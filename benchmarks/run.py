@@ -37,7 +37,7 @@ The chip's figures (P4-tpu, P9, P11, PL1-PL3: `TPU_FIGURES`) come from the
 TPU check's JSON (`benchmarks/tpu_check.sh` on a TPU machine), merged
 without running anything here:
 
-  python -m benchmarks.run --from-tpu-check=tpu_check.json --update-readme
+  python -m benchmarks.run --from-tpu-check=tpu_check.json [--only=P9,P11] --update-readme
 
 `make bench` runs and replaces the CPU figures and keeps the chip's.
 """
@@ -287,6 +287,11 @@ def main() -> None:
   if args.from_tpu_check:
     with open(args.from_tpu_check) as f:
       rows = tpu_rows(json.load(f))
+    # --only: those of the chip's figures (another run's file supplies the rest).
+    chosen = {f.strip().upper() for f in args.only.split(",") if f.strip()}
+    if chosen - {f.upper() for f in TPU_FIGURES}:
+      raise SystemExit(f"--only={args.only!r}: the chip's figures are {TPU_FIGURES}")
+    rows = [r for r in rows if not chosen or r["id"].upper() in chosen]
     print(readme_block(rows), end="")
     if args.update_readme:
       write_latest(rows, replace_all=False)
