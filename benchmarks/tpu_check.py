@@ -1,6 +1,6 @@
 """The TPU check: the plan of the 501M Llama against what the chip's compiler and clock say.
 
-  python -m benchmarks.tpu_check [--rows=8,12] [--steps=10] [--out=FILE]   # on one TPU chip
+  python -m benchmarks.tpu_check [--rows=8,12] [--steps=10] [--tuning=FILE] [--out=FILE]   # one TPU chip
   python -m benchmarks.tpu_check --tiny                                   # its test, on a CPU
 
 For each row count of `configs/llama_tpu_check.py` it
@@ -18,7 +18,13 @@ the MFU of the first row count's step (splash on a TPU). With
 `--train_steps=N` (0: skip) it then trains the same Llama for N steps with
 `train_and_evaluate`, what `spmd-train` runs, on the packed byte corpus
 (splash with segment ids), and reports P4 = the run's tokens/s ÷ the raw
-step's (goal >= 0.97).
+step's (goal >= 0.97). Then P11 (`benchmarks/tpu_llama.py`, `--p11_rows`,
+0: skip): our step ÷ a hand-written `jax.jit` step of the same Llama with
+the same kernel and remat (goal <= 1.02). `--trace_steps=N` names the
+first row count's top ops from a `jax.profiler` trace; `--tuning=FILE`
+applies a setting of `benchmarks/tpu_tuning.py` (or its report's best)
+first. `python -m benchmarks.run --from-tpu-check=FILE --update-readme`
+merges the JSON into the README's table.
 Needs jax, flax, optax, orbax, ml_collections and libtpu: no data set.
 Prints a table and writes the figures as JSON (`--out`).
 """
