@@ -32,6 +32,14 @@ README and in docs/performance.md (between their `bench:start`/`bench:end`
 markers), so both always show the latest figures; a test checks that they
 agree with `latest.json`. With `--only`, only those figures are replaced
 (each row keeps its own date).
+
+The chip's figures (P4-tpu, P9, P11, PL1-PL3: `TPU_FIGURES`) come from the
+TPU check's JSON (`benchmarks/tpu_check.sh` on a TPU machine), merged
+without running anything here:
+
+  python -m benchmarks.run --from-tpu-check=tpu_check.json [--only=P9,P11] --update-readme
+
+`make bench` runs and replaces the CPU figures and keeps the chip's.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ BENCHMARKS = [
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
 ]
+# Measured on a TPU chip by benchmarks/tpu_check.py, merged by --from-tpu-check.
+TPU_FIGURES = ("P4-tpu", "P9", "P11", "PL1", "PL2", "PL3")
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
 PERFORMANCE_DOC = os.path.join(ROOT, "docs", "performance.md")
@@ -90,6 +100,152 @@ def figure_order(row: dict) -> tuple[bool, str, int, str]:
   return series != "P", series, int(number), suffix
 
 
+def _chip_command(report: dict) -> str:
+  """The check's command as a reader would type it: no output path, the tuning file by name."""
+  words = []
+  for word in report.get("command", "benchmarks/tpu_check.sh").split():
+    if word.startswith("--out="):
+      continue
+    if word.startswith("--tuning="):
+      word = "--tuning=" + os.path.basename(word.split("=", 1)[1])
+    words.append(word)
+  return " ".join(words)
+
+
+def tpu_rows(report: dict) -> list[dict]:
+  """The table's rows for the chip's figures in `benchmarks.tpu_check`'s JSON `report`.
+
+  P9 and PL1 come from the first row count (the tuned batch where the check
+  was given one), PL2 from every row count that ran, PL3 from every row
+  count, P11 and P4-tpu where the check ran them.
+
+  Example:
+    >>> report = {"device_kind": "TPU v5 lite", "jax": "0.10.2", "date": "2026-12-05",
+    ...   "command": "benchmarks/tpu_check.sh --out=/x/c.json", "p9_mfu": 0.6, "rows": {
+    ...   "8": {"plan": {"fits": True, "total_bytes": 10, "step_time_s_range": [0.4, 0.6]},
+    ...         "device": {"compiled": True, "total_bytes": 10, "step_s": 0.5, "tokens_per_s": 3.0},
+    ...         "verdicts_agree": True, "pl1": 1.0, "pl2_in_range": True}}}
+    >>> [(r["id"], r["value"], r["meets_goal"]) for r in tpu_rows(report)]
+    [('P9', 0.6, True), ('PL1', 1.0, True), ('PL2', 0.5, True), ('PL3', 1.0, True)]
+    >>> tpu_rows(report)[0]["machine"]
+    'TPU v5 lite, 1 chip, jax 0.10.2: `benchmarks/tpu_check.sh`'
+  """
+  machine = f"{report['device_kind']}, 1 chip, jax {report['jax']}: `{_chip_command(report)}`"
+
+  def figure(figure_id, what, value, goal, at_most, detail, low=None):
+    r = common.row(figure_id, what, value, goal, at_most, detail, machine)
+    if low is not None:  # a range: goal low-goal
+      r["goal"], r["meets_goal"] = f"{low}–{goal}", bool(low <= value <= goal)
+    return {**r, "date": report["date"]}
+
+  by_rows = {int(k): v for k, v in report["rows"].items()}
+  first_rows, first = next(iter(by_rows.items()))
+  dev, plan = first["device"], first["plan"]
+  tuning = report.get("tuning") or {}
+  setting = ", ".join(f"{k}={v}" for k, v in tuning.items()) or "the defaults"
+  out = []
+  if report.get("p9_mfu") is not None:
+    out.append(
+      figure(
+        "P9",
+        "MFU of the 501M Llama's train step on one TPU chip (bf16, splash; PaLM's FLOPs ÷ the chip's peak)",
+        report["p9_mfu"],
+        0.6,
+        False,
+        f"configs/llama_tpu_check.py, {first_rows} rows x {report.get('seq_len', 2048)} tokens: "
+        f"{dev['step_s'] * 1e3:.1f} ms a step, {dev['tokens_per_s']:,.0f} tokens/s; {setting}",
+      )
+    )
+  p11 = report.get("p11") or {}
+  if "p11" in p11:
+    out.append(
+      figure(
+        "P11",
+        "our Llama step ÷ a hand-written `jax.jit` Llama step with the same splash kernel and remat (TPU chip)",
+        p11["p11"],
+        1.02,
+        True,
+        f"the 501M Llama, {p11['rows']} rows: {p11['ours_step_s'] * 1e3:.1f} vs "
+        f"{p11['hand_step_s'] * 1e3:.1f} ms; first losses agree "
+        f"({p11['losses_ours'][0]:.4f} vs {p11['losses_hand'][0]:.4f})",
+      )
+    )
+  if "p4" in report:
+    t = report["trainer"]
+    out.append(
+      figure(
+        "P4-tpu",
+        "`spmd-train`'s tokens/s (packed data, splash with segment ids) ÷ the raw step's, on the chip",
+        report["p4"],
+        0.97,
+        False,
+        f"{first_rows} rows, {t['steps']} steps: {t['tokens_per_s']:,.0f} vs "
+        f"{dev['tokens_per_s']:,.0f} tokens/s, {t['real_token_share']:.0%} real tokens",
+      )
+    )
+  if "pl1" in first:
+    out.append(
+      figure(
+        "PL1",
+        "`spmd-plan --topology=v5e-1`'s bytes per device ÷ the chip's compiled total",
+        first["pl1"],
+        1.03,
+        True,
+        f"{first_rows} rows: {plan['total_bytes'] / 2**30:.2f} vs {dev['total_bytes'] / 2**30:.2f} GiB",
+        low=0.97,
+      )
+    )
+  ran = {n: r for n, r in by_rows.items() if r.get("device", {}).get("step_s")}
+  if ran and all(r["plan"].get("step_time_s_range") for r in ran.values()):
+    n, r = next(iter(ran.items()))
+    low, high = r["plan"]["step_time_s_range"]
+    out.append(
+      figure(
+        "PL2",
+        "where the chip's step time lies in the plan's range (0: its low end, 1: its high end)",
+        (r["device"]["step_s"] - low) / (high - low),
+        1.0,
+        True,
+        f"{n} rows: {r['device']['step_s'] * 1e3:.0f} ms in {low * 1e3:.0f}–{high * 1e3:.0f} ms",
+        low=0.0,
+      )
+    )
+  words = {True: "fits", False: "does not fit"}
+  out.append(
+    figure(
+      "PL3",
+      "share of row counts where the plan's verdict is the chip's compiler's",
+      sum(r["verdicts_agree"] for r in by_rows.values()) / len(by_rows),
+      1.0,
+      False,
+      "; ".join(
+        f"{n} rows: plan {words[r['plan']['fits']]}, chip "
+        f"{'runs' if r['device']['compiled'] else 'refuses'}"
+        for n, r in by_rows.items()
+      ),
+    )
+  )
+  return out
+
+
+def merged(latest: list[dict], rows: list[dict], replace_all: bool) -> list[dict]:
+  """`rows` with the `latest` rows they do not replace, in figure order.
+
+  `replace_all` (a whole `make bench` run): of the latest, only the chip's
+  figures stay, which no CPU run measures.
+
+  Example:
+    >>> old = [{"id": "P1", "v": 1}, {"id": "P9", "v": 1}, {"id": "P2", "v": 1}]
+    >>> [(r["id"], r["v"]) for r in merged(old, [{"id": "P1", "v": 2}], replace_all=True)]
+    [('P1', 2), ('P9', 1)]
+    >>> [(r["id"], r["v"]) for r in merged(old, [{"id": "P1", "v": 2}], replace_all=False)]
+    [('P1', 2), ('P2', 1), ('P9', 1)]
+  """
+  new = {r["id"] for r in rows}
+  kept = [r for r in latest if r["id"] not in new and (not replace_all or r["id"] in TPU_FIGURES)]
+  return sorted(kept + rows, key=figure_order)
+
+
 def update_readme(rows: list[dict], readme: str = README) -> None:
   r"""Replace the table between `readme`'s `bench:start`/`bench:end` markers with `rows`'.
 
@@ -110,9 +266,9 @@ def update_readme(rows: list[dict], readme: str = README) -> None:
     f.write(text)
 
 
-def update_docs(rows: list[dict], paths: tuple[str, ...] = TABLE_DOCS) -> None:
-  """Write the latest run's table into every document that shows it (the README, docs/performance.md)."""
-  for path in paths:
+def update_docs(rows: list[dict], paths: tuple[str, ...] | None = None) -> None:
+  """Write the latest run's table into every document that shows it (default `TABLE_DOCS`)."""
+  for path in TABLE_DOCS if paths is None else paths:
     update_readme(rows, path)
 
 
@@ -121,7 +277,25 @@ def main() -> None:
   parser.add_argument("--only", default="", help="comma-separated figure ids, e.g. P4,P5")
   parser.add_argument("--out", default=os.path.join(ROOT, "workdir", "bench"))
   parser.add_argument("--update-readme", action="store_true")
+  parser.add_argument(
+    "--from-tpu-check",
+    default="",
+    metavar="FILE",
+    help="merge the chip's figures from benchmarks/tpu_check.py's JSON; run nothing",
+  )
   args = parser.parse_args()
+  if args.from_tpu_check:
+    with open(args.from_tpu_check) as f:
+      rows = tpu_rows(json.load(f))
+    # --only: those of the chip's figures (another run's file supplies the rest).
+    chosen = {f.strip().upper() for f in args.only.split(",") if f.strip()}
+    if chosen - {f.upper() for f in TPU_FIGURES}:
+      raise SystemExit(f"--only={args.only!r}: the chip's figures are {TPU_FIGURES}")
+    rows = [r for r in rows if not chosen or r["id"].upper() in chosen]
+    print(readme_block(rows), end="")
+    if args.update_readme:
+      write_latest(rows, replace_all=False)
+    return
   # Ids as registered, whatever their case on the command line (p4, M1-xla).
   registered = {f.upper(): f for _, ids, _ in BENCHMARKS for f in ids}
   asked = {f.strip().upper() for f in args.only.split(",") if f.strip()}
@@ -154,13 +328,17 @@ def main() -> None:
     f.write(readme_block(rows))
   print(readme_block(rows), end="")
   if args.update_readme:
-    if wanted:  # replace those figures in the latest run, keep the others
-      with open(LATEST) as f:
-        rows = sorted([r for r in json.load(f) if r["id"] not in wanted] + rows, key=figure_order)
-    with open(LATEST, "w") as f:
-      json.dump(rows, f, indent=1)
-      f.write("\n")
-    update_docs(rows)
+    write_latest(rows, replace_all=not wanted)
+
+
+def write_latest(rows: list[dict], replace_all: bool) -> None:
+  """Merges `rows` into `benchmarks/latest.json` (`merged`) and the documents' tables."""
+  with open(LATEST) as f:
+    rows = merged(json.load(f), rows, replace_all)
+  with open(LATEST, "w") as f:
+    json.dump(rows, f, indent=1)
+    f.write("\n")
+  update_docs(rows)
 
 
 if __name__ == "__main__":

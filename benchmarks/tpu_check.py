@@ -1,6 +1,6 @@
 """The TPU check: the plan of the 501M Llama against what the chip's compiler and clock say.
 
-  python -m benchmarks.tpu_check [--rows=8,12] [--steps=10] [--out=FILE]   # on one TPU chip
+  python -m benchmarks.tpu_check [--rows=8,12] [--steps=10] [--tuning=FILE] [--out=FILE]   # one TPU chip
   python -m benchmarks.tpu_check --tiny                                   # its test, on a CPU
 
 For each row count of `configs/llama_tpu_check.py` it
@@ -18,7 +18,13 @@ the MFU of the first row count's step (splash on a TPU). With
 `--train_steps=N` (0: skip) it then trains the same Llama for N steps with
 `train_and_evaluate`, what `spmd-train` runs, on the packed byte corpus
 (splash with segment ids), and reports P4 = the run's tokens/s ÷ the raw
-step's (goal >= 0.97).
+step's (goal >= 0.97). Then P11 (`benchmarks/tpu_llama.py`, `--p11_rows`,
+0: skip): our step ÷ a hand-written `jax.jit` step of the same Llama with
+the same kernel and remat (goal <= 1.02). `--trace_steps=N` names the
+first row count's top ops from a `jax.profiler` trace; `--tuning=FILE`
+applies a setting of `benchmarks/tpu_tuning.py` (or its report's best)
+first. `python -m benchmarks.run --from-tpu-check=FILE --update-readme`
+merges the JSON into the README's table.
 Needs jax, flax, optax, orbax, ml_collections and libtpu: no data set.
 Prints a table and writes the figures as JSON (`--out`).
 """
@@ -39,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import tpu_llama, tpu_tuning  # noqa: E402
 from configs import llama_tpu_check  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from trainers.config import resolve  # noqa: E402
@@ -102,8 +109,12 @@ def _synthetic_batch(task, rows: int, vocab: int, sharding) -> dict:
   return out
 
 
-def on_device(config, steps: int, warmup: int) -> dict:
-  """The step compiled for this machine's device: its memory analysis, then its time."""
+def on_device(config, steps: int, warmup: int, trace_steps: int = 0) -> dict:
+  """The step compiled for this machine's device: its memory analysis, then its time.
+
+  With `trace_steps`, that many more steps are traced and their top ops named
+  (`tpu_tuning.profile`).
+  """
   task = make_task(config)
   mesh, axes = build_mesh(config)
   setup = make_state(task.model, config, mesh, axes, task.optimizer)
@@ -154,14 +165,21 @@ def on_device(config, steps: int, warmup: int) -> dict:
     peak_bytes_in_use=memory.get("peak_bytes_in_use"),
     bytes_limit=memory.get("bytes_limit"),
   )
+  if trace_steps:
+    out["profile"], state = tpu_tuning.profile(
+      compiled, state, batch, trace_steps, compiled.as_text()
+    )
   return out
 
 
-def through_the_trainer(rows: int, steps: int, workdir: str, tiny: bool = False) -> dict:
+def through_the_trainer(
+  rows: int, steps: int, workdir: str, tiny: bool = False, setting: dict | None = None
+) -> dict:
   """`train_and_evaluate` of the same Llama on the packed byte corpus: its summary's rates."""
   from trainers.run.train import train_and_evaluate  # imports the data stack: only here
 
-  config = check_config(rows, tiny)
+  config = tpu_tuning.configure(check_config(rows, tiny), setting or {})
+  config.global_batch = rows
   config.data.pack = True
   config.train.steps = steps
   config.train.warmup_steps = min(config.train.warmup_steps, steps)
@@ -199,35 +217,67 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (the check's test)")
   parser.add_argument("--train_steps", type=int, default=0, help="P4's run (0: skip it)")
   parser.add_argument("--workdir", default="/tmp/spmd_tpu_check", help="P4's run's workdir")
+  parser.add_argument(
+    "--trace_steps", type=int, default=0, help="profile the first row count's step"
+  )
+  parser.add_argument("--p11_rows", type=int, default=2, help="P11's rows (0: skip P11)")
+  parser.add_argument("--p11_rounds", type=int, default=6)
+  parser.add_argument(
+    "--tuning", default="", help="a setting, or benchmarks.tpu_tuning's report: its best"
+  )
   args = parser.parse_args(argv)
+  setting = {}
+  if args.tuning:
+    setting = json.loads(Path(args.tuning).read_text())
+    setting = setting.get("best", setting)
+    tpu_tuning.apply(setting)
   device = jax.local_devices()[0]
   report = {
     "jax": jax.__version__,
     "device_kind": device.device_kind,
     "topology": args.topology,
     "date": time.strftime("%Y-%m-%d"),
+    "command": " ".join(["benchmarks/tpu_check.sh", *(argv if argv is not None else sys.argv[1:])]),
+    "tuning": setting,
     "rows": {},
   }
   print(f"jax {jax.__version__} on {jax.devices()}", flush=True)
-  for rows in (int(r) for r in args.rows.split(",")):
-    config = check_config(rows, args.tiny)
+  row_counts = [int(r) for r in args.rows.split(",")]
+  if "rows" in setting and int(setting["rows"]) not in row_counts:
+    row_counts.insert(0, int(setting["rows"]))  # P9 at the tuned batch
+  for rows in row_counts:
+    config = tpu_tuning.configure(check_config(rows, args.tiny), setting)
+    config.global_batch = rows
     started = time.perf_counter()
     plan = planned(config, args.topology)
     print(f"{rows} rows, plan ({time.perf_counter() - started:.0f} s): {plan}", flush=True)
-    measured = on_device(config, args.steps, args.warmup)
+    trace = args.trace_steps if rows == row_counts[0] else 0
+    measured = on_device(config, args.steps, args.warmup, trace_steps=trace)
     print(f"{rows} rows, on {device.device_kind}: {measured}", flush=True)
     report["rows"][rows] = {"plan": plan, "device": measured, **judge(plan, measured)}
   first = report["rows"][next(iter(report["rows"]))]["device"]
   report["p9_mfu"] = first.get("mfu")
   if args.train_steps and first.get("tokens_per_s"):
     rows = next(iter(report["rows"]))
-    trained = through_the_trainer(rows, args.train_steps, args.workdir, args.tiny)
+    trained = through_the_trainer(rows, args.train_steps, args.workdir, args.tiny, setting)
     print(f"spmd-train's step, {rows} rows, packed: {trained}", flush=True)
     report["trainer"] = trained
     if trained["tokens_per_s"]:
       report["p4"] = trained["tokens_per_s"] / first["tokens_per_s"]
+  # Both P11 states share the chip: where they and a step's temporaries do
+  # not fit, half the rows.
+  for rows in (args.p11_rows, args.p11_rows // 2) if args.p11_rows else ():
+    config = tpu_tuning.configure(check_config(rows, args.tiny), setting)
+    config.global_batch = rows
+    try:
+      report["p11"] = tpu_llama.compare(config, args.p11_rounds, steps=2)
+    except jax.errors.JaxRuntimeError as e:
+      report["p11"] = {"rows": rows, "error": " ".join(str(e).split())[:300]}
+    print(f"P11, {rows} rows: {report['p11']}", flush=True)
+    if "error" not in report["p11"] or rows < 2:
+      break
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(report, indent=1))
+  Path(args.out).write_text(json.dumps(report, indent=1, default=str))
   print(f"\ntpu check on {device.device_kind}, plan for {args.topology} (jax {jax.__version__})")
   print(
     f"  {'rows':>4}  {'plan':>22}  {'device':>22}  {'PL1':>6}  {'step':>9}  {'plan range':>17}  PL2"
@@ -255,6 +305,16 @@ def main(argv: list[str] | None = None) -> int:
       f"  P4  spmd-train's tokens/s / the raw step's: {report['p4']:.3f} (goal >= 0.97): "
       f"{t['tokens_per_s']:,.0f} vs {first['tokens_per_s']:,.0f}, "
       f"{(t['real_token_share'] or 0):.1%} real tokens"
+    )
+  p11 = report.get("p11", {})
+  if "p11" in p11:
+    print(
+      f"  P11 our step / a hand-written jax.jit step, {p11['rows']} rows: {p11['p11']:.3f} "
+      f"(goal <= 1.02): {p11['ours_step_s'] * 1e3:.1f} vs {p11['hand_step_s'] * 1e3:.1f} ms"
+    )
+  elif p11:
+    print(
+      f"  P11 the losses disagree: ours {p11['losses_ours']}, hand-written {p11['losses_hand']}"
     )
   print(f"  written to {args.out}")
   return 0

@@ -135,7 +135,8 @@ def test_each_platform_gets_its_kernel_and_falls_back_saying_why():
       requested, platform=platform, length=length, dtype=dtype, segments=segments
     )
 
-  assert choose("auto", "tpu").kernel == "splash" and choose("auto", "tpu").block == 512
+  assert choose("auto", "tpu").kernel == "splash" and choose("auto", "tpu").block == 1024
+  assert choose("auto", "tpu", length=1536).block == 512
   assert choose("auto", "tpu", length=384).block == 128
   assert choose("auto", "gpu").kernel == "cudnn"
   assert choose("auto", "cpu").kernel == "xla"

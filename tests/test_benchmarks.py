@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks import common, run
+from benchmarks import common, run, tpu_tuning
 from spmd.topology import libtpu_available
 from tests.multiprocess import ROOT
 from tests.session_settings import default_pipeline_env
@@ -37,8 +37,9 @@ def _run_module(module: str, *args: str, **env: str) -> subprocess.CompletedProc
 def test_readme_and_performance_doc_show_the_latest_run():
   with open(run.LATEST) as f:
     rows = json.load(f)
-  # Every registered figure, once `make bench` has run it (P10 came later).
-  registered = {f for _, ids, _ in run.BENCHMARKS for f in ids}
+  # Every registered figure, once `make bench` has run it (P10 came later),
+  # and the chip's, merged from the TPU check's JSON.
+  registered = {f for _, ids, _ in run.BENCHMARKS for f in ids} | set(run.TPU_FIGURES)
   assert {f"P{i}" for i in range(1, 9)} <= {r["id"] for r in rows} <= registered
   expected = f"<!-- bench:start -->\n{run.readme_block(rows)}<!-- bench:end -->"
   assert run.PERFORMANCE_DOC in run.TABLE_DOCS and run.README in run.TABLE_DOCS
@@ -46,6 +47,65 @@ def test_readme_and_performance_doc_show_the_latest_run():
     with open(doc) as f:
       text = f.read()
     assert expected in text, f"{doc} is stale: run make bench BENCH_ARGS=--update-readme"
+
+
+def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_path, monkeypatch):
+  # What `--from-tpu-check=FILE --update-readme` does, on copies of latest.json and a document.
+  report = {
+    "device_kind": "TPU v5 lite",
+    "jax": "0.10.2",
+    "date": "2026-12-05",
+    "command": "benchmarks/tpu_check.sh --tuning=/root/out/t.json --out=/root/out/c.json",
+    "tuning": {"splash_fused_bwd": True},
+    "p9_mfu": 0.61,
+    "p4": 0.98,
+    "trainer": {"steps": 30, "tokens_per_s": 35e3, "real_token_share": 1.0},
+    "p11": {
+      "rows": 4,
+      "p11": 1.01,
+      "ours_step_s": 0.25,
+      "hand_step_s": 0.2475,
+      "losses_ours": [10.4],
+      "losses_hand": [10.4],
+    },
+    "rows": {
+      "8": {
+        "plan": {"fits": True, "total_bytes": 17.6e9, "step_time_s_range": [0.425, 0.668]},
+        "device": {"compiled": True, "total_bytes": 17.6e9, "step_s": 0.46, "tokens_per_s": 35.6e3},
+        "verdicts_agree": True,
+        "pl1": 1.0,
+      },
+      "12": {"plan": {"fits": False}, "device": {"compiled": False}, "verdicts_agree": True},
+    },
+  }
+  path = tmp_path / "tpu_check.json"
+  path.write_text(json.dumps(report))
+  latest, doc = tmp_path / "latest.json", tmp_path / "doc.md"
+  with open(run.LATEST) as f:
+    cpu_rows = [r for r in json.load(f) if r["id"] not in run.TPU_FIGURES]
+  latest.write_text(json.dumps(cpu_rows))
+  doc.write_text("<!-- bench:start -->\nold\n<!-- bench:end -->\n")
+  monkeypatch.setattr(run, "LATEST", str(latest))
+  monkeypatch.setattr(run, "TABLE_DOCS", (str(doc),))
+  monkeypatch.setattr(sys, "argv", ["run", f"--from-tpu-check={path}", "--update-readme"])
+  run.main()
+  rows = json.loads(latest.read_text())
+  chip = {r["id"]: r for r in rows if r["id"] in run.TPU_FIGURES}
+  assert set(chip) == set(run.TPU_FIGURES), sorted(chip)
+  assert [r for r in rows if r["id"] not in run.TPU_FIGURES] == cpu_rows
+  assert chip["P9"]["value"] == 0.61 and chip["P9"]["meets_goal"]
+  assert (
+    chip["PL3"]["value"] == 1.0
+    and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
+  )
+  assert "`benchmarks/tpu_check.sh --tuning=t.json`" in chip["P11"]["machine"]
+  assert all(r["date"] == "2026-12-05" for r in chip.values())
+  assert run.readme_block(rows) in doc.read_text()
+  # A whole `make bench` run replaces the CPU rows and keeps the chip's.
+  assert {r["id"] for r in run.merged(rows, cpu_rows[:1], replace_all=True)} == {
+    cpu_rows[0]["id"],
+    *run.TPU_FIGURES,
+  }
 
 
 def test_alternate_takes_medians_of_rounds_in_both_orders():
@@ -69,7 +129,7 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
   # devices when imported. This module sets up nothing, so its examples run here.
-  for module in (common, run):
+  for module in (common, run, tpu_tuning):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -68,8 +68,14 @@ KERNELS = ("auto", "xla", "splash", "cudnn")
 SPLASH_PRECISIONS = (None, "default", "fastest", "bfloat16")
 """The `jax_default_matmul_precision` values splash's bf16 kernel compiles under (one pass)."""
 
-SPLASH_BLOCKS = (512, 256, 128)
-"""Splash's block sizes, largest first: the largest that divides the sequence is used."""
+SPLASH_BLOCKS = (1024, 512, 256, 128)
+"""Splash's block sizes, largest first: the largest that divides the sequence is used.
+On a v5e chip blocks of 1024 ran the 2048-token step faster than 512 and 256, and
+2048 ran out of the kernel's VMEM (docs/performance.md, "On a TPU chip")."""
+
+SPLASH_FUSED_BACKWARD = True
+"""Splash's backward pass in one kernel (dq, dk and dv together) rather than a dq
+kernel and a dk/dv kernel, which recompute the scores twice: faster on a v5e chip."""
 
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _Q_AXES = ("batch", "length", "heads", "kv")
@@ -135,7 +141,7 @@ def choose_kernel(
 
   Example:
     >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.bfloat16, segments=True)
-    Choice(kernel='splash', requested='auto', reason='TPU, 8192 tokens in blocks of 512, segment ids', interpret=False, block=512)
+    Choice(kernel='splash', requested='auto', reason='TPU, 8192 tokens in blocks of 1024, segment ids', interpret=False, block=1024)
     >>> choose_kernel("auto", platform="tpu", length=100, dtype=jnp.bfloat16, segments=False).reason
     'sequence 100 is not a multiple of 128, the least block of splash attention'
     >>> choose_kernel("cudnn", platform="gpu", length=64, dtype=jnp.bfloat16, segments=True).reason
@@ -319,8 +325,9 @@ def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.A
     block_q_dkv=block,
     block_kv_dkv=block,
     block_kv_dkv_compute=block,
-    block_q_dq=block,
-    block_kv_dq=block,
+    block_q_dq=None if SPLASH_FUSED_BACKWARD else block,
+    block_kv_dq=None if SPLASH_FUSED_BACKWARD else block,
+    use_fused_bwd_kernel=SPLASH_FUSED_BACKWARD,
   )
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * heads)
   # Heads a multiple of kv_heads is grouped-query attention in the kernel

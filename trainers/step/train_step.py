@@ -45,15 +45,25 @@ def branch_on_nonfinite(config: ml_collections.ConfigDict, mesh: jax.sharding.Me
   parameter update still reads the old moment; a branch needs no copies and
   also skips a bad step's update. But XLA:GPU runs a conditional by copying
   its predicate to the host and blocking the host until the stream is done,
-  every step, which stops the host from queueing the next step ahead; so on
-  GPU the select stays. TPUs branch on the device. `train.nonfinite_guard`
-  ("auto", "branch", "select") overrides.
+  every step, which stops the host from queueing the next step ahead; and on
+  a TPU the conditional keeps the update apart from the gradients' division
+  and norm, while a select fuses with them and updates in place. So "auto"
+  branches on CPU only. `train.nonfinite_guard` ("auto", "branch", "select")
+  overrides.
+
+  Example:
+    >>> from types import SimpleNamespace
+    >>> import numpy as np
+    >>> from configs import lm_tiny
+    >>> on = lambda p: SimpleNamespace(devices=np.array([SimpleNamespace(platform=p)]))
+    >>> [branch_on_nonfinite(lm_tiny.get_config(), on(p)) for p in ("cpu", "tpu", "gpu")]
+    [True, False, False]
   """
   mode = config.train.get("nonfinite_guard", "auto")
   if mode not in ("auto", "branch", "select"):
     raise ValueError(f"train.nonfinite_guard={mode!r} must be 'auto', 'branch' or 'select'")
   if mode == "auto":
-    return mesh.devices.flat[0].platform != "gpu"
+    return mesh.devices.flat[0].platform == "cpu"
   return mode == "branch"
 
 
