@@ -24,6 +24,7 @@ import pytest
 
 from launch.local import run_local
 from tests.multiprocess import ROOT, WORKERS
+from tests.session_settings import default_pipeline_env
 from tests.shared_runs import copy_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,6 +43,10 @@ def _env(data) -> dict[str, str]:
     "PYTHONPATH": str(ROOT),
     "SPMD_AGREEMENT_TIMEOUT_S": "60",
     "JAX_COMPILATION_CACHE_DIR": data["cache"],
+    # XLA's default pipeline: compiled at XLA:CPU's optimization level 0 (the
+    # suite's fast compile), the whole-split eval on one process of 2 devices
+    # hangs in its all-reduce until XLA aborts it (tests/session_settings.py).
+    "XLA_FLAGS": default_pipeline_env()["XLA_FLAGS"],
   }
 
 
