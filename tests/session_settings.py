@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
-# XLA:CPU's backend optimization level 0 compiles in about two thirds of the
-# time; `--xla_llvm_disable_expensive_passes` added little. One job is known to
-# hang under level 0: a whole-split eval on one process of 2 CPU devices waits
+# XLA:CPU's backend optimization level 0 compiles much sooner;
+# `--xla_llvm_disable_expensive_passes` added little. One job is known to hang
+# under level 0: a whole-split eval on one process of 2 CPU devices waits
 # in its all-reduce for a device that never arrives, until XLA aborts it (with
 # the flag always, without it mostly); tests/test_eval_export.py's jobs keep
 # the default pipeline.

@@ -241,7 +241,7 @@ def test_sigterm_to_the_launcher_lets_the_job_save_on_every_worker(fake, tmp_pat
   logs = tmp_path / "logs"
   # `timeout` passes the test's SIGTERM on and SIGKILLs `-k` seconds later: the
   # job's save and stop, on two workers' busy cores, must fit in that. It took
-  # over 5 s there, so `-k` is the launcher's own --term-grace and some.
+  # longer than a 5 s `-k` there, so `-k` is the launcher's own --term-grace and some.
   launcher = subprocess.Popen(
     [
       *("timeout", "-k", "30", "60", *LAUNCHER, "--zone", "z", "--no-copy", "--remote-dir", "."),

@@ -126,8 +126,8 @@ def test_sigterm_saves_at_one_agreed_step_and_resume_loses_nothing(
 
 # Each checkpoint write: twice the step limit below. The limit must also hold
 # the first step, which process 1 compiles without the cache (only process 0
-# writes it); with two pytest workers on 2 cores that took 5.5 s, past a 3 s
-# limit, so the limit is 8 s.
+# writes it); with two pytest workers on 2 cores that ran past a 3 s limit, so
+# the limit is 8 s.
 SAVE_DELAY_S = 16.0
 # Steps here take a tenth of a second: without a pause the run can end before
 # the test's SIGTERM lands, and then the save timed is the end's, not a preemption's.

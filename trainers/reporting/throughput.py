@@ -109,19 +109,6 @@ def compiled_text(
   return train_step.lower(state, batch).compile().as_text()
 
 
-def compiled_flops(
-  train_step: Callable,
-  setup: StateSetup,
-  task: Task,
-  config: ml_collections.ConfigDict,
-  mesh: jax.sharding.Mesh,
-  batch_axes: tuple[str, ...],
-) -> float:
-  """The compiled train step's matmul FLOPs over all devices (hardware FLOPs)."""
-  text = compiled_text(train_step, setup, task, config, mesh, batch_axes)
-  return float(hlo.matmul_flops(text)) * mesh.devices.size
-
-
 _said: set[tuple[str, float]] = set()
 
 
