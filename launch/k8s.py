@@ -47,8 +47,7 @@ from collections.abc import Mapping, Sequence
 import yaml
 
 from launch.processes import ENV_NAME, env_assignment
-from spmd import distributed as env_names
-from spmd import topology
+from spmd import env_names, topology
 from spmd.errors import EXIT_USER_ERROR
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"

@@ -44,7 +44,7 @@ from launch.processes import (
   signal_group,
   watch,
 )
-from spmd import distributed as env_names
+from spmd import env_names
 from spmd.errors import EXIT_USER_ERROR
 
 LocalJobResult = JobResult  # how a local job ended; `report()` has every output

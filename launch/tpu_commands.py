@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from launch.processes import ENV_NAME
-from spmd import distributed as env_names
+from spmd import env_names
 
 DEFAULT_EXCLUDES = (
   ".git",

@@ -18,8 +18,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import TYPE_CHECKING
 
-import jax
+if TYPE_CHECKING:  # JAX is imported where devices are made: `spmd-launch` reads names only.
+  import jax
 
 _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 _DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
@@ -166,6 +168,7 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
   # test next to a running one) fails; compiling for a description never
   # touches a chip, so several may load it at once.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  import jax
   from jax.experimental import topologies
 
   if not _loaded_log_dir:

@@ -203,7 +203,7 @@ def test_a_missing_private_name_fails_at_import():
     import jax._src.distributed as jd
     from absl import flags
 
-    def import_error(module="spmd"):
+    def import_error(module="spmd.distributed"):
       for name in [m for m in sys.modules if m == "spmd" or m.startswith(("spmd.", "trainers"))]:
         del sys.modules[name]
       try:
