@@ -17,6 +17,7 @@ the package keeps working, perhaps a little slower:
 | `global_state.client`, `.coordinator_address` | the coordination service's key-value store and barriers | none: required |
 | `jax._src.clusters.ClusterEnv._cluster_types` | whether JAX recognises this cluster (TPU VM, SLURM, ...) | none: required |
 | `jax._src.cloud_tpu_init.running_in_cloud_tpu_vm` | whether JAX took this machine for a Cloud TPU VM (its cluster detection then asks the GCE metadata server) | TPU chips in `/dev` (`accel*`, VFIO groups) and libtpu installed |
+| `jax._src.cache_key._hash_accelerator_config` | CPU processes of one job read each other's programs from the persistent compilation cache (`share_cpu_programs_between_processes`) | none needed: each process but 0 compiles its programs at every start, as JAX does |
 | orbax's `experimental_orbax_use_distributed_barrier` flag | orbax's barriers as coordination-service calls | none: checked when the first checkpoint manager is made, since `spmd` does not import orbax |
 
 Names are bound at import: the fast path's `isinstance(x, ARRAY_TYPE)` and
@@ -223,3 +224,61 @@ def use_coordination_service_barriers_in_orbax() -> None:
     setattr(flags.FLAGS, ORBAX_BARRIER_FLAG, True)
   else:  # used as a library: set it without parsing everyone's flags
     flags.FLAGS[ORBAX_BARRIER_FLAG].parse("true")
+
+
+_cache_key_module = lookup("jax._src.cache_key")
+
+
+def _cpu_model() -> str:
+  """This machine's CPU features, which XLA:CPU compiles for (Linux's /proc/cpuinfo)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  import platform
+
+  return platform.processor() or platform.machine()
+
+
+def share_cpu_programs_between_processes(module: Any = None) -> bool:
+  """Lets the CPU processes of one job read each other's programs from the persistent cache.
+
+  JAX keys a cached program by, among others, the calling process's own
+  topology. On CPU that is the process's local devices, so the processes of
+  one job never share an entry, and as only process 0 writes the cache,
+  every other process compiles every program at every start or restart, and
+  the whole job waits for it. For a program on CPU devices this key takes
+  the program's devices instead (global ids and processes, the same in every
+  process) and the CPU features XLA compiles for, so processes on machines
+  of one kind share, and others do not; other platforms keep JAX's key.
+  Returns whether it applies (False where this JAX lacks the name).
+
+  `module` stands for `jax._src.cache_key` (the default):
+
+  >>> class CacheKeys:
+  ...   _hash_accelerator_config = staticmethod(lambda hash_obj, devices: None)
+  >>> share_cpu_programs_between_processes(CacheKeys), share_cpu_programs_between_processes(object())
+  (True, False)
+  """
+  module = module if module is not None else _cache_key_module
+  original = getattr(module, "_hash_accelerator_config", None)
+  if original is None:
+    return False
+  if getattr(original, "spmd_keys_cpu_programs_by_devices", False):
+    return True
+  cpu_model = _cpu_model().encode()
+
+  def hash_accelerator_config(hash_obj: Any, accelerators: Any) -> None:
+    devices = list(accelerators.flat)
+    if not devices or any(d.platform != "cpu" for d in devices):
+      original(hash_obj, accelerators)
+      return
+    hash_obj.update(repr(sorted((d.id, d.process_index) for d in devices)).encode())
+    hash_obj.update(cpu_model)
+
+  hash_accelerator_config.spmd_keys_cpu_programs_by_devices = True
+  module._hash_accelerator_config = hash_accelerator_config
+  return True

@@ -234,6 +234,8 @@ def initialize(
     _initialize_from_metadata(settings)
   else:
     jax.distributed.initialize(**settings)
+  # Programs on CPU devices only: other platforms keep JAX's cache key.
+  compat.share_cpu_programs_between_processes()
   return _info(coordinator_address)
 
 

@@ -35,9 +35,12 @@ SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
 # the flag always, without it mostly); tests/test_eval_export.py's jobs keep
 # the default pipeline.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
-# Large enough never to evict within a run; setting a size turns on the
-# cache's file lock, so two workers and their jobs never read a half-written entry.
-_CACHE_MAX_BYTES = 8 << 30
+# No size limit for the cache (JAX's default), so no eviction and no access-time
+# files: with a limit, a job killed between writing an entry and its access
+# time (the fault tests kill jobs) leaves an entry that every later write's
+# eviction scan fails on, and nothing more is cached for the rest of the run.
+# A reader that finds an entry half-written gets a decompression error, which
+# JAX reports as a warning before it compiles the program itself.
 
 _owned: list[Path] = []
 
@@ -85,7 +88,6 @@ def apply() -> None:
   os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
   os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
 
 
 def clean_up() -> None:

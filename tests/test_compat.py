@@ -7,6 +7,7 @@ compat names, and no other module of the package reaches a private name.
 """
 
 import ast
+import hashlib
 import importlib
 import json
 import subprocess
@@ -177,6 +178,53 @@ def test_distributed_names_and_fallbacks_on_two_processes():
   for p in result.processes:
     for check in ("client", "initialize twice", "preemption service"):
       assert f"PASS {check}\n" in p.output, result.report()
+
+
+@pytest.mark.multiprocess
+def test_every_cpu_process_reads_what_process_0_compiled(tmp_path):
+  """JAX keys a CPU program by the calling process's own devices; ours by the program's."""
+  env = {
+    "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  runs = []
+  for _ in range(2):
+    result = run_worker(
+      "shared_cache_worker", num_processes=2, devices_per_process=2, timeout_s=120, env=env
+    )
+    assert_ok(result)
+    runs.append([p.output.split("HITS ")[1].split() for p in result.processes])
+  expected = str(float(sum(v * v for v in range(24))))
+  assert [hits for hits, _, _ in runs[0]] == ["0", "0"], runs
+  assert [hits for hits, _, _ in runs[1]] == ["1", "1"], runs
+  assert {total for run in runs for _, _, total in run} == {expected}, runs
+
+
+def test_cpu_programs_keep_jax_keys_elsewhere_and_without_the_name():
+  seen = []
+
+  class Device:
+    def __init__(self, platform, id):
+      self.platform, self.id, self.process_index = platform, id, id // 2
+
+  class CacheKeys:  # the part of jax._src.cache_key it replaces
+    @staticmethod
+    def _hash_accelerator_config(hash_obj, accelerators):
+      seen.append([d.platform for d in accelerators.flat])
+
+  keys = CacheKeys()
+  assert compat.share_cpu_programs_between_processes(keys)
+  assert compat.share_cpu_programs_between_processes(keys)  # once is enough
+  on = lambda platform: np.array([Device(platform, i) for i in range(4)])  # noqa: E731
+  cpu_hashes = []
+  for ids in (range(4), range(4), range(1, 5)):
+    h = hashlib.sha256()
+    keys._hash_accelerator_config(h, np.array([Device("cpu", i) for i in ids]))
+    cpu_hashes.append(h.hexdigest())
+  keys._hash_accelerator_config(hashlib.sha256(), on("tpu"))
+  assert seen == [["tpu"] * 4]  # JAX's own key for other platforms
+  assert cpu_hashes[0] == cpu_hashes[1] != cpu_hashes[2]  # the program's devices decide
+  assert compat.share_cpu_programs_between_processes(object()) is False
 
 
 # -- names without a fallback ------------------------------------------------------

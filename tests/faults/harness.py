@@ -29,9 +29,9 @@ from tests.multiprocess import ROOT
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
 # Jobs inherit the run's fast compile flags and its one compilation cache
-# (tests/session_settings.py): only process 0 writes that cache, and on CPU
-# the other processes' keys differ, so they compile at every (re)start; the
-# fast pipeline halves that, and the reference runs use it too, so
+# (tests/session_settings.py): process 0 writes it and every process reads it
+# (`spmd.compat.share_cpu_programs_between_processes`), so a restart compiles
+# nothing a run before it compiled; the reference runs use the same flags, so
 # comparisons stay bit-exact.
 
 
