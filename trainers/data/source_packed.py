@@ -19,9 +19,14 @@ none).
 A document belongs to a split by a hash of its key (its file's key and
 row, `trainers.data.holdout`): the build of a split keeps the documents
 that fall in it. Each split is its own dataset, built only when it holds
-documents (TFDS cannot write an empty split); the build's report, kept with
-it as `source_report.json`, says how many documents the split took, how
-many went to the other, and which bad rows it skipped.
+documents; the build's report, kept with it as `source_report.json`, says
+how many documents the split took, how many went to the other, and which
+bad rows it skipped.
+
+A build is shared by the processes that prepare it
+(`trainers.data.source_shards`): each tokenizes its share of the files and
+writes its share of the shards, and the records are those of the files'
+documents packed in file order, whatever the number of processes.
 
 The config name hashes what the windows depend on: the source's spec and
 every file's key, format, size and version, the text field, the split and
@@ -36,18 +41,17 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
-from trainers.data import packed
-from trainers.data.documents import Document, SourceDocuments
+from trainers.data import packed, source_shards
+from trainers.data.documents import BAD_ROWS_SHOWN, Document, SourceDocuments
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
+from trainers.data.prepare_group import ALONE, PrepareGroup
 from trainers.data.source_files import Source, SourceError, SourceFile
-from trainers.data.text_corpus import DOWNLOAD_CONFIG
 from trainers.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -126,35 +130,15 @@ def source_config(
   )
 
 
-class PackedSource(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """One split of one source, packed (see the module docstring)."""
+VERSION = "1.0.0"  # the prepared folder's version: datasets prepared before are read as they are
 
-  name = NAME
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES: ClassVar[dict[str, str]] = {
-    "1.0.0": "One split of a data.sources source, in packed_lm's records."
-  }
-  code_path = epath.Path(__file__)  # as text_corpus.TextCorpus.code_path
 
-  def __init__(self, **kwargs):
-    kwargs.setdefault("file_format", "array_record")
-    super().__init__(**kwargs)
+def _tokenize(config: SourceConfig) -> source_shards.Tokenize:
+  """`i -> (file i's ids, its notes)`: the documents of the config's split, tokenized and framed."""
+  source = config.source()
+  tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    config = self.builder_config
-    return tfds.core.DatasetInfo(
-      builder=self,
-      description=config.description,
-      features=packed.packed_features(config.seq_len, config.windows_per_record, config.vocab_size),
-      disable_shuffling=True,  # records in window order; epochs are shuffled when read
-    )
-
-  def _split_generators(self, dl_manager) -> dict[str, Iterator]:
-    del dl_manager  # nothing downloads
-    return {self.builder_config.split: self._generate_examples()}
-
-  def _generate_examples(self) -> Iterator[tuple[int, dict]]:
-    config = self.builder_config
+  def tokenize(i: int):
     tally = {"documents": 0, "other_split": 0}
 
     def keep(document: Document) -> bool:
@@ -165,24 +149,45 @@ class PackedSource(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         tally["documents" if mine else "other_split"] += 1
       return mine
 
-    documents = SourceDocuments(config.source(), config.text_field, config.skip_bad_rows, keep)
-    tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
-    ids = _token_ids(documents, tokenizer)
-    dtype = packed.token_dtype(config.vocab_size)
-    records = 0
-    for records, record in enumerate(
-      packed.pack_documents(ids, config.seq_len, dtype, config.windows_per_record), 1
-    ):
-      yield records - 1, record
-    if not records:
-      raise SourceError(
-        f"data.sources {config.spec!r} has no documents for its {config.split} split: "
-        f"{tally['other_split']} of its non-empty documents went to the other split and "
-        f"{documents.bad_count} rows were bad"
-      )
-    # In the build's own (incomplete) folder: renamed with the dataset, whole or not at all.
-    report = {**tally, "bad_rows": documents.report()}
-    (self.data_path / REPORT).write_text(json.dumps(report, indent=1))
+    documents = SourceDocuments(source, config.text_field, config.skip_bad_rows, keep)
+    ids = _token_ids(documents.of_file(source.files[i]), tokenizer)
+    return ids, lambda: {**tally, "bad_rows": documents.report()}
+
+  return tokenize
+
+
+def _checked_report(config: SourceConfig, notes: list[dict]) -> dict[str, str]:
+  """The build's report from every file's notes (`REPORT`); raises for too many bad rows or none kept.
+
+  Each file was read with the whole allowance; here the source's total is
+  held to it, naming the first row past it in file order.
+  """
+  bad = sum(n["bad_rows"]["count"] for n in notes)
+  if bad > config.skip_bad_rows:
+    seen = 0
+    for file, note in zip(config.source().files, notes):
+      count = note["bad_rows"]["count"]
+      if seen + count > config.skip_bad_rows:
+        rows = note["bad_rows"]["rows"]
+        at = config.skip_bad_rows - seen
+        shown = rows[at] if at < len(rows) else f"{file.path}: bad row number {at + 1} of the file"
+        break
+      seen += count
+    raise SourceError(
+      f"data.sources {config.spec!r}: {shown}; this is its bad row number "
+      f"{config.skip_bad_rows + 1}, and data.skip_bad_rows={config.skip_bad_rows} lets a source "
+      "skip that many"
+    )
+  documents = sum(n["documents"] for n in notes)
+  other = sum(n["other_split"] for n in notes)
+  if not sum(n["tokens"] for n in notes):
+    raise SourceError(
+      f"data.sources {config.spec!r} has no documents for its {config.split} split: "
+      f"{other} of its non-empty documents went to the other split and {bad} rows were bad"
+    )
+  rows = [row for n in notes for row in n["bad_rows"]["rows"]][:BAD_ROWS_SHOWN]
+  report = {"documents": documents, "other_split": other, "bad_rows": {"count": bad, "rows": rows}}
+  return {REPORT: json.dumps(report, indent=1)}
 
 
 def _token_ids(
@@ -287,32 +292,53 @@ class PreparedSplit:
     return f"{self.bad_rows} bad rows skipped{more}: {shown}"
 
 
-def prepare_source(data_dir: str | os.PathLike, config: SourceConfig) -> PreparedSplit:
+def prepare_source(
+  data_dir: str | os.PathLike, config: SourceConfig, group: PrepareGroup = ALONE
+) -> PreparedSplit:
   """Builds the split in `data_dir` unless it is there; returns its name and report.
 
-  A build reused from a run that let more bad rows be skipped than this
-  one (`data.skip_bad_rows`) is refused, naming the row past this run's limit.
+  Every process of `group` calls it: each tokenizes its share of the files
+  and writes its share of the shards (`trainers.data.source_shards`), and
+  the dataset is the same for any group. A build reused from a run that
+  let more bad rows be skipped than this one (`data.skip_bad_rows`) is
+  refused, naming the row past this run's limit.
   """
-  builder = PackedSource(data_dir=os.fspath(data_dir), config=config)
-  if not builder.data_path.exists():
+  folder = pathlib.Path(data_dir) / NAME / config.name / VERSION
+  if group.chief and not folder.exists():
     log.warning(
-      "spmd-train: data: preparing %r (%s split, %d files)",
+      "spmd-train: data: preparing %r (%s split, %d files, on %d processes)",
       config.spec,
       config.split,
       len(config.files),
+      group.count,
     )
-  builder.download_and_prepare(download_config=DOWNLOAD_CONFIG)
-  report = json.loads((builder.data_path / REPORT).read_text())
+  layout = source_shards.ShardLayout(
+    seq_len=config.seq_len,
+    run_windows=config.windows_per_record,
+    vocab_size=config.vocab_size,
+    split=config.split,
+    dataset=NAME,
+    shard_bytes=source_shards.SHARD_BYTES,
+  )
+  source_shards.prepare_shards(
+    folder,
+    [file.size for file in config.source().files],
+    _tokenize(config),
+    lambda notes: _checked_report(config, notes),
+    layout,
+    group,
+  )
+  report = json.loads((folder / REPORT).read_text())
   bad = report["bad_rows"]
   if bad["count"] > config.skip_bad_rows:
     shown = bad["rows"][min(config.skip_bad_rows, len(bad["rows"]) - 1)]
     raise SourceError(
-      f"data.sources {config.spec!r}: {shown}; the data prepared in {builder.data_path} "
+      f"data.sources {config.spec!r}: {shown}; the data prepared in {folder} "
       f"skipped {bad['count']} bad rows and data.skip_bad_rows={config.skip_bad_rows} lets a "
       "source skip fewer"
     )
   return PreparedSplit(
-    name=f"{NAME}/{config.name}:{builder.version}",
+    name=f"{NAME}/{config.name}:{VERSION}",
     documents=report["documents"],
     other_split=report["other_split"],
     bad_rows=bad["count"],

@@ -1,4 +1,4 @@
-"""The run's data: prepared once (process 0 first), then opened by every host for its own rows."""
+"""The run's data: prepared once (together, or process 0 first), then opened by every host for its own rows."""
 
 from __future__ import annotations
 
@@ -12,13 +12,20 @@ from spmd import multihost
 from spmd.errors import UserError
 from trainers import paths
 from trainers.data import mixture, pipeline
+from trainers.data.prepare_group import PrepareGroup
 from trainers.tasks import Task
 
 log = logging.getLogger(__name__)
+_PREPARE_TIMEOUT_S = 3600  # a large corpus takes its time; a failed host ends the job sooner
 
 
 def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
-  """(train batches, eval batches); process 0 prepares the data first.
+  """(train batches, eval batches), once the data is prepared.
+
+  A local or mounted `data.dir` and a task that `prepares_together` (the
+  LM tasks' `data.sources`): every process prepares its share at once, in
+  place (`trainers.data.source_shards`). Otherwise process 0 prepares first
+  and the others then find it prepared.
 
   A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
   local cache and uploads it; every host then copies `data.dir` to its own
@@ -28,21 +35,10 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
   """
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
-  # Process 0 builds; the others wait, then find it built (no race on files).
-  if jax.process_index() == 0:
-    if local != data_dir and data_dir.exists():
-      paths.copy_tree(data_dir, epath.Path(local))
-    name = task.prepare_data(str(local))
-    if local != data_dir:
-      uploaded = paths.copy_tree(epath.Path(local), data_dir)
-      log.warning(
-        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
-      )
-  multihost.barrier("data_prepared", timeout_s=3600)
-  if jax.process_index() != 0:
-    if local != data_dir:
-      paths.copy_tree(data_dir, epath.Path(local))
-    name = task.prepare_data(str(local))
+  if task.prepares_together and local == data_dir:
+    name = task.prepare_data(str(local), _group())
+  else:
+    name = _prepare_on_process_0_first(task, data_dir, local)
   data_dir = local
   common = dict(
     global_batch=config.global_batch,
@@ -74,6 +70,35 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
     name, config.data.eval_split, str(data_dir), task.to_example, train=False, **common
   )
   return train, evaluation
+
+
+def _group() -> PrepareGroup:
+  """Every process of the job, waiting through the distributed runtime (no device computation)."""
+  return PrepareGroup(
+    index=jax.process_index(),
+    count=jax.process_count(),
+    barrier=lambda name: multihost.barrier(f"data/{name}", timeout_s=_PREPARE_TIMEOUT_S),
+  )
+
+
+def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local):
+  """The task's data prepared by process 0 (and uploaded to a remote `data.dir`), then found."""
+  # Process 0 builds; the others wait, then find it built (no race on files).
+  if jax.process_index() == 0:
+    if local != data_dir and data_dir.exists():
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+    if local != data_dir:
+      uploaded = paths.copy_tree(epath.Path(local), data_dir)
+      log.warning(
+        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
+      )
+  multihost.barrier("data_prepared", timeout_s=_PREPARE_TIMEOUT_S)
+  if jax.process_index() != 0:
+    if local != data_dir:
+      paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+  return name
 
 
 def _open_mixture(config, task: Task, prepared: mixture.DataMixture, data_dir: str, common: dict):

@@ -108,6 +108,10 @@ class Task:
       returns the name to open with `tfds.data_source`; or, for several
       weighted sources, a `trainers.data.mixture.DataMixture` naming each
       source's prepared splits (the LM tasks' `config.data.sources`).
+    prepares_together: when True, `prepare_data(data_dir, group)` is called
+      on every process at once (a local or mounted `data.dir`), `group` a
+      `trainers.data.prepare_group.PrepareGroup`: the processes share the
+      work and wait for each other through it.
     record_template: one record's features as zeros (shapes and dtypes, no
       data). Its keys are the features `to_example` reads and the only ones
       decoded; `to_example(record_template)` gives the examples' shapes. A
@@ -158,7 +162,7 @@ class Task:
 
   model: Callable[[Any], Any]
   loss: LossFn
-  prepare_data: Callable[[str], Any]  # a TFDS name, or a DataMixture
+  prepare_data: Callable[..., Any]  # a TFDS name, or a DataMixture
   record_template: Mapping[str, Any]
   to_example: Callable[..., Example]
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None
@@ -173,6 +177,7 @@ class Task:
   optimizer: Callable[[ml_collections.ConfigDict, Any], Any] | None = None
   hooks: Sequence[Any] = ()
   run_files: Callable[[], Mapping[str, str]] | None = None
+  prepares_together: bool = False
 
   def __post_init__(self):
     for name in ("model", "loss", "prepare_data", "to_example"):

@@ -244,7 +244,7 @@ class LmData:
 
   Attributes:
     fields: the `Task` keywords of the data: `prepare_data`,
-      `record_template`, `to_example`, `to_batch`, `plan_records`, `unit`,
+      `prepares_together`, `record_template`, `to_example`, `to_batch`, `plan_records`, `unit`,
       `count_units`, `units_per_batch`, `run_files`.
     codec: `() -> TokenCodec`: text to ids and back, through the run's
       tokenizer once the data is prepared (bytes or ids before, and without
@@ -320,6 +320,7 @@ def lm_data(
     run_files=lambda: (
       {"tokenizer" + _suffix(prepared): prepared.tokenizer.path} if prepared.tokenizer else {}
     ),
+    prepares_together=bool(config.data.get("sources")),  # every host packs its share
   )
   return LmData(fields=fields, codec=codec)
 

@@ -1,10 +1,11 @@
 """The LM tasks' data from `config.data.sources`: the tokenizer, each source packed, the mixture.
 
 `config.data.sources` (see `trainers.data.source_files`) names the sources
-and their weights; `prepare(data_dir)` lists them, finds or trains the
+and their weights; `prepare(data_dir, group)` lists them, finds or trains the
 tokenizer, packs each source's train documents and, when it holds some
 out, its validation documents (`trainers.data.source_packed`), and returns
-the `DataMixture` the trainer opens. With `data.eval_sources`, those
+the `DataMixture` the trainer opens. Every process of `group` calls it
+at once and packs its share of each source. With `data.eval_sources`, those
 sources are the eval data and the train sources hold nothing out.
 
 A trained BPE (`data.tokenizer=bpe`) learns from a bounded, deterministic
@@ -37,6 +38,7 @@ from trainers.data import documents as docs
 from trainers.data import tokenizer as tok
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
 from trainers.data.mixture import DataMixture, MixtureSource
+from trainers.data.prepare_group import ALONE, PrepareGroup
 from trainers.data.source_files import Source, list_sources, parse_sources
 
 log = logging.getLogger(__name__)
@@ -111,14 +113,22 @@ def sources_prepare(
 
   data = config.data
 
-  def prepare(data_dir: str) -> DataMixture:
+  def prepare(data_dir: str, group: PrepareGroup = ALONE) -> DataMixture:
+    # Every process of `group` lists the same files: the builds' names hash
+    # each file's identity, so hosts that listed otherwise would not meet.
     train = list_sources(parse_sources(data.sources))
     evals = []
     if data.eval_sources:
       setting = "data.eval_sources"
       evals = list_sources(parse_sources(data.eval_sources, setting), setting)
     percent = 0.0 if evals else float(data.validation_percent)
-    prepared.tokenizer = _tokenizer(config, data_dir, train, percent, vocab_size)
+    # The tokenizer (trained or copied into data_dir on first use) is made by
+    # process 0; the others find it there.
+    if group.chief:
+      prepared.tokenizer = _tokenizer(config, data_dir, train, percent, vocab_size)
+    group.wait("tokenizer")
+    if not group.chief:
+      prepared.tokenizer = _tokenizer(config, data_dir, train, percent, vocab_size)
     prepared.identity = (
       f"tokenizer {prepared.tokenizer.identity}" if prepared.tokenizer else "tokenizer bytes"
     )
@@ -133,7 +143,7 @@ def sources_prepare(
 
     def split(source: Source, which: str, share: float):
       built = source_packed.source_config(source, split=which, validation_percent=share, **common)
-      return source_packed.prepare_source(data_dir, built)
+      return source_packed.prepare_source(data_dir, built, group)
 
     mixed = []
     for source in train:

@@ -1,0 +1,319 @@
+"""A packed dataset prepared by a group of processes, each its share, in bounded memory.
+
+The input is a list of pieces (a source's files, in their canonical order),
+each a stream of token ids (`tokenize(i)`). The dataset is `packed_lm`'s
+records (`trainers.data.packed`) of the pieces' streams concatenated in
+that order: the same records `pack_documents` makes of the whole stream,
+whatever the number of processes that prepared it. Three steps, each
+process doing its share, the group waiting between them
+(`trainers.data.prepare_group`):
+
+  1. tokenize: each piece is given to one process (the largest first, each
+     to the least loaded: a deterministic share of the tokens), which
+     streams its ids to a spill file, its documents' starts to another and
+     its notes (counts, bad rows) to a small JSON, written last;
+  2. pack: with every piece's token count known, record `r` covers the
+     stream's tokens `[r * run, r * run + run + 1)` (`run` = windows per
+     record x seq_len); records are grouped into shards of a fixed count
+     (from the layout, never the group's size), and each process writes the
+     shards it owns (`PrepareGroup.owns`), reading the spill files a
+     record at a time;
+  3. publish: process 0 writes the index (TFDS's `dataset_info.json` and
+     `features.json`, through `tfds.folder_dataset.write_metadata`, and
+     the caller's notes) and renames the folder to the dataset's name.
+
+Memory holds one piece's batch of documents and one record, never a piece
+or the corpus. Everything is written to a hidden folder beside the dataset
+(`.VERSION.preparing`) and made final by a rename, file by file: a kill
+leaves finished pieces and shards, which the next preparation (on any
+number of processes) keeps, and never a dataset under its final name until
+the index is written.
+
+Example:
+  >>> import tempfile, pathlib
+  >>> folder = pathlib.Path(tempfile.mkdtemp()) / "packed_source" / "demo" / "1.0.0"
+  >>> pieces = [[np.array([1, 5, 2])], [np.array([1, 6, 7, 2])]]
+  >>> layout = ShardLayout(seq_len=4, run_windows=1, vocab_size=256, split="train")
+  >>> prepare_shards(folder, [3, 4], lambda i: (pieces[i], dict), lambda notes: {}, layout)
+  >>> sorted(p.name for p in folder.iterdir())  # doctest: +NORMALIZE_WHITESPACE
+  ['dataset_info.json', 'features.json', 'packed_source-train.array_record-00000-of-00001']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import logging
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow_datasets as tfds
+from array_record.python import array_record_module
+from tensorflow_datasets.core import example_serializer
+
+from trainers.data import packed
+from trainers.data.prepare_group import ALONE, PrepareGroup
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 64 << 20  # of tokens per shard: records per shard follow from the layout alone
+_WORKSPACE = ".{version}.preparing"  # beside the dataset's version folder
+_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
+_FORMAT = "array_record"
+
+Ids = np.ndarray | packed.Continued
+# tokenize(i) -> (piece i's ids, in order; () -> its notes once they are read)
+Tokenize = Callable[[int], tuple[Iterable[Ids], Callable[[], dict[str, Any]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+  """What the records and shards depend on besides the tokens."""
+
+  seq_len: int
+  run_windows: int
+  vocab_size: int
+  split: str
+  dataset: str = "packed_source"
+  shard_bytes: int = SHARD_BYTES
+
+  @property
+  def run(self) -> int:
+    return self.run_windows * self.seq_len
+
+  @property
+  def dtype(self) -> np.dtype:
+    return packed.token_dtype(self.vocab_size)
+
+  @property
+  def shard_records(self) -> int:
+    return max(1, self.shard_bytes // ((self.run + 1) * self.dtype.itemsize))
+
+  def features(self) -> tfds.features.FeaturesDict:
+    return packed.packed_features(self.seq_len, self.run_windows, self.vocab_size)
+
+
+def share_pieces(sizes: Sequence[int], count: int) -> list[int]:
+  """The process that tokenizes each piece: the largest first, each to the least loaded.
+
+  Depends on the sizes and `count` only, so every process computes the same.
+
+  >>> share_pieces([10, 1, 1, 8], 2)
+  [0, 1, 1, 1]
+  """
+  owners = [0] * len(sizes)
+  loads = [(0, process) for process in range(count)]
+  for piece in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    load, process = heapq.heappop(loads)
+    owners[piece] = process
+    heapq.heappush(loads, (load + sizes[piece], process))
+  return owners
+
+
+def prepare_shards(
+  folder: str | os.PathLike,
+  sizes: Sequence[int],
+  tokenize: Tokenize,
+  check: Callable[[list[dict[str, Any]]], dict[str, str]],
+  layout: ShardLayout,
+  group: PrepareGroup = ALONE,
+) -> None:
+  """Prepares the dataset `folder` (its version folder) unless it is there; see the module docstring.
+
+  Every process of `group` calls it with the same arguments. `sizes` (bytes
+  of each piece's input) decide who tokenizes which piece. `check(notes)`,
+  with every piece's notes in order, runs on every process before packing:
+  it raises for data that must not be prepared (every process raises the
+  same) and returns the files process 0 publishes beside the shards.
+  """
+  folder = pathlib.Path(folder)
+  if (folder / "dataset_info.json").exists():
+    return
+  work = folder.parent / _WORKSPACE.format(version=folder.name)
+  spill, out = work / "pieces", work / folder.name
+  if group.chief:
+    spill.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
+  group.wait(f"{folder}/workspace")
+  owners = share_pieces(sizes, group.count)
+  for piece, owner in enumerate(owners):
+    if owner == group.index and not (spill / f"{piece:06d}.json").exists():
+      _spill(spill, piece, *tokenize(piece), layout.dtype)
+  group.wait(f"{folder}/tokenized")
+  notes = [json.loads((spill / f"{piece:06d}.json").read_text()) for piece in range(len(sizes))]
+  published = check(notes)
+  stream = _Stream(spill, notes, layout.dtype)
+  records = -(-stream.length // layout.run)
+  shards = -(-records // layout.shard_records)
+  names = [_shard_name(layout, shard, shards) for shard in range(shards)]
+  for shard, name in enumerate(names):
+    if group.owns(shard) and not (out / name).exists():
+      first = shard * layout.shard_records
+      last = min(records, first + layout.shard_records)
+      _write_shard(out / name, (_record(stream, r, layout) for r in range(first, last)), layout)
+  group.wait(f"{folder}/packed")
+  if group.chief:
+    _publish(out, folder, layout, records, shards, published)
+    shutil.rmtree(work)
+  group.wait(f"{folder}/published")
+
+
+def _shard_name(layout: ShardLayout, shard: int, shards: int) -> str:
+  return f"{layout.dataset}-{layout.split}.{_FORMAT}-{shard:05d}-of-{shards:05d}"
+
+
+def _replace_when_written(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+  """`write(partial)`, then the partial file renamed to `path`: a kill never leaves `path` half."""
+  partial = path.with_name(f".{path.name}.partial")
+  write(partial)
+  os.replace(partial, path)
+
+
+def _spill(
+  spill: pathlib.Path,
+  piece: int,
+  ids: Iterable[Ids],
+  notes: Callable[[], dict[str, Any]],
+  dtype: np.dtype,
+) -> None:
+  """Piece `piece`'s ids and document starts to spill files, then its notes (written last)."""
+  stem = f"{piece:06d}"
+  tokens_path, starts_path = spill / f".{stem}.tokens.partial", spill / f".{stem}.starts.partial"
+  length = documents = 0
+  with open(tokens_path, "wb") as tokens, open(starts_path, "wb") as starts:
+    for document in ids:
+      continued = isinstance(document, packed.Continued)
+      document = np.asarray(document.tokens if continued else document)
+      if not len(document):
+        continue  # an empty document holds nothing (as `pack_documents`)
+      # A piece's first ids always open a document: a piece is read on its own.
+      if not continued or not length:
+        starts.write(np.int64(length).tobytes())
+        documents += 1
+      tokens.write(document.astype(dtype).tobytes())
+      length += len(document)
+  os.replace(tokens_path, spill / f"{stem}.tokens")
+  os.replace(starts_path, spill / f"{stem}.starts")
+  facts = {"tokens": length, "documents": documents, **notes()}
+  _replace_when_written(spill / f"{stem}.json", lambda p: p.write_text(json.dumps(facts)))
+
+
+class _Stream:
+  """The pieces' spill files read as one stream of tokens and document starts."""
+
+  def __init__(self, spill: pathlib.Path, notes: list[dict[str, Any]], dtype: np.dtype):
+    self.spill, self.dtype = spill, dtype
+    self.offsets = np.concatenate([[0], np.cumsum([n["tokens"] for n in notes])]).astype(np.int64)
+    self.documents_before = np.concatenate([[0], np.cumsum([n["documents"] for n in notes])])
+    self.length = int(self.offsets[-1])
+    self._starts: tuple[int, np.ndarray] | None = None
+
+  def _piece_at(self, at: int) -> int:
+    # The last piece that starts at or before `at`: empty pieces share an offset with the next.
+    return int(np.searchsorted(self.offsets, at, side="right")) - 1
+
+  def _piece_starts(self, piece: int) -> np.ndarray:
+    if self._starts is None or self._starts[0] != piece:  # records read a piece in turn
+      starts = np.fromfile(self.spill / f"{piece:06d}.starts", np.int64)
+      self._starts = (piece, starts + self.offsets[piece])
+    return self._starts[1]
+
+  def tokens(self, lo: int, hi: int) -> np.ndarray:
+    parts, piece = [], self._piece_at(lo)
+    while lo < hi:
+      end = min(hi, int(self.offsets[piece + 1]))
+      if end > lo:
+        with open(self.spill / f"{piece:06d}.tokens", "rb") as f:
+          f.seek((lo - int(self.offsets[piece])) * self.dtype.itemsize)
+          parts.append(np.fromfile(f, self.dtype, end - lo))
+      lo, piece = end, piece + 1
+    return np.concatenate(parts)
+
+  def starts(self, lo: int, hi: int) -> np.ndarray:
+    found, piece = [], self._piece_at(lo)
+    while piece < len(self.offsets) - 1 and self.offsets[piece] < hi:
+      starts = self._piece_starts(piece)
+      found.append(starts[(starts >= lo) & (starts < hi)])
+      piece += 1
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+  def document(self, at: int) -> int:
+    """The index of the document that token `at` belongs to."""
+    piece = self._piece_at(at)
+    within = int(np.searchsorted(self._piece_starts(piece), at, side="right")) - 1
+    return int(self.documents_before[piece]) + within
+
+
+def _record(stream: _Stream, r: int, layout: ShardLayout) -> dict[str, Any]:
+  """Record `r`: as `pack_documents` cuts the whole stream (its module docstring)."""
+  base = r * layout.run
+  length = min(layout.run + 1, stream.length - base)
+  tokens = np.zeros(layout.run + 1, layout.dtype)
+  tokens[:length] = stream.tokens(base, base + length)
+  return {
+    "tokens": tokens,
+    "starts": (stream.starts(base, base + length) - base).astype(np.int32),
+    "length": np.int32(length),
+    "document": np.int64(stream.document(base)),
+  }
+
+
+def _write_shard(path: pathlib.Path, records: Iterator[dict[str, Any]], layout: ShardLayout):
+  features = layout.features()
+  serializer = example_serializer.ExampleSerializer(features.get_serialized_info())
+
+  def write(partial: pathlib.Path) -> None:
+    # group_size:1, as TFDS writes ArrayRecord: a record reads without its neighbours.
+    writer = array_record_module.ArrayRecordWriter(os.fspath(partial), "group_size:1")
+    try:
+      for record in records:
+        example = serializer.get_tf_example(features.encode_example(record))
+        # Deterministic: a tf.train.Example's features are a map, whose order
+        # otherwise follows the process's string hashing; every process must
+        # write the same bytes.
+        writer.write(example.SerializeToString(deterministic=True))
+    finally:
+      writer.close()
+
+  _replace_when_written(path, write)
+
+
+def _publish(
+  out: pathlib.Path,
+  folder: pathlib.Path,
+  layout: ShardLayout,
+  records: int,
+  shards: int,
+  files: dict[str, str],
+) -> None:
+  """The index, then the rename that makes `out` the dataset `folder`."""
+  for name, text in files.items():
+    (out / name).write_text(text)
+  lengths = [min(layout.shard_records, records - s * layout.shard_records) for s in range(shards)]
+  template = tfds.core.ShardedFileTemplate(
+    data_dir=tfds.core.Path(out),
+    template=_TEMPLATE,
+    dataset_name=layout.dataset,
+    filetype_suffix=_FORMAT,
+  )
+  split = tfds.core.SplitInfo(
+    name=layout.split,
+    shard_lengths=lengths,
+    num_bytes=sum(os.path.getsize(out / _shard_name(layout, s, shards)) for s in range(shards)),
+    filename_template=template,
+  )
+  tfds.folder_dataset.write_metadata(
+    data_dir=out,
+    features=layout.features(),
+    split_infos=[split],
+    filename_template=template,
+    check_data=False,
+    description=f"{records} records of packed windows of {layout.seq_len + 1} tokens",
+    disable_shuffling=True,
+  )
+  os.replace(out, folder)
