@@ -278,6 +278,7 @@ class PreparedSplit:
   other_split: int
   bad_rows: int
   bad_examples: tuple[str, ...]
+  tokenized_here: int = 0  # tokens this process tokenized for it (0: found prepared)
 
   def note(self) -> str:
     """What to log of its bad rows ("" when there were none)."""
@@ -306,7 +307,7 @@ def prepare_source(
   folder = pathlib.Path(data_dir) / NAME / config.name / VERSION
   if group.chief and not folder.exists():
     log.warning(
-      "spmd-train: data: preparing %r (%s split, %d files, on %d processes)",
+      "spmd-train: data: preparing %r (%s split, %d files) on %d processes",
       config.spec,
       config.split,
       len(config.files),
@@ -320,7 +321,7 @@ def prepare_source(
     dataset=NAME,
     shard_bytes=source_shards.SHARD_BYTES,
   )
-  source_shards.prepare_shards(
+  tokenized = source_shards.prepare_shards(
     folder,
     [file.size for file in config.source().files],
     _tokenize(config),
@@ -343,4 +344,5 @@ def prepare_source(
     other_split=report["other_split"],
     bad_rows=bad["count"],
     bad_examples=tuple(bad["rows"]),
+    tokenized_here=tokenized,
   )

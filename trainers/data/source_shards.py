@@ -35,6 +35,7 @@ Example:
   >>> pieces = [[np.array([1, 5, 2])], [np.array([1, 6, 7, 2])]]
   >>> layout = ShardLayout(seq_len=4, run_windows=1, vocab_size=256, split="train")
   >>> prepare_shards(folder, [3, 4], lambda i: (pieces[i], dict), lambda notes: {}, layout)
+  7
   >>> sorted(p.name for p in folder.iterdir())  # doctest: +NORMALIZE_WHITESPACE
   ['dataset_info.json', 'features.json', 'packed_source-train.array_record-00000-of-00001']
 """
@@ -122,8 +123,11 @@ def prepare_shards(
   check: Callable[[list[dict[str, Any]]], dict[str, str]],
   layout: ShardLayout,
   group: PrepareGroup = ALONE,
-) -> None:
+) -> int:
   """Prepares the dataset `folder` (its version folder) unless it is there; see the module docstring.
+
+  Returns how many tokens this process tokenized (0 when the dataset was
+  there, or its pieces were tokenized by a run that stopped part-way).
 
   Every process of `group` calls it with the same arguments. `sizes` (bytes
   of each piece's input) decide who tokenizes which piece. `check(notes)`,
@@ -133,7 +137,7 @@ def prepare_shards(
   """
   folder = pathlib.Path(folder)
   if (folder / "dataset_info.json").exists():
-    return
+    return 0
   work = folder.parent / _WORKSPACE.format(version=folder.name)
   spill, out = work / "pieces", work / folder.name
   if group.chief:
@@ -141,9 +145,10 @@ def prepare_shards(
     out.mkdir(exist_ok=True)
   group.wait(f"{folder}/workspace")
   owners = share_pieces(sizes, group.count)
+  tokenized = 0
   for piece, owner in enumerate(owners):
     if owner == group.index and not (spill / f"{piece:06d}.json").exists():
-      _spill(spill, piece, *tokenize(piece), layout.dtype)
+      tokenized += _spill(spill, piece, *tokenize(piece), layout.dtype)
   group.wait(f"{folder}/tokenized")
   notes = [json.loads((spill / f"{piece:06d}.json").read_text()) for piece in range(len(sizes))]
   published = check(notes)
@@ -161,6 +166,7 @@ def prepare_shards(
     _publish(out, folder, layout, records, shards, published)
     shutil.rmtree(work)
   group.wait(f"{folder}/published")
+  return tokenized
 
 
 def _shard_name(layout: ShardLayout, shard: int, shards: int) -> str:
@@ -180,8 +186,11 @@ def _spill(
   ids: Iterable[Ids],
   notes: Callable[[], dict[str, Any]],
   dtype: np.dtype,
-) -> None:
-  """Piece `piece`'s ids and document starts to spill files, then its notes (written last)."""
+) -> int:
+  """Piece `piece`'s ids and document starts to spill files, then its notes (written last).
+
+  Returns the piece's token count.
+  """
   stem = f"{piece:06d}"
   tokens_path, starts_path = spill / f".{stem}.tokens.partial", spill / f".{stem}.starts.partial"
   length = documents = 0
@@ -201,6 +210,7 @@ def _spill(
   os.replace(starts_path, spill / f"{stem}.starts")
   facts = {"tokens": length, "documents": documents, **notes()}
   _replace_when_written(spill / f"{stem}.json", lambda p: p.write_text(json.dumps(facts)))
+  return length
 
 
 class _Stream:
