@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, D1-D3) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -21,6 +21,9 @@ counts and process layouts):
                                     M1-xla the same with XLA's attention
   M2      benchmarks/pod_flops.py   compiled FLOPs per device of llama3_8b on v5p-256
                                     (libtpu), fsdp_tp vs pure FSDP: nothing timed
+  D1-D3   benchmarks/data_prep.py   data.sources prepared by 4 processes: the largest
+                                    share of tokens, peak RSS and time to the first
+                                    step as a generated corpus grows 4x
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -67,6 +70,7 @@ BENCHMARKS = [
   ("llama", ("P10",), {}),
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
+  ("data_prep", ("D1", "D2", "D3"), {}),
 ]
 # Measured on a TPU chip by benchmarks/tpu_check.py, merged by --from-tpu-check.
 TPU_FIGURES = ("P4-tpu", "P9", "P11", "PL1", "PL2", "PL3")
