@@ -6,6 +6,8 @@
   text_corpus.py    the `text_corpus` TFDS builder: byte-level LM data from local text files
   packed.py         `packed_lm`: documents tokenized and packed into windows
   source_packed.py  `packed_source`: one split of one source, packed
+  source_shards.py  a packed dataset prepared by a group of processes, each its share
+  prepare_group.py  the processes that prepare data together (which, how many, how they wait)
   blobs.py          `blobs`: a generated classification dataset (the MLP config)
   datasets.py       `open_source`: any prepared TFDS dataset as a random-access source;
                     `prepare_text_corpus`: build (or reuse) the text corpus
