@@ -140,16 +140,18 @@ def prepare_shards(
     return 0
   work = folder.parent / _WORKSPACE.format(version=folder.name)
   spill, out = work / "pieces", work / folder.name
+  # Barriers by the dataset's own name: hosts may mount data.dir at other paths.
+  dataset = f"{folder.parent.name}/{folder.name}"
   if group.chief:
     spill.mkdir(parents=True, exist_ok=True)
     out.mkdir(exist_ok=True)
-  group.wait(f"{folder}/workspace")
+  group.wait(f"{dataset}/workspace")
   owners = share_pieces(sizes, group.count)
   tokenized = 0
   for piece, owner in enumerate(owners):
     if owner == group.index and not (spill / f"{piece:06d}.json").exists():
       tokenized += _spill(spill, piece, *tokenize(piece), layout.dtype)
-  group.wait(f"{folder}/tokenized")
+  group.wait(f"{dataset}/tokenized")
   notes = [json.loads((spill / f"{piece:06d}.json").read_text()) for piece in range(len(sizes))]
   published = check(notes)
   stream = _Stream(spill, notes, layout.dtype)
@@ -161,11 +163,11 @@ def prepare_shards(
       first = shard * layout.shard_records
       last = min(records, first + layout.shard_records)
       _write_shard(out / name, (_record(stream, r, layout) for r in range(first, last)), layout)
-  group.wait(f"{folder}/packed")
+  group.wait(f"{dataset}/packed")
   if group.chief:
     _publish(out, folder, layout, records, shards, published)
     shutil.rmtree(work)
-  group.wait(f"{folder}/published")
+  group.wait(f"{dataset}/published")
   return tokenized
 
 
