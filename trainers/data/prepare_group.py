@@ -18,6 +18,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable
+from typing import Any
+
+
+def _computed_here(name: str, compute: Callable[[], Any]) -> Any:
+  del name  # one process: its own answer is the group's
+  return compute()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +35,15 @@ class PrepareGroup:
     count: the processes in the group.
     barrier: `name -> None`, returns once every process of the group has
       called it with `name`.
+    agree: `(name, compute) -> value`: `compute()`'s JSON value as process 0
+      computed it, on every process (`spmd.multihost.from_process_0`), for
+      what the hosts must not see differently (the files of a source).
   """
 
   index: int
   count: int
   barrier: Callable[[str], None]
+  agree: Callable[[str, Callable[[], Any]], Any] = _computed_here
   _calls: itertools.count = dataclasses.field(default_factory=itertools.count, compare=False)
 
   def __post_init__(self):

@@ -78,6 +78,7 @@ def _group() -> PrepareGroup:
     index=jax.process_index(),
     count=jax.process_count(),
     barrier=lambda name: multihost.barrier(f"data/{name}", timeout_s=_PREPARE_TIMEOUT_S),
+    agree=lambda name, compute: multihost.from_process_0(f"data/{name}", compute),
   )
 
 

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,7 +40,7 @@ from trainers.data import tokenizer as tok
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
 from trainers.data.mixture import DataMixture, MixtureSource
 from trainers.data.prepare_group import ALONE, PrepareGroup
-from trainers.data.source_files import Source, list_sources, parse_sources
+from trainers.data.source_files import Source, SourceFile, list_sources, parse_sources
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,22 @@ def _tokenizer(config, data_dir: str, sources: list[Source], percent: float, voc
   )
 
 
+def _listed(group: PrepareGroup, text: str, setting: str) -> list[Source]:
+  """The sources of a setting as process 0 lists them, on every process of `group`.
+
+  The builds' names hash each file's identity: hosts that listed a file
+  being written at different moments would prepare different datasets and
+  never meet at the group's barriers.
+  """
+  specs = parse_sources(text, setting)
+  listed = group.agree(
+    setting, lambda: [dataclasses.asdict(s) for s in list_sources(specs, setting)]
+  )
+  return [
+    Source(s["spec"], s["weight"], tuple(SourceFile(**f) for f in s["files"])) for s in listed
+  ]
+
+
 def sources_prepare(
   config: ml_collections.ConfigDict,
   prepared,
@@ -114,13 +131,10 @@ def sources_prepare(
   data = config.data
 
   def prepare(data_dir: str, group: PrepareGroup = ALONE) -> DataMixture:
-    # Every process of `group` lists the same files: the builds' names hash
-    # each file's identity, so hosts that listed otherwise would not meet.
-    train = list_sources(parse_sources(data.sources))
+    train = _listed(group, data.sources, "data.sources")
     evals = []
     if data.eval_sources:
-      setting = "data.eval_sources"
-      evals = list_sources(parse_sources(data.eval_sources, setting), setting)
+      evals = _listed(group, data.eval_sources, "data.eval_sources")
     percent = 0.0 if evals else float(data.validation_percent)
     # The tokenizer (trained or copied into data_dir on first use) is made by
     # process 0; the others find it there.
