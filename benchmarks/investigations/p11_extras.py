@@ -18,6 +18,10 @@ extras one at a time, and all together:
   +counters step, updates and bad_steps in the state
   all       every extra above: the work our step does, in plain JAX
   ours      the trainer's step (`make_train_step`)
+  ours_flat_mlp  ours with the MLP applied to the tokens flattened to [rows * length,
+            d_model] as the hand-written step does (an ablation that exists only
+            while its step is traced: it drops the MLP's activation constraints)
+`--variants` picks some of these by name.
 All share one batch of the check's 501M Llama (`configs/llama_tpu_check.py`);
 the hand-written variants share one state, ours has its own (the chip holds
 two). Rounds of `--steps` steps, the variants in turn and in reverse order
@@ -46,6 +50,7 @@ import optax  # noqa: E402
 
 from benchmarks import tpu_check, tpu_llama, tpu_tuning  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
+from trainers.models import llama  # noqa: E402
 from trainers.step.mesh import build_mesh  # noqa: E402
 from trainers.step.state import make_state  # noqa: E402
 from trainers.step.train_step import make_train_step  # noqa: E402
@@ -101,7 +106,7 @@ def hand_variant(config, extras: frozenset[str]):
   return jax.jit(step, donate_argnums=0), tx
 
 
-def variants(config) -> dict[str, frozenset[str]]:
+def variants() -> dict[str, frozenset[str]]:
   """Each hand-written variant's extras, by name."""
   out = {"hand": frozenset()}
   out.update({f"+{e}": frozenset({e}) for e in EXTRAS})
@@ -109,8 +114,20 @@ def variants(config) -> dict[str, frozenset[str]]:
   return out
 
 
-def measure(config, rounds: int, steps: int, trace_steps: int) -> dict:
-  """Every variant and ours on one batch: step times, ratios to `hand`, and profiles."""
+OURS = ("ours", "ours_flat_mlp")
+
+
+def _flat_mlp(self, x):
+  """`llama.MLP.__call__` on [rows * length, d_model], as the hand-written layer computes it."""
+  dt, (rows, length, d) = x.dtype, x.shape
+  h = x.reshape(rows * length, d)
+  gate, up = h @ self.gate[...].astype(dt), h @ self.up[...].astype(dt)
+  y = (jax.nn.silu(gate) * up) @ self.down[...].astype(dt)
+  return y.reshape(rows, length, d)
+
+
+def measure(config, rounds: int, steps: int, trace_steps: int, names: list[str]) -> dict:
+  """The named variants on one batch: step times, ratios to `hand`, and profiles."""
   task = make_task(config)
   mesh, axes = build_mesh(config)
   setup = make_state(task.model, config, mesh, axes, task.optimizer)
@@ -125,31 +142,40 @@ def measure(config, rounds: int, steps: int, trace_steps: int) -> dict:
   ours_state = setup.init()
   params = tpu_llama.hand_params(ours_state["params"])
   steps_by_name, tx = {}, None
-  for name, extras in variants(config).items():
-    steps_by_name[name], tx = hand_variant(config, extras)
+  for name, extras in variants().items():
+    if name in names or tx is None:
+      steps_by_name[name], tx = hand_variant(config, extras)
   counters = {name: jnp.zeros((), jnp.int32) for name in ("step", "updates", "bad_steps")}
   states = {
     "hand": {"params": params, "opt_state": tx.init(params), **counters},
     "ours": ours_state,
   }
-  steps_by_name["ours"] = make_train_step(setup, task, config, mesh, axes)
+  for name in OURS:
+    if name in names:
+      steps_by_name[name] = make_train_step(setup, task, config, mesh, axes)
   compiled, compile_s = {}, {}
   for name, step in steps_by_name.items():
-    kind = "ours" if name == "ours" else "hand"
+    kind = "ours" if name in OURS else "hand"
     started = time.perf_counter()
-    compiled[name] = step.lower(states[kind], batch).compile()
+    original = llama.MLP.__call__
+    if name == "ours_flat_mlp":
+      llama.MLP.__call__ = _flat_mlp
+    try:
+      compiled[name] = step.lower(states[kind], batch).compile()
+    finally:
+      llama.MLP.__call__ = original
     compile_s[name] = time.perf_counter() - started
     print(f"{name}: compiled in {compile_s[name]:.1f} s", flush=True)
 
   def run(name: str, n: int) -> tuple[float, dict]:
-    kind = "ours" if name == "ours" else "hand"
+    kind = "ours" if name in OURS else "hand"
     started = time.perf_counter()
     for _ in range(n):
       states[kind], metrics = compiled[name](states[kind], batch)
     jax.block_until_ready(metrics)
     return (time.perf_counter() - started) / n, metrics
 
-  first_loss = {name: float(run(name, 1)[1]["loss"]) for name in ("ours", "all")}
+  first_loss = {name: float(run(name, 1)[1]["loss"]) for name in compiled}
   names = list(compiled)
   times: dict[str, list[float]] = {n: [] for n in names}
   for i in range(rounds):
@@ -169,7 +195,9 @@ def measure(config, rounds: int, steps: int, trace_steps: int) -> dict:
   if trace_steps:
     out["profiles"] = {}
     for name in ("hand", "all", "ours"):
-      kind = "ours" if name == "ours" else "hand"
+      if name not in compiled:
+        continue
+      kind = "ours" if name in OURS else "hand"
       out["profiles"][name], states[kind] = tpu_tuning.profile(
         compiled[name], states[kind], batch, trace_steps, compiled[name].as_text(), top=40
       )
@@ -184,13 +212,22 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--trace_steps", type=int, default=2)
   parser.add_argument("--tuning", default="", help="a setting for `tpu_tuning.apply`")
   parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (its test)")
+  parser.add_argument(
+    "--variants", default=",".join([*variants(), *OURS]), help="comma-separated names"
+  )
   parser.add_argument("--out", default=os.environ.get("OUT", ".") + "/p11_extras.json")
   args = parser.parse_args(argv)
   setting = json.loads(Path(args.tuning).read_text()) if args.tuning else {}
   tpu_tuning.apply(setting)
   config = tpu_tuning.configure(tpu_check.check_config(args.rows, args.tiny), setting)
   config.global_batch = args.rows
-  result = measure(config, args.rounds, args.steps, args.trace_steps)
+  names = args.variants.split(",")
+  unknown = set(names) - {*variants(), *OURS}
+  if unknown or "hand" not in names:
+    parser.error(
+      f"--variants={args.variants!r}: 'hand' is needed, and {sorted(unknown)} are unknown"
+    )
+  result = measure(config, args.rounds, args.steps, args.trace_steps, names)
   result.update(device_kind=jax.local_devices()[0].device_kind, setting=setting)
   Path(args.out).write_text(json.dumps(result, indent=1, default=str))
   print(f"{'variant':>10}  {'step ms':>8}  {'/ hand':>7}")
