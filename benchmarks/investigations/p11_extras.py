@@ -18,9 +18,11 @@ extras one at a time, and all together:
   +counters step, updates and bad_steps in the state
   all       every extra above: the work our step does, in plain JAX
   ours      the trainer's step (`make_train_step`)
-  ours_flat_mlp  ours with the MLP applied to the tokens flattened to [rows * length,
-            d_model] as the hand-written step does (an ablation that exists only
-            while its step is traced: it drops the MLP's activation constraints)
+  ours_3d_mlp  ours with the MLP's former form, its gate and up outputs reshaped
+            to [rows, length, d_ff] between the matmuls (`layers.dense`)
+  ours_unconstrained  ours without the model's activation constraints (on one
+            chip they pin nothing)
+Both exist only while their step is traced.
 `--variants` picks some of these by name.
 All share one batch of the check's 501M Llama (`configs/llama_tpu_check.py`);
 the hand-written variants share one state, ours has its own (the chip holds
@@ -33,6 +35,7 @@ ratio to `hand`. With `--trace_steps`, the top ops of `hand`, `all` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -51,6 +54,7 @@ import optax  # noqa: E402
 from benchmarks import tpu_check, tpu_llama, tpu_tuning  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from trainers.models import llama  # noqa: E402
+from trainers.models.layers import dense  # noqa: E402
 from trainers.step.mesh import build_mesh  # noqa: E402
 from trainers.step.state import make_state  # noqa: E402
 from trainers.step.train_step import make_train_step  # noqa: E402
@@ -114,16 +118,30 @@ def variants() -> dict[str, frozenset[str]]:
   return out
 
 
-OURS = ("ours", "ours_flat_mlp")
+OURS = ("ours", "ours_3d_mlp", "ours_unconstrained")
 
 
-def _flat_mlp(self, x):
-  """`llama.MLP.__call__` on [rows * length, d_model], as the hand-written layer computes it."""
-  dt, (rows, length, d) = x.dtype, x.shape
-  h = x.reshape(rows * length, d)
-  gate, up = h @ self.gate[...].astype(dt), h @ self.up[...].astype(dt)
-  y = (jax.nn.silu(gate) * up) @ self.down[...].astype(dt)
-  return y.reshape(rows, length, d)
+def _mlp_3d(self, x):
+  """`llama.MLP.__call__` as it was: each matmul's output reshaped to [rows, length, features]."""
+  dt = x.dtype
+  names = ("batch", "length", "mlp")
+  gate = llama.constrain(dense(x, self.gate[...].astype(dt)), names)
+  up = llama.constrain(dense(x, self.up[...].astype(dt)), names)
+  return dense(jax.nn.silu(gate) * up, self.down[...].astype(dt))
+
+
+@contextlib.contextmanager
+def _ablation(name: str):
+  """The model changed as the variant `name` says, while its step is traced."""
+  mlp, constrain = llama.MLP.__call__, llama.constrain
+  if name == "ours_3d_mlp":
+    llama.MLP.__call__ = _mlp_3d
+  if name == "ours_unconstrained":
+    llama.constrain = lambda x, logical: x
+  try:
+    yield
+  finally:
+    llama.MLP.__call__, llama.constrain = mlp, constrain
 
 
 def measure(config, rounds: int, steps: int, trace_steps: int, names: list[str]) -> dict:
@@ -157,13 +175,8 @@ def measure(config, rounds: int, steps: int, trace_steps: int, names: list[str])
   for name, step in steps_by_name.items():
     kind = "ours" if name in OURS else "hand"
     started = time.perf_counter()
-    original = llama.MLP.__call__
-    if name == "ours_flat_mlp":
-      llama.MLP.__call__ = _flat_mlp
-    try:
+    with _ablation(name):
       compiled[name] = step.lower(states[kind], batch).compile()
-    finally:
-      llama.MLP.__call__ = original
     compile_s[name] = time.perf_counter() - started
     print(f"{name}: compiled in {compile_s[name]:.1f} s", flush=True)
 
@@ -175,7 +188,12 @@ def measure(config, rounds: int, steps: int, trace_steps: int, names: list[str])
     jax.block_until_ready(metrics)
     return (time.perf_counter() - started) / n, metrics
 
-  first_loss = {name: float(run(name, 1)[1]["loss"]) for name in compiled}
+  # Each state's first step (its learning rate is 0 at the warmup's start).
+  first_loss = {
+    name: float(run(name, 1)[1]["loss"]) for name in ("hand", "ours") if name in compiled
+  }
+  for name in compiled:
+    run(name, 1)
   names = list(compiled)
   times: dict[str, list[float]] = {n: [] for n in names}
   for i in range(rounds):
