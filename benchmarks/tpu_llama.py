@@ -99,10 +99,10 @@ def hand_params(params: dict) -> dict:
   return out
 
 
-def hand_written_step(config):
-  """`(state, batch) -> (state, loss)`: the Llama, its loss, clip + adamw; jitted, donated."""
-  model, train = llama_task.llama_config(config), config.train
-  dt = jnp.bfloat16 if train.precision == "bfloat16" else jnp.float32
+def hand_loss(config):
+  """`(params, batch) -> (loss_sum, weight, correct_sum)`: the Llama in plain JAX, its chunked loss."""
+  model = llama_task.llama_config(config)
+  dt = jnp.bfloat16 if config.train.precision == "bfloat16" else jnp.float32
   length, head_dim = model.seq_len, model.head_dim
   choice = attention.choose_kernel(
     "splash",
@@ -140,7 +140,7 @@ def hand_written_step(config):
 
   policy = CHECKPOINT_POLICIES[model.remat_policy]
 
-  def loss_fn(params, batch):
+  def loss_sums(params, batch):
     p = jax.tree.map(lambda a: a.astype(dt), params)
     tokens = batch["inputs"]
     inv_freq = model.rope_theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
@@ -154,11 +154,17 @@ def hand_written_step(config):
     x, _ = jax.lax.scan(body, x, {n: p[n] for n in names})
     hidden = rms_norm(x, p["final_norm"]).reshape(*tokens.shape, -1)
     unembed = p["unembed"] if "unembed" in p else p["embed"].T
-    loss_sum, weight, _ = chunked_cross_entropy_sums(
+    loss_sum, weight, sums = chunked_cross_entropy_sums(
       hidden, unembed, batch["targets"], batch["mask"]
     )
-    return loss_sum.astype(jnp.float32) / weight
+    return loss_sum.astype(jnp.float32), weight, sums["accuracy"]
 
+  return loss_sums
+
+
+def hand_optimizer(config) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` + `optax.adamw`: our hyperparameters, schedule and decay mask."""
+  train = config.train
   schedule = optax.warmup_cosine_decay_schedule(
     0.0,
     train.learning_rate,
@@ -166,7 +172,7 @@ def hand_written_step(config):
     max(train.steps, train.warmup_steps + 1),
     train.learning_rate * train.end_learning_rate_fraction,
   )
-  tx = optax.chain(
+  return optax.chain(
     optax.clip_by_global_norm(train.grad_clip_norm),
     optax.adamw(
       schedule,
@@ -176,6 +182,15 @@ def hand_written_step(config):
       mask=lambda params: {n: n in _DECAYED for n in params},
     ),
   )
+
+
+def hand_written_step(config):
+  """`(state, batch) -> (state, loss)`: the Llama, its mean loss, clip + adamw; jitted, donated."""
+  loss_sums, tx = hand_loss(config), hand_optimizer(config)
+
+  def loss_fn(params, batch):
+    loss_sum, weight, _ = loss_sums(params, batch)
+    return loss_sum / weight
 
   def step(state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)

@@ -178,8 +178,10 @@ def top_ops(trace_events: list[dict], steps: int, hlo_text: str, top: int = 15) 
   ]
 
 
-def profile(compiled, state, batch, steps: int, hlo_text: str) -> tuple[dict, object]:
-  """Traces `steps` calls of `compiled`; returns (its top ops and their device names, the state)."""
+def profile(
+  compiled, state, batch, steps: int, hlo_text: str, top: int = 15
+) -> tuple[dict, object]:
+  """Traces `steps` calls of `compiled`; returns (its `top` ops and their device names, the state)."""
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
@@ -199,7 +201,7 @@ def profile(compiled, state, batch, steps: int, hlo_text: str) -> tuple[dict, ob
     for e in events
     if e.get("ph") == "M" and e.get("name") == "process_name"
   }
-  ops = top_ops(events, steps, hlo_text)
+  ops = top_ops(events, steps, hlo_text, top=top)
   busy = sum(o["ms"] for o in top_ops(events, steps, hlo_text, top=10**6))
   return {"processes": names, "top": ops, "busy_ms_per_step": busy, "files": files}, state
 

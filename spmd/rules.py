@@ -91,26 +91,37 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 
 
 def logical_to_spec(
-  logical: Sequence[str | None], rules: Rules, mesh: jax.sharding.Mesh | None = None
+  logical: Sequence[str | tuple[str, ...] | None],
+  rules: Rules,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> NamedSpec:
   """The named `PartitionSpec` for one array's logical axis names.
 
-  With a mesh, axes it lacks (or of size 1) are dropped.
+  With a mesh, axes it lacks (or of size 1) are dropped. An entry may be a
+  tuple of names, for a dimension that merges several (the tokens of
+  [batch, length] flattened into one axis): its mesh axes are theirs, in
+  order, which lays the merged dimension out as the unmerged ones were.
+
+  Example:
+    >>> logical_to_spec(("batch", "length", "mlp"), FSDP_TP)
+    P(('data', 'fsdp'), None, 'tensor')
+    >>> logical_to_spec((("batch", "length"), "mlp"), FSDP_TP)
+    P(('data', 'fsdp'), 'tensor')
   """
   table = dict(rules)
   used: set[str] = set()
   entries = []
-  for name in logical:
-    if name is None:
-      entries.append(None)
-      continue
-    if name not in table:
-      raise ValueError(f"logical axis {name!r} has no rule; rules cover {sorted(table)}")
-    axes = [
-      a
-      for a in _as_tuple(table[name])
-      if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
-    ]
+  for entry in logical:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = []
+    for name in names:
+      if name not in table:
+        raise ValueError(f"logical axis {name!r} has no rule; rules cover {sorted(table)}")
+      axes += [
+        a
+        for a in _as_tuple(table[name])
+        if a not in used and a not in axes and (mesh is None or mesh.shape.get(a, 1) > 1)
+      ]
     used.update(axes)
     entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
   while entries and entries[-1] is None:
@@ -251,7 +262,7 @@ def active_rules() -> tuple[Rules, jax.sharding.Mesh] | None:
   return stack[-1] if stack else None
 
 
-def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+def constrain(x: jax.Array, logical: Sequence[str | tuple[str, ...] | None]) -> jax.Array:
   """`x` pinned to the layout its logical axis names map to, or `x` when no rules are active.
 
   Inside `activation_rules(rules, mesh)` this is

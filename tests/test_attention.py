@@ -138,6 +138,7 @@ def test_each_platform_gets_its_kernel_and_falls_back_saying_why():
   assert choose("auto", "tpu").kernel == "splash" and choose("auto", "tpu").block == 1024
   assert choose("auto", "tpu", length=1536).block == 512
   assert choose("auto", "tpu", length=384).block == 128
+  assert choose("auto", "tpu", dtype=jnp.float32).block == 512  # 1024 is out of VMEM
   assert choose("auto", "gpu").kernel == "cudnn"
   assert choose("auto", "cpu").kernel == "xla"
   short = choose("auto", "tpu", length=100)

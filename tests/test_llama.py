@@ -305,8 +305,11 @@ def test_activation_layouts_under_fsdp_tp_are_what_the_rules_say():
   # (batch, None, "tensor") like (batch, length, mlp) and (batch, length, vocab).
   assert specs == {
     (batch,): 1 + 2 * 2,  # the embeddings, then after attention and MLP in each layer
-    # per layer q, k, v, the attention output, the MLP's gate and up; then the logits
-    (batch, None, "tensor"): 6 * 2 + 1,
+    # per layer q, k, v and the attention output; then the logits
+    (batch, None, "tensor"): 4 * 2 + 1,
+    # per layer the MLP's gate and up, on the tokens flattened into one axis:
+    # the same layout as (batch, length, mlp)
+    (batch, "tensor"): 2 * 2,
   }, specs
   # Without rules the same model has no constraints at all.
   plain = jax.make_jaxpr(lambda t: model(t))(tokens)

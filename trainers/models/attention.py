@@ -73,6 +73,10 @@ SPLASH_BLOCKS = (1024, 512, 256, 128)
 On a v5e chip blocks of 1024 ran the 2048-token step faster than 512 and 256, and
 2048 ran out of the kernel's VMEM (docs/performance.md, "On a TPU chip")."""
 
+SPLASH_FLOAT32_MAX_BLOCK = 512
+"""The largest splash block for float32 inputs: at 1024 the fused backward kernel asks
+17.5 MiB of scoped VMEM, over the 16 MiB the v5e compiler allows, and the compile fails."""
+
 SPLASH_FUSED_BACKWARD = True
 """Splash's backward pass in one kernel (dq, dk and dv together) rather than a dq
 kernel and a dk/dv kernel, which recompute the scores twice: faster on a v5e chip."""
@@ -142,6 +146,8 @@ def choose_kernel(
   Example:
     >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.bfloat16, segments=True)
     Choice(kernel='splash', requested='auto', reason='TPU, 8192 tokens in blocks of 1024, segment ids', interpret=False, block=1024)
+    >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.float32, segments=False).block
+    512
     >>> choose_kernel("auto", platform="tpu", length=100, dtype=jnp.bfloat16, segments=False).reason
     'sequence 100 is not a multiple of 128, the least block of splash attention'
     >>> choose_kernel("cudnn", platform="gpu", length=64, dtype=jnp.bfloat16, segments=True).reason
@@ -160,7 +166,9 @@ def choose_kernel(
   if wanted == "xla":
     return Choice("xla", requested, "as asked")
   if wanted == "splash":
-    block = next((b for b in SPLASH_BLOCKS if length % b == 0), None)
+    # Four-byte inputs take twice the kernel's VMEM for a block of the same size.
+    most = SPLASH_FLOAT32_MAX_BLOCK if dtype.itemsize >= 4 else max(SPLASH_BLOCKS)
+    block = next((b for b in SPLASH_BLOCKS if length % b == 0 and b <= most), None)
     if block is None:
       why = f"sequence {length} is not a multiple of 128, the least block of splash attention"
       return Choice("xla", requested, why)

@@ -211,11 +211,17 @@ class MLP(nnx.Module):
     self.down = param(rngs, fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    dt = x.dtype
-    names = ("batch", "length", "mlp")
-    gate = constrain(dense(x, self.gate[...].astype(dt)), names)
-    up = constrain(dense(x, self.up[...].astype(dt)), names)
-    return dense(jax.nn.silu(gate) * up, self.down[...].astype(dt))
+    # On the tokens flattened into one axis [batch * length, d_ff], from the
+    # first matmul to the last: with the gate's and up's outputs reshaped
+    # back to [batch, length, d_ff] between the matmuls, XLA on a TPU copied
+    # the scanned layers' saved outputs out of their stack in the backward
+    # pass (docs/performance.md, "On a TPU chip").
+    dt, lead = x.dtype, x.shape[:-1]
+    tokens = x.reshape(-1, x.shape[-1])
+    names = (("batch", "length"), "mlp")
+    gate = constrain(tokens @ self.gate[...].astype(dt), names)
+    up = constrain(tokens @ self.up[...].astype(dt), names)
+    return ((jax.nn.silu(gate) * up) @ self.down[...].astype(dt)).reshape(*lead, -1)
 
 
 class Block(nnx.Module):
