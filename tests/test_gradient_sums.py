@@ -73,7 +73,7 @@ def test_the_lowered_step_computes_weight_gradients_and_writes_its_sums_in_float
   lowered, _ = lowered_step(name)
   text = lowered.as_text(dialect="hlo")
   dots = weight_gradient_dots(text)
-  # Every dense weight's gradient (3 + 4 per layer in Llama, ...) and none in bf16.
+  # Every dense weight's gradient (seven per Llama layer, the projection's) and none in bf16.
   assert len(dots) >= 2 and set(dots) == {"f32"}, dots
   # The embedding's own reductions (its shard_map's transpose) are float32.
   assert {dtype for dtype, _ in reductions(text)} <= {"f32", "s32"}, reductions(text)
@@ -101,10 +101,9 @@ def test_a_tpu_compile_sums_every_weight_gradient_across_devices_in_float32(name
   A weight cast to bf16 before its product left the gradient's sums in
   bf16 (every dense weight and norm scale), and a float32 sum rounded to
   bf16 after it (the embedding table's) was rounded ahead of the sum by
-  XLA:TPU. The MLP's forward pass may still all-reduce
-  a bf16 activation (XLA contracts its fsdp-split input dimension in place
-  rather than gather the kernel): an activation, in the compute dtype as
-  the policy means.
+  XLA:TPU. The MLP's step may still all-reduce a bf16 activation (XLA
+  contracts its fsdp-split input dimension in place rather than gather the
+  kernel): an activation, in the compute dtype as the policy means.
   """
   lowered, setup = lowered_step(name, topology_devices("v5e-8"))
   found = reductions(lowered.compile().as_text())
