@@ -13,9 +13,11 @@ steps) it runs as a `shard_map` whose layout follows the rules:
     axes adds the pieces (exactly: one term is nonzero);
   - each device looks up only its own rows of the batch, so the output, and
     the gradient's scatter-add into the table, stay split like the batch;
-  - a table narrower than float32 (bf16 under the precision policy) is
-    gathered in its own dtype, but its gradient is summed across devices in
-    float32 and rounded once (a custom VJP: the lookup's transpose at float32).
+  - a lookup in a narrower dtype than float32 (`dtype=bf16` under the
+    precision policy) gathers the table in that dtype, but its gradient is
+    summed across devices in float32 (a custom VJP: the lookup's transpose
+    at float32) and returned in the table's dtype: a float32 table's gradient
+    is never rounded, a bf16 table's once.
 
 Why not leave the gather to XLA: with the batch split over `(data, fsdp)`
 and the table's columns over `fsdp`, a gather's output would want `fsdp`
@@ -67,16 +69,17 @@ def _dividing(shape: Sequence[int], spec: PartitionSpec, mesh) -> list:
   return entries
 
 
-def _local_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """`table[ids]`, zeros for ids outside [0, rows): negative ids are out of range, not wrapped.
+def _local_lookup(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+  """`table[ids]` in `dtype` (the table's if None), zeros for ids outside [0, rows).
 
-  The rows are read as float32 (at least) and the result cast back: the
-  values are the table's own, and the gradient, a scatter-add over every
-  occurrence of each id, accumulates in float32 and is rounded to the
-  table's dtype once, as a matmul's would be. Summed in bf16, a frequent
-  token's gradient would lose most of its bits.
+  Negative ids are out of range, not wrapped. The rows are read as float32
+  (at least) and the result cast to `dtype`: the gradient, a scatter-add
+  over every occurrence of each id, accumulates in float32 and is rounded
+  to the table's dtype at most once, as a matmul's would be. Summed in
+  bf16, a frequent token's gradient would lose most of its bits.
   """
-  rows, dtype = table.shape[0], table.dtype
+  rows = table.shape[0]
+  dtype = table.dtype if dtype is None else dtype
   ids = jnp.where(ids < 0, rows, ids)  # `rows` is out of range: zeros, like ids >= rows
   wide = table.astype(jnp.promote_types(dtype, jnp.float32))
   return jnp.take(wide, ids, axis=0, mode="fill", fill_value=0).astype(dtype)
@@ -87,6 +90,7 @@ def lookup(
   ids: jax.Array,
   table_axes: Sequence[str] = ("vocab", "embed"),
   ids_axes: Sequence[str] = IDS_AXES,
+  dtype=None,
 ) -> jax.Array:
   """`table[ids]`: rows of `table` [rows, features] for integer `ids` [...], zeros out of range.
 
@@ -96,18 +100,21 @@ def lookup(
     table_axes: the table's logical axis names (rows, features), as its
       parameter is annotated; they say how the rules split it.
     ids_axes: the ids' logical axis names, one per dimension.
+    dtype: the rows' dtype, the table's if None; the table is gathered in
+      it, and its gradient comes back in the table's own dtype.
 
   Returns:
-    [*ids.shape, features] in the table's dtype, split like the ids (the
-    features whole) when rules are active.
+    [*ids.shape, features] in `dtype`, split like the ids (the features
+    whole) when rules are active.
   """
+  dtype = jnp.dtype(table.dtype if dtype is None else dtype)
   if len(table_axes) != 2 or table.ndim != 2:
     raise ValueError(f"{table.shape=} and {tuple(table_axes)=} must be [rows, features]")
   if len(ids_axes) != ids.ndim:
     raise ValueError(f"{tuple(ids_axes)=} must name each dimension of {ids.shape=}")
   active = rules_lib.active_rules()
   if active is None or jax.sharding.get_abstract_mesh().manual_axes:
-    return _local_lookup(table, ids)
+    return _local_lookup(table, ids, dtype)
   rules, mesh = active
   table_spec = rules_lib.logical_to_spec(table_axes, rules, mesh)
   ids_spec = rules_lib.logical_to_spec(ids_axes, rules, mesh)
@@ -116,9 +123,9 @@ def lookup(
     # Ids the rules' axes do not divide (a micro-batch of fewer rows than
     # the batch axes have devices) cannot be split as the rules say; XLA
     # lays such an array out as it can, so the lookup is left to it.
-    return _local_lookup(table, ids)
+    return _local_lookup(table, ids, dtype)
   if not any(table_spec) and not any(ids_spec):
-    return _local_lookup(table, ids)  # nothing split (one device, or dp on a data=1 mesh)
+    return _local_lookup(table, ids, dtype)  # nothing split (one device, or dp on a data=1 mesh)
   entries = (*table_spec, None, None)
   row_axes, column_axes = _mesh_axes(entries[0]), _mesh_axes(entries[1])
   ids_mesh_axes = {a for entry in ids_spec for a in _mesh_axes(entry)}
@@ -142,34 +149,35 @@ def lookup(
 
   out_spec = PartitionSpec(*ids_spec, *([None] * (ids.ndim + 1 - len(ids_spec))))
   laid_out = jax.shard_map(local, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec)
-  if jnp.finfo(table.dtype).bits >= 32:
-    return laid_out(table, ids)
-  return _reduced_in_float32(laid_out, tuple(table.shape), table, ids)
+  if jnp.finfo(table.dtype).bits >= 32 and jnp.finfo(dtype).bits >= 32:
+    return laid_out(table.astype(dtype), ids)
+  return _reduced_in_float32(laid_out, tuple(table.shape), dtype, table, ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _reduced_in_float32(
-  laid_out: Callable, shape: tuple[int, ...], table: jax.Array, ids: jax.Array
+  laid_out: Callable, shape: tuple[int, ...], dtype, table: jax.Array, ids: jax.Array
 ) -> jax.Array:
-  """`laid_out(table, ids)`, whose gradient crosses devices in float32, rounded to bf16 once.
+  """`laid_out(table.astype(dtype), ids)`, whose gradient crosses devices in float32.
 
   The lookup's transpose sums each device's scatter-add across devices (a
   reduce-scatter over the gathered columns, a sum over the batch axes that
-  hold the table whole): in a bf16 table's dtype that sum would round at
-  every step of the reduction. The forward pass keeps the table's dtype
-  (its all-gather moves bf16); the backward pass is the same lookup's
-  transpose at float32. That is the program JAX lowers, and what XLA:CPU
-  compiles; XLA:TPU may still move the final rounding ahead of the sum
-  over the batch axes, which only the chip's compiler decides.
+  hold the table whole): in bf16 that sum would round at every step of the
+  reduction. The forward pass gathers in `dtype` (its all-gather moves
+  bf16); the backward pass is the same lookup's transpose at float32, and
+  the gradient is returned in the table's dtype. A float32 table (the
+  built-in models under the policy) takes it as it is: no rounding follows
+  the sum, so no compiler can move one ahead of it (XLA:TPU moves a
+  rounding to bf16 ahead of an all-reduce). A bf16 table's is rounded once.
   """
-  return laid_out(table, ids)
+  return laid_out(table.astype(dtype), ids)
 
 
-def _reduced_fwd(laid_out, shape, table, ids):
-  return laid_out(table, ids), (jnp.zeros((0,), table.dtype), ids)
+def _reduced_fwd(laid_out, shape, dtype, table, ids):
+  return laid_out(table.astype(dtype), ids), (jnp.zeros((0,), table.dtype), ids)
 
 
-def _reduced_bwd(laid_out, shape, residuals, cotangent):
+def _reduced_bwd(laid_out, shape, dtype, residuals, cotangent):
   marker, ids = residuals
   wide = jax.ShapeDtypeStruct(shape, jnp.float32)
   (d_table,) = jax.linear_transpose(lambda t: laid_out(t, ids), wide)(cotangent.astype(jnp.float32))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainers.models.attention import check_kernel
+from trainers.models.matmul import matmul
 
 
 def fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
@@ -87,8 +88,14 @@ def check_decoder_fields(config: Any, sizes: tuple[str, ...], remat_policies: tu
   check_kernel(config.attention)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Array:
+def dense(
+  x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type: Any = None
+) -> jax.Array:
   """Contracts the last `contract` dims of `x` with the first `contract` dims of `w`.
+
+  `w` is multiplied in `x`'s dtype; a wider `w` (a float32 parameter under
+  the bfloat16 policy) is cast inside `matmul.matmul`, so its gradient is
+  summed across devices in float32 and comes back in `w`'s dtype.
 
   The leading (token) dims of x and the trailing (feature) dims of w are
   flattened first. Why: the weight gradient then contracts one token axis,
@@ -107,7 +114,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, **dot_kwargs) -> jax.Ar
   """
   lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
   inner = math.prod(w.shape[:contract])
-  y = jnp.dot(x.reshape(-1, inner), w.reshape(inner, -1), **dot_kwargs)
+  y = matmul(x.reshape(-1, inner), w.reshape(inner, -1), preferred_element_type)
   return y.reshape(*lead, *features)
 
 

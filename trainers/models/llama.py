@@ -191,14 +191,14 @@ class Attention(nnx.Module):
   def __call__(
     self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
   ) -> jax.Array:
-    dt = x.dtype
-    q = constrain(dense(x, self.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
-    k = constrain(dense(x, self.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
-    v = constrain(dense(x, self.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+    # `dense` multiplies each weight in x's dtype (the compute dtype).
+    q = constrain(dense(x, self.query[...]), ("batch", "length", "heads", "kv"))
+    k = constrain(dense(x, self.key[...]), ("batch", "length", "kv_heads", "kv"))
+    v = constrain(dense(x, self.value[...]), ("batch", "length", "kv_heads", "kv"))
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
     y = constrain(y, ("batch", "length", "heads", "kv"))
-    return dense(y, self.out[...].astype(dt), contract=2)
+    return dense(y, self.out[...], contract=2)
 
 
 class MLP(nnx.Module):
@@ -216,12 +216,12 @@ class MLP(nnx.Module):
     # back to [batch, length, d_ff] between the matmuls, XLA on a TPU copied
     # the scanned layers' saved outputs out of their stack in the backward
     # pass (docs/performance.md, "On a TPU chip").
-    dt, lead = x.dtype, x.shape[:-1]
+    lead = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     names = (("batch", "length"), "mlp")
-    gate = constrain(tokens @ self.gate[...].astype(dt), names)
-    up = constrain(tokens @ self.up[...].astype(dt), names)
-    return ((jax.nn.silu(gate) * up) @ self.down[...].astype(dt)).reshape(*lead, -1)
+    gate = constrain(dense(tokens, self.gate[...]), names)
+    up = constrain(dense(tokens, self.up[...]), names)
+    return dense(jax.nn.silu(gate) * up, self.down[...]).reshape(*lead, -1)
 
 
 class Block(nnx.Module):
@@ -252,7 +252,14 @@ class Llama(nnx.Module):
 
   The logits are `hidden_states(...)` times `unembedding()`, accumulated in
   float32.
+
+  Its weights are stored in `param_dtype` and cast to `dtype` inside each
+  product, whose weight gradient comes back in `param_dtype`, summed across
+  devices in float32 (`casts_own_weights`: the precision policy hands it
+  its parameters uncast).
   """
+
+  casts_own_weights = True
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config
@@ -274,19 +281,18 @@ class Llama(nnx.Module):
   ) -> jax.Array:
     x = self.hidden_states(tokens, segment_ids, positions)
     # The loss wants float32 logits: accumulate the projection in float32.
-    if self.config.tie_embeddings:
-      table = self.token_embed[...].astype(x.dtype)
-      logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
-    else:
-      logits = dense(x, self.unembedding(), preferred_element_type=jnp.float32)
+    logits = dense(x, self.unembedding(), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "length", "vocab"))
 
   def unembedding(self) -> jax.Array:
-    """The output projection [d_model, vocab] in the compute dtype (tied: the table, transposed)."""
-    dt = jnp.dtype(self.config.dtype)
+    """The output projection [d_model, vocab] as stored (tied: the table, transposed).
+
+    Its products cast it to the hidden states' dtype (`dense`,
+    `chunked_cross_entropy_sums`), so its gradient stays in its own.
+    """
     if self.config.tie_embeddings:
-      return self.token_embed[...].astype(dt).T
-    return self.unembed[...].astype(dt)
+      return self.token_embed[...].T
+    return self.unembed[...]
 
   def hidden_states(
     self,
@@ -311,8 +317,8 @@ class Llama(nnx.Module):
     # the vocabulary split Megatron's way, the batch's rows looked up where
     # they live), which XLA's own gather partitioning cannot do without
     # copying the whole activation on meshes with data > 1 and fsdp > 1.
-    table = self.token_embed[...].astype(dt)
-    x = constrain(embedding.lookup(table, tokens), ("batch", "length", "embed"))
+    x = embedding.lookup(self.token_embed[...], tokens, dtype=dt)
+    x = constrain(x, ("batch", "length", "embed"))
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     sin, cos = rope_angles(positions, config.head_dim, config.rope_theta)

@@ -35,6 +35,7 @@ from flax import nnx
 
 from trainers.models import logical_axes as logical_axes
 from trainers.models import param
+from trainers.models.matmul import matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,10 @@ class _Dense(nnx.Module):
     self.bias = param(rngs, nnx.initializers.zeros, (dout,), axes[1:], param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return x @ self.kernel[...].astype(x.dtype) + self.bias[...].astype(x.dtype)
+    # The kernel multiplied in x's dtype, its gradient in float32 (`matmul`);
+    # the bias added in its own dtype and the sum rounded once, so that its
+    # gradient, a sum over the batch, is float32 too.
+    return (matmul(x, self.kernel[...]) + self.bias[...]).astype(x.dtype)
 
 
 class MLPClassifier(nnx.Module):
@@ -92,6 +96,9 @@ class MLPClassifier(nnx.Module):
     >>> model(jnp.ones((2, 4))).dtype
     dtype('float32')
   """
+
+  # The precision policy hands it float32 parameters: it casts them itself.
+  casts_own_weights = True
 
   def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
     self.config = config

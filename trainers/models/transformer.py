@@ -185,12 +185,12 @@ class _Attention(nnx.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     q, k, v = self._qkv(x)
     y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
-    return dense(y, self.out[...].astype(x.dtype), contract=2)
+    return dense(y, self.out[...], contract=2)
 
   def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries, keys and values [b, l, heads, head_dim] in the compute dtype."""
-    dt = x.dtype
-    return tuple(dense(x, w[...].astype(dt)) for w in (self.query, self.key, self.value))
+    # `dense` multiplies each weight in x's dtype (the compute dtype).
+    return tuple(dense(x, w[...]) for w in (self.query, self.key, self.value))
 
 
 class _MLP(nnx.Module):
@@ -200,8 +200,8 @@ class _MLP(nnx.Module):
     self.wo = param(rngs, fan_in_init(0, 1), (f, d), ("mlp", "embed"), pdt)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = jax.nn.gelu(dense(x, self.wi[...].astype(x.dtype)))
-    return dense(h, self.wo[...].astype(x.dtype))
+    h = jax.nn.gelu(dense(x, self.wi[...]))
+    return dense(h, self.wo[...])
 
 
 class _Block(nnx.Module):
@@ -274,6 +274,11 @@ class TransformerLM(nnx.Module):
     True
   """
 
+  # Its weights are cast to `dtype` inside each product, whose weight
+  # gradient comes back in `param_dtype`, summed in float32: the precision
+  # policy hands it its parameters uncast.
+  casts_own_weights = True
+
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.config = config
     d, pdt = config.d_model, jnp.dtype(config.param_dtype)
@@ -299,8 +304,12 @@ class TransformerLM(nnx.Module):
     return dense(x, self.unembedding(), preferred_element_type=jnp.float32)
 
   def unembedding(self) -> jax.Array:
-    """The output projection [d_model, vocab] in the compute dtype."""
-    return self.unembed[...].astype(jnp.dtype(self.config.dtype))
+    """The output projection [d_model, vocab] as stored.
+
+    Its products cast it to the hidden states' dtype (`dense`,
+    `chunked_cross_entropy_sums`), so its gradient stays in its own.
+    """
+    return self.unembed[...]
 
   def hidden_states(
     self,
@@ -339,11 +348,13 @@ class TransformerLM(nnx.Module):
     # XLA, a gather from a table split over fsdp, or the one-hot matmul this
     # model once used instead, makes XLA copy the whole [B, L, d_model]
     # activation on meshes with data > 1 and fsdp > 1, forward or backward.
-    x = embedding.lookup(self.token_embed[...].astype(dt), tokens)
+    x = embedding.lookup(self.token_embed[...], tokens, dtype=dt)
     if positions is None:
-      x = x + self.pos_embed[:length].astype(dt)
+      # Added in the table's float32 and rounded once: its gradient, a sum
+      # over the batch (across devices), is then float32 as well.
+      x = (x + self.pos_embed[:length]).astype(dt)
     else:
-      x = x + embedding.lookup(self.pos_embed[...].astype(dt), positions, ("length", "embed"))
+      x = x + embedding.lookup(self.pos_embed[...], positions, ("length", "embed"), dtype=dt)
     # Each layer's attention builds its mask (or its kernel reads the ids).
     if config.scan_layers:
       x = scan_layers(

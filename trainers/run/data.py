@@ -13,7 +13,7 @@ from spmd.errors import UserError
 from trainers import paths
 from trainers.data import mixture, pipeline
 from trainers.data.prepare_group import PrepareGroup
-from trainers.tasks import Task
+from trainers.tasks import Task, check_host_labels
 
 log = logging.getLogger(__name__)
 _PREPARE_TIMEOUT_S = 3600  # a large corpus takes its time; a failed host ends the job sooner
@@ -32,7 +32,27 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
   local cache (`paths.local_cache`) and reads from there, since ArrayRecord
   reads local files only. A file already there is kept when it is a copy of
   the same version (`paths.copy_tree`).
+
+  Both streams check the task's labels (`Task.label_classes`) in each
+  host's rows before placing them: a compiled step cannot name a bad label.
   """
+  train, evaluation = _open_streams(config, task, workdir, mesh, batch_axes)
+  if task.label_classes:
+    for stream in (train, evaluation):
+      stream.wrap_host_rows(_label_check(task.label_classes, stream.layout.host().rows.start))
+  return train, evaluation
+
+
+def _label_check(label_classes, first_row: int):
+  def check(step, rows):
+    check_host_labels(step, rows, label_classes, first_row)
+    return rows
+
+  return check
+
+
+def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
+  """`open_data`'s (train, eval) streams, before their checks."""
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
   if task.prepares_together and local == data_dir:

@@ -39,7 +39,11 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
   def loss(params, model_state, batch, key):
     # The casts sit inside the differentiated function, so the gradients
     # come back in the parameters' own (float32) dtype (`step.precision`).
-    model = build_model(setup, policy.cast_params(params), model_state, key)
+    # A model that casts its own weights gets them in float32: its products
+    # return their gradients in float32 (`trainers.models.matmul`), which a
+    # cast here would round to bfloat16 after the sums across devices.
+    weights = params if setup.casts_own_weights else policy.cast_params(params)
+    model = build_model(setup, weights, model_state, key)
     policy.reach_modules(model)  # stock layers compute in the policy's dtype too
     batch = policy.cast_batch(batch)
     if train:

@@ -6,6 +6,10 @@ inside the differentiated loss:
 
 - each float32 parameter to bfloat16, so the model's matmuls run in bfloat16
   whether or not the model knows about dtypes (a stock `nnx.Linear` does not);
+  but a model with `casts_own_weights = True` (the built-in ones) gets its
+  float32 parameters and casts them inside its products, whose weight
+  gradients are computed, summed across devices and returned in float32
+  (`trainers.models.matmul`, `trainers.models.embedding`);
 - each floating batch feature to bfloat16, except the task's
   `Task.float32_features` (`mask` by default: weights and regression
   targets keep their precision). The inputs must be cast as well as the

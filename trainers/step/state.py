@@ -77,6 +77,10 @@ class StateSetup:
   init_with_weights: Callable[[dict[str, Any]], Any] | None = None
   # `config.train.precision`: the dtype the step computes in (`trainers.step.precision`).
   precision: str = "float32"
+  # Whether the model casts its own float32 weights to the compute dtype
+  # (`casts_own_weights`, the built-in models): the policy then hands it
+  # float32 parameters, so their gradients never pass through bfloat16.
+  casts_own_weights: bool = False
 
   @property
   def has_model_state(self) -> bool:
@@ -286,6 +290,7 @@ def make_state(
     mesh=mesh,
     rules=rules,
     precision=check_precision(config.train.get("precision", "float32")),
+    casts_own_weights=bool(getattr(abstract_model, "casts_own_weights", False)),
   )
 
 

@@ -93,6 +93,13 @@ class Task:
       itself (`loss`, `perplexity`, `learning_rate`, ...:
       `trainers.step.task_metrics.RESERVED_METRICS`) are an error at startup.
       Padding rows (eval) carry `mask == 0` and must add nothing.
+    label_classes: integer features that are class labels, by name, with
+      their number of classes: `{"targets": vocab_size}`. Each host checks
+      its own rows before they are placed on the devices (train and eval):
+      a label outside `[0, classes)` where `mask` is not 0 stops the run
+      with a `ValueError` naming the step, the row, the column and the label
+      (`check_host_labels`); where the mask is 0 any label is ignored (HF's
+      -100). A compiled step cannot raise (its loss is NaN there instead).
     float32_features: batch features that stay in float32 when
       `config.train.precision` casts the step to bfloat16 (weights, regression
       targets); every other floating feature is cast with the parameters, so
@@ -172,6 +179,7 @@ class Task:
   count_units: Callable[[Batch], jax.Array] | None = None
   units_per_batch: float | None = None
   float32_features: tuple[str, ...] = ("mask",)
+  label_classes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   flops_per_step: float | None = None
   report: Callable[[Any, int], str] | None = None
   optimizer: Callable[[ml_collections.ConfigDict, Any], Any] | None = None
@@ -191,6 +199,13 @@ class Task:
       raise TypeError(f"Task.plan_records must be callable or None, got {self.plan_records!r}")
     if self.flops_per_step is not None and not self.flops_per_step > 0:
       raise ValueError(f"Task.flops_per_step={self.flops_per_step!r} must be positive or None")
+    if not isinstance(self.label_classes, Mapping) or not all(
+      isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n > 0
+      for k, n in self.label_classes.items()
+    ):
+      raise TypeError(
+        f"Task.label_classes={self.label_classes!r} must map feature names to class counts"
+      )
     if isinstance(self.float32_features, str) or not all(
       isinstance(name, str) for name in self.float32_features
     ):
@@ -233,8 +248,8 @@ def check_labels(labels: jax.Array, mask: jax.Array, classes: int) -> None:
   arrays are checked here. A traced program (a train step) is not: a host
   callback in the step would keep JAX from writing it to the persistent
   compilation cache, so every start would compile it again. There the
-  label's loss is NaN instead, which the step's non-finite guard skips and,
-  repeated, stops the run on (`train.nonfinite_guard`).
+  label's loss is NaN instead; the trainer checks each host's rows before
+  they reach the step (`Task.label_classes`, `check_host_labels`).
 
   Example:
     >>> check_labels(jnp.array([[3, -100]]), jnp.array([[1.0, 0.0]]), classes=4)
@@ -254,6 +269,41 @@ def check_labels(labels: jax.Array, mask: jax.Array, classes: int) -> None:
     at = np.unravel_index(first, bad.shape)
     found = (first, np.asarray(labels)[at], np.asarray(mask)[at], flat.size)
     raise ValueError(_outside(*found, labels.shape, classes))
+
+
+def check_host_labels(
+  step: int, rows: Mapping[str, np.ndarray], label_classes: Mapping[str, int], first_row: int = 0
+) -> None:
+  """Raises `ValueError` naming a label of this host's `rows` outside `[0, classes)` under mask 1.
+
+  `rows` are one step's rows of this host as numpy arrays, before placement;
+  `first_row` is the global row of the first (named in the error). Where
+  `rows["mask"]` (if any) is 0 the label is ignored. One vectorized
+  comparison per label feature: the cost of a step's rows is negligible.
+
+  Example:
+    >>> rows = {"targets": np.array([[3, -100], [4, 1]]), "mask": np.array([[1.0, 0.0], [1.0, 1.0]])}
+    >>> check_host_labels(7, rows, {"targets": 4}, first_row=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: step 7: targets[17, 0]=4 is outside [0, 4) where the mask is 1 (1 such labels in this host's rows): a label to ignore (HF's -100) needs mask 0 there
+  """
+  for name, classes in label_classes.items():
+    labels = np.asarray(rows[name])
+    bad = (labels < 0) | (labels >= classes)
+    if "mask" in rows:
+      bad &= np.asarray(rows["mask"]) != 0
+    if not bad.any():
+      continue
+    flat = np.flatnonzero(bad)
+    at = np.unravel_index(flat[0], bad.shape)
+    weight = np.asarray(rows["mask"])[at] if "mask" in rows else 1.0
+    where = ", ".join(str(int(i) + (first_row if d == 0 else 0)) for d, i in enumerate(at))
+    raise ValueError(
+      f"step {step}: {name}[{where}]={int(labels[at])} is outside [0, {classes}) where the mask "
+      f"is {float(weight):g} ({flat.size} such labels in this host's rows): a label to ignore "
+      "(HF's -100) needs mask 0 there"
+    )
 
 
 def cross_entropy_sums(

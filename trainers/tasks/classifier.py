@@ -67,6 +67,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     prepare_data=_prepare(config),
     record_template={"features": np.zeros(model_config.input_dim, np.float32), "label": 0},
     to_example=classification_example,
+    label_classes={"targets": model_config.num_classes},
     unit="examples",
     flops_per_step=6.0 * param_count(model_config) * config.global_batch,
   )

@@ -88,6 +88,7 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     model=lambda rngs: llama.Llama(model_config, rngs=rngs),
     loss=next_token_loss,
     **data.fields,
+    label_classes={"targets": model_config.vocab_size},
     flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
     report=report,
   )

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from spmd import rules as rules_lib
 from spmd.rules import constrain
+from trainers.models.matmul import matmul
 from trainers.tasks import check_labels, cross_entropy_sums
 
 CHUNK_LOGITS = 2**25
@@ -94,8 +95,10 @@ def chunked_cross_entropy_sums(
   Args:
     hidden: the last hidden states [batch, length, d_model], in the compute dtype.
     unembed: the output projection [d_model, vocab] (a tied embedding's
-      table transposed), in the compute dtype; the logits are accumulated in
-      float32.
+      table transposed), as stored: it is multiplied in `hidden`'s dtype,
+      the logits accumulated in float32, and its gradient, summed in
+      float32, comes back in its own dtype (a float32 projection's is never
+      rounded: `trainers.models.matmul`).
     labels: int [batch, length], the targets.
     mask: [batch, length], 1.0 where a target counts. Where it is 0 the label
       is ignored (HF's -100, say); a label outside `[0, vocab)` where it is
@@ -142,9 +145,7 @@ def chunked_cross_entropy_sums(
     raise ValueError(f"{chunk=} must be a positive integer dividing the length {length}")
   weight = jnp.sum(mask)
   if chunk == length:
-    logits = jnp.dot(
-      hidden.reshape(-1, hidden.shape[2]), unembed, preferred_element_type=jnp.float32
-    )
+    logits = matmul(hidden.reshape(-1, hidden.shape[2]), unembed, jnp.float32)
     logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
     return cross_entropy_sums(logits, labels, mask)
   check_labels(labels, mask, vocab)
@@ -183,7 +184,7 @@ def _row_shards(batch: int) -> int:
 
 def _forward(hidden, unembed, labels, mask, chunk):
   """(loss_sum, correct_sum, log-normalizers [n, b, chunk]) over the chunks."""
-  unembed = constrain(unembed, _GATHERED)
+  unembed = constrain(unembed.astype(hidden.dtype), _GATHERED)
 
   def body(totals, i):
     logits = _chunk_logits(_slice(hidden, i, chunk), unembed)
@@ -234,10 +235,10 @@ def _chunked_sums_bwd(chunk, placement, residuals, cotangents):
 
 def _backward(chunk, residuals, cotangents):
   """The chunks again: softmax minus one-hot, times the mask, into both matmuls' gradients."""
-  hidden, unembed, labels, mask, lse = residuals
+  hidden, stored, labels, mask, lse = residuals
   g = cotangents[0]  # the accuracy is piecewise constant: no gradient
   b, length, d = hidden.shape
-  unembed = constrain(unembed, _GATHERED)
+  unembed = constrain(stored.astype(hidden.dtype), _GATHERED)
   # The projection's gradient sums over every row. Summed across devices in
   # each chunk, it would cost one all-reduce of the whole [d_model, vocab]
   # per chunk; instead each device adds up its own rows' share in float32
@@ -257,7 +258,7 @@ def _backward(chunk, residuals, cotangents):
     d_logits = (probs - hit) * (g * _slice(mask, i, chunk))[..., None]
     # The logits' gradient enters the two matmuls in the compute dtype, as
     # the forward's operands did; the projection's gradient adds up over the
-    # chunks in float32 and is rounded once, at the end.
+    # chunks in float32 and is returned in its stored dtype, at the end.
     d_logits = constrain(d_logits.astype(hidden.dtype), _LOGITS_AXES)
     flat = d_logits.reshape(b * chunk, -1)
     d_hidden_c = jnp.dot(flat, unembed.T).reshape(b, chunk, d)
@@ -285,7 +286,9 @@ def _backward(chunk, residuals, cotangents):
   # reduce-scatter under FSDP), and before the layers' backward pass may use
   # d_hidden: XLA would otherwise hold the float32 shares, the size of the
   # whole projection, until it reduces every gradient at the step's end.
-  d_unembed = constrain(d_unembed.sum(0), _PROJECTION).astype(unembed.dtype)
+  # In the projection's stored dtype: a float32 one's gradient is never
+  # rounded (XLA:TPU would move a rounding ahead of the sum across devices).
+  d_unembed = constrain(d_unembed.sum(0), _PROJECTION).astype(stored.dtype)
   d_hidden, d_unembed = jax.lax.optimization_barrier((d_hidden, d_unembed))
   return d_hidden, d_unembed, None, None
 
