@@ -5,6 +5,7 @@ import json
 import math
 import struct
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,17 @@ def test_a_jaxlib_without_onednn_falls_back_to_the_default_matmul(monkeypatch):
   monkeypatch.setattr(matmul_peak, "ONEDNN_DOTS", {"xla_cpu_no_such_option": True})
   assert matmul_peak.onednn_matmul_sampler(size=64) is None
   assert matmul_peak.measure_matmul_peak(size=64, repeats=1) > 0
+
+
+def test_the_onednn_peak_compiles_beside_the_persistent_cache_without_a_warning():
+  # The suite's cache is on (tests/session_settings.py); JAX cannot write a
+  # oneDNN-fused program to it and warned at every run that measured the peak.
+  assert jax.config.jax_compilation_cache_dir
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert matmul_peak.onednn_matmul_sampler(size=48)(1, 1.0) > 0
+  assert not [w for w in caught if "persistent compilation cache" in str(w.message)], caught
+  assert jax.config.jax_enable_compilation_cache  # on again for what follows
 
 
 def test_mfu_arithmetic():

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmd import compiler_log
 from trainers.reporting.chips import float_dtype_name
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,11 @@ def onednn_matmul_sampler(
     True
   """
   try:
-    return matmul_sampler(dtype, size, device, compiler_options=ONEDNN_DOTS)
+    # With the persistent cache off: JAX cannot write a program with oneDNN's
+    # fusions to it, and would warn "Error writing persistent compilation
+    # cache entry" at every run that measures the peak.
+    with compiler_log.without_persistent_cache():
+      return matmul_sampler(dtype, size, device, compiler_options=ONEDNN_DOTS)
   except Exception as e:  # a jaxlib built without oneDNN, or an option renamed
     log.info("no oneDNN matmul (%s: %s); the peak is XLA's default matmul", type(e).__name__, e)
     return None
