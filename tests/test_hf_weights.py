@@ -19,6 +19,7 @@ from flax import nnx
 
 from configs import hf as hf_configs
 from spmd.mesh import create_mesh
+from trainers.checkpoints import hf_export
 from trainers.hf import checkpoint, model_config
 from trainers.hf.safetensors_files import TensorFile, write_file
 from trainers.models.llama import Llama, LlamaConfig, param_count
@@ -184,3 +185,66 @@ def test_a_config_that_disagrees_with_the_folder_names_the_fields():
   config.model.num_kv_heads = 4
   with pytest.raises(ValueError, match="num_kv_heads=4 but the folder's is 2"):
     make_task(config)
+
+
+@pytest.mark.multiprocess  # starts the GCS emulator
+def test_a_folder_on_cloud_storage_imports_by_byte_ranges(tmp_path, monkeypatch):
+  """gs://: a local GCS emulator serves the fixture; the slices are read from it, no copy."""
+  import gcsfs
+  from etils import epath
+
+  from tests.gcs_emulator import GcsEmulator
+
+  emulator = GcsEmulator(tmp_path / "gcs")
+  emulator.start()
+  try:
+    for key, value in emulator.env().items():
+      monkeypatch.setenv(key, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+    url = "gs://bucket/models/llama3"
+    for name in ("config.json", "model.safetensors", "golden_tokens.npy", "golden_logits.npy"):
+      (epath.Path(url) / name).write_bytes(open(f"{FIXTURES}/llama3/{name}", "rb").read())
+    assert checkpoint.is_hf_folder(url)
+    config = LlamaConfig(**model_config.llama_fields(model_config.read_config(url)))
+    model = _imported(url, dataclasses.replace(config, attention="xla"), jax.devices()[:2])
+    tokens = np.load(f"{FIXTURES}/llama3/golden_tokens.npy", allow_pickle=False)
+    golden = np.load(f"{FIXTURES}/llama3/golden_logits.npy", allow_pickle=False)
+    np.testing.assert_allclose(model(jnp.asarray(tokens)), golden, rtol=1e-4, atol=1e-4)
+  finally:
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    emulator.stop()
+
+
+# ---------------------------------------------------------------------------
+# Out: our parameters as HF tensors (the export's conversion, without a run).
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scan", [True, False])
+def test_parameters_convert_back_to_the_files_tensors_bit_for_bit(family, scan):
+  folder = f"{FIXTURES}/{family}"
+  stored = TensorFile(f"{folder}/model.safetensors")
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder, scan_layers=scan))))
+  tensors = hf_export.hf_tensors(params, stored.dtype(stored.names()[0]))
+  assert sorted(tensors) == stored.names()  # tied qwen2: no lm_head.weight
+  for name, value in tensors.items():
+    assert value.tobytes() == stored.read(name).tobytes(), name
+
+
+def test_sharded_export_writes_an_index_and_reads_back(tmp_path):
+  folder = f"{FIXTURES}/qwen2"
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
+  tensors = hf_export.hf_tensors(params, np.dtype(np.float32))
+  files = hf_export.write_weights(tmp_path, tensors, max_bytes=64 * 1024)
+  index = json.loads((tmp_path / checkpoint.INDEX_FILE).read_text())
+  assert len(files) > 2 and files[-1] == checkpoint.INDEX_FILE
+  assert sorted(index["weight_map"]) == sorted(tensors)
+  assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+  for name in (*files[:-1],):
+    assert (tmp_path / name).stat().st_size <= 64 * 1024 + 4096 or len(
+      TensorFile(tmp_path / name).names()
+    ) == 1
+  for name in ("config.json", "golden_tokens.npy", "golden_logits.npy"):
+    shutil.copy(f"{folder}/{name}", tmp_path / name)
+  logits, golden = _logits(_imported(tmp_path, _config(folder)), tmp_path)
+  np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,9 @@
   checkpoint.py         `read_params`: a folder's weights as sharded global
                         arrays, each host reading its devices' slices only
 
-A run starts from a folder with `checkpoint.init_from=FOLDER`, or with
+It imports nothing else of `trainers`: the tasks, the restore and the
+export (`trainers.checkpoints.hf_export`, `spmd-export --format=safetensors`)
+build on it. A run starts from a folder with `checkpoint.init_from=FOLDER`, or with
 `configs/hf.py:FOLDER`, which also takes the model's shape and tokenizer
 from the folder.
 """
