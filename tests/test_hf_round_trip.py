@@ -3,7 +3,8 @@
 `spmd-train --config=configs/hf.py:tests/fixtures/hf/llama3`, FSDP over the
 4 devices (each process reads only its devices' slices of the bf16 files),
 for one step whose learning rate is the warmup's first, 0: the saved
-parameters are the imported ones. Then `spmd-export --format=safetensors`:
+parameters are the imported ones; each process says how much of the files
+it read. Then `spmd-export --format=safetensors`:
 its tensors equal the fixture's bit for bit (bf16, its dtype by default),
 its config.json carries the fixture's fields, and the folder imports back
 with transformers' golden logits. Read with numpy and json alone: no torch.
@@ -14,6 +15,7 @@ Its own job, not a shared run: no other test trains from an HF folder.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -68,12 +70,21 @@ def run(tmp_path_factory):
   assert result.ok, result.report()
   out = root / "export"
   assert export_cli.main(["--format=safetensors", f"--workdir={workdir}", f"--out={out}"]) == 0
-  return {"workdir": workdir, "export": out, "output": result.processes[0].output}
+  return {"workdir": workdir, "export": out, "outputs": [p.output for p in result.processes]}
 
 
 def test_the_run_starts_from_the_folder(run):
   summary = json.loads((run["workdir"] / "summary.json").read_text())
   assert summary["resumed_from"] == f"init_from {FIXTURE} (Hugging Face)"
+
+
+def test_each_process_reads_only_its_devices_slices(run):
+  """FSDP over 2 processes: each reads part of the files, not all (the norms are replicated)."""
+  for output in run["outputs"]:
+    found = re.search(r"hf import: process \d read ([\d.]+) MiB of the ([\d.]+) MiB", output)
+    assert found, output[-2000:]
+    read, total = map(float, found.groups())
+    assert 0 < read < 0.75 * total, found.group(0)
 
 
 def test_export_equals_the_imported_files_bit_for_bit(run):

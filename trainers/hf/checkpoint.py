@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,8 @@ from etils import epath
 
 from trainers.hf.layouts import TIED_OUTPUT, Layout, layout_for
 from trainers.hf.safetensors_files import TensorFile
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -111,8 +114,11 @@ def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple, layer
       )
 
 
-def _reader(weights: Weights, layout: Layout, shape: tuple, dtype) -> Callable:
-  """`make_array_from_callback`'s callback: our slice `index`, read from the HF tensor(s)."""
+def _reader(weights: Weights, layout: Layout, shape: tuple, dtype, counted: list[int]) -> Callable:
+  """`make_array_from_callback`'s callback: our slice `index`, read from the HF tensor(s).
+
+  `counted[0]` grows by the bytes read from the files.
+  """
   done: dict[tuple, np.ndarray] = {}  # devices of one host that hold the same slice read it once
 
   def read(index: tuple[slice, ...]) -> np.ndarray:
@@ -135,6 +141,7 @@ def _reader(weights: Weights, layout: Layout, shape: tuple, dtype) -> Callable:
         value = layout.to_ours(
           weights.file(name).read(name, layout.hf_index(shape, index)), shape, index
         )
+      counted[0] += value.nbytes
       done[key] = value.astype(dtype)
     return done[key]
 
@@ -157,6 +164,7 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
   scanned = not any(k.split("/")[1:2] and k.split("/")[1].isdigit() for k in keys)
   used: set[str] = set()
   arrays = []
+  counted = [0]
   for key, (_, leaf) in zip(keys, leaves):
     layout = layout_for(key, scanned)
     shape = tuple(leaf.shape)
@@ -166,7 +174,7 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
     used.update(names)
     arrays.append(
       jax.make_array_from_callback(
-        shape, leaf.sharding, _reader(weights, layout, shape, leaf.dtype)
+        shape, leaf.sharding, _reader(weights, layout, shape, leaf.dtype, counted)
       )
     )
   tied = "unembed" not in keys
@@ -180,4 +188,12 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
       f"{weights.folder}: tensors {extra[:8]} have no place in the model (it has "
       f"{len(keys)} parameters): is the model config the checkpoint's (its config.json)?"
     )
+  total = sum(weights.file(n).nbytes(n) for n in used)
+  log.warning(
+    "hf import: process %d read %.2f MiB of the %.2f MiB of %s (its devices' slices)",
+    jax.process_index(),
+    counted[0] / 2**20,
+    total / 2**20,
+    weights.folder,
+  )
   return jax.tree_util.tree_unflatten(treedef, arrays)

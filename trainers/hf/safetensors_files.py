@@ -2,8 +2,9 @@
 
 Reading parses the format's header (8 bytes of little-endian header length,
 a JSON header of `{name: {dtype, shape, data_offsets}}`, then the row-major
-data) and reads only the bytes a slice needs, through `etils.epath`, so a
-`gs://` file is read by ranges with no local copy. `safetensors.safe_open`
+data) and reads only the bytes a slice needs: a local file through a
+read-only memory map (the pages the slice touches), a `gs://` one through
+`etils.epath` by byte ranges, with no local copy. `safetensors.safe_open`
 is not used to read: its numpy reader has no bfloat16 (numpy lacks the
 dtype; ml_dtypes supplies it here), its flax reader puts every slice on
 JAX's default device, and it opens local files only.
@@ -74,6 +75,7 @@ class TensorFile:
 
   def __init__(self, path: str | os.PathLike):
     self.path = epath.Path(path)
+    self.local = "://" not in str(path)
     with self.path.open("rb") as f:
       (length,) = struct.unpack("<Q", f.read(8))
       header = json.loads(f.read(length))
@@ -96,6 +98,10 @@ class TensorFile:
   def dtype(self, name: str) -> np.dtype:
     return DTYPES[self._entries[name]["dtype"]]
 
+  def nbytes(self, name: str) -> int:
+    begin, end = self._entries[name]["data_offsets"]
+    return end - begin
+
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The tensor `name`, or its part `index` (one step-1 slice per dimension)."""
     shape, dtype = self.shape(name), self.dtype(name)
@@ -111,8 +117,13 @@ class TensorFile:
     out = np.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
     if not rows or out.size == 0:
       return out
-    # Whole rows when the slice keeps them whole; else a chunk of rows at a
-    # time, so a column slice never holds the whole tensor.
+    if self.local:
+      # The OS reads the pages the slice touches, whole rows or not.
+      mapped = np.memmap(os.fspath(self.path), dtype, mode="r", offset=start, shape=shape)
+      return np.array(mapped[index])
+    # Remote: whole rows when the slice keeps them whole; else a chunk of rows
+    # at a time (one request each, not one per row), so a column slice never
+    # holds the whole tensor.
     per_chunk = (
       len(rows)
       if out[0].size == math.prod(shape[1:])
