@@ -22,6 +22,7 @@ from spmd.mesh import create_mesh
 from trainers.checkpoints import hf_export
 from trainers.hf import checkpoint, model_config
 from trainers.hf.safetensors_files import TensorFile, write_file
+from trainers.models import decode
 from trainers.models.llama import Llama, LlamaConfig, param_count
 from trainers.step.state import make_state
 from trainers.tasks import make_task
@@ -213,6 +214,49 @@ def test_a_folder_on_cloud_storage_imports_by_byte_ranges(tmp_path, monkeypatch)
   finally:
     gcsfs.GCSFileSystem.clear_instance_cache()
     emulator.stop()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_kv_cache_path_gives_the_golden_logits_too(family):
+  """Sampling's prefill (biases, scaled RoPE) reproduces them, and cached decoding equals uncached."""
+  folder = f"{FIXTURES}/{family}"
+  model = _imported(folder, _config(folder, scan_layers=False))
+  tokens = jnp.asarray(np.load(f"{folder}/golden_tokens.npy", allow_pickle=False))
+  golden = np.load(f"{folder}/golden_logits.npy", allow_pickle=False)
+  logits, _ = decode.prefill(model, tokens)
+  np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)
+  prompt = tokens[:, :4]
+  np.testing.assert_array_equal(
+    decode.generate(model, prompt, 6), decode.generate_uncached(model, prompt, 6)
+  )
+
+
+def test_mistral_without_a_sliding_window_is_a_llama():
+  """Mistral 7B v0.2's config.json, shrunk: no window, no biases, untied."""
+  hf = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_dropout": 0.0,
+  }
+  fields = model_config.llama_fields(hf)
+  assert (fields["qkv_bias"], fields["rope_scaling"], fields["rope_theta"]) == (False, "none", 1e6)
+  assert model_config.hf_config(fields, "bfloat16", hf)["model_type"] == "mistral"
+  with pytest.raises(model_config.UnsupportedConfig, match="sliding_window=4096"):
+    model_config.llama_fields({**hf, "sliding_window": 4096})
 
 
 # ---------------------------------------------------------------------------
