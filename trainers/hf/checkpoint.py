@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Callable
@@ -114,16 +115,27 @@ def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple, layer
       )
 
 
-def _reader(weights: Weights, layout: Layout, shape: tuple, dtype, counted: list[int]) -> Callable:
+def _slice_key(index: tuple, shape: tuple) -> tuple:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _reader(
+  weights: Weights, layout: Layout, shape: tuple, dtype, sharding, counted: list[int]
+) -> Callable:
   """`make_array_from_callback`'s callback: our slice `index`, read from the HF tensor(s).
 
   `counted[0]` grows by the bytes read from the files.
   """
-  done: dict[tuple, np.ndarray] = {}  # devices of one host that hold the same slice read it once
+  # Devices of one host that hold the same slice read it once; it is kept
+  # only until the last of them has it, not for the whole parameter.
+  uses = collections.Counter(
+    _slice_key(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()
+  )
+  done: dict[tuple, np.ndarray] = {}
 
   def read(index: tuple[slice, ...]) -> np.ndarray:
-    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-    key = tuple((s.start, s.stop) for s in index)
+    key = _slice_key(index, shape)
+    index = tuple(slice(*k) for k in key)
     if key not in done:
       if layout.per_layer:
         one, rest = shape[1:], index[1:]
@@ -143,7 +155,8 @@ def _reader(weights: Weights, layout: Layout, shape: tuple, dtype, counted: list
         )
       counted[0] += value.nbytes
       done[key] = value.astype(dtype)
-    return done[key]
+    uses[key] -= 1
+    return done.pop(key) if uses[key] <= 0 else done[key]
 
   return read
 
@@ -174,7 +187,7 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
     used.update(names)
     arrays.append(
       jax.make_array_from_callback(
-        shape, leaf.sharding, _reader(weights, layout, shape, leaf.dtype, counted)
+        shape, leaf.sharding, _reader(weights, layout, shape, leaf.dtype, leaf.sharding, counted)
       )
     )
   tied = "unembed" not in keys

@@ -2,8 +2,8 @@
 
 Reading parses the format's header (8 bytes of little-endian header length,
 a JSON header of `{name: {dtype, shape, data_offsets}}`, then the row-major
-data) and reads only the bytes a slice needs: a local file through a
-read-only memory map (the pages the slice touches), a `gs://` one through
+data) and reads only the bytes a slice needs: a local file by `os.pread` of
+each row's span (the slice's bytes, no more), a `gs://` one through
 `etils.epath` by byte ranges, with no local copy. `safetensors.safe_open`
 is not used to read: its numpy reader has no bfloat16 (numpy lacks the
 dtype; ml_dtypes supplies it here), its flax reader puts every slice on
@@ -102,6 +102,13 @@ class TensorFile:
     begin, end = self._entries[name]["data_offsets"]
     return end - begin
 
+  def _read_local(self, start, shape, dtype, rows, index, out) -> np.ndarray:
+    fd = os.open(os.fspath(self.path), os.O_RDONLY)
+    try:
+      return _read_local_rows(fd, start, shape, dtype, rows, index, out)
+    finally:
+      os.close(fd)
+
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The tensor `name`, or its part `index` (one step-1 slice per dimension)."""
     shape, dtype = self.shape(name), self.dtype(name)
@@ -117,10 +124,8 @@ class TensorFile:
     out = np.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
     if not rows or out.size == 0:
       return out
-    if self.local:
-      # The OS reads the pages the slice touches, whole rows or not.
-      mapped = np.memmap(os.fspath(self.path), dtype, mode="r", offset=start, shape=shape)
-      return np.array(mapped[index])
+    if self.local and len(shape) <= 2:
+      return self._read_local(start, shape, dtype, rows, index, out)
     # Remote: whole rows when the slice keeps them whole; else a chunk of rows
     # at a time (one request each, not one per row), so a column slice never
     # holds the whole tensor.
@@ -136,6 +141,24 @@ class TensorFile:
         block = np.frombuffer(f.read(count * row_bytes), dtype).reshape((count, *shape[1:]))
         out[offset : offset + count] = block[(slice(None), *rest)]
     return out
+
+
+def _read_local_rows(
+  fd: int, start: int, shape: tuple, dtype: np.dtype, rows: range, index: tuple, out: np.ndarray
+) -> np.ndarray:
+  row_bytes = math.prod(shape[1:]) * dtype.itemsize
+  if len(shape) == 1 or out.shape[1] == shape[1]:  # whole rows: one contiguous read
+    data = os.pread(fd, len(rows) * row_bytes, start + rows.start * row_bytes)
+    out[...] = np.frombuffer(data, dtype).reshape(out.shape)
+    return out
+  # A column slice: each row's own span, so that neither the bytes read nor
+  # the memory held exceed the slice (a memory map would count every page
+  # it touches, i.e. the whole tensor, in the process's RSS).
+  first, count = index[1].indices(shape[1])[0], out.shape[1]
+  for k, row in enumerate(rows):
+    data = os.pread(fd, count * dtype.itemsize, start + row * row_bytes + first * dtype.itemsize)
+    out[k] = np.frombuffer(data, dtype)
+  return out
 
 
 def _full(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[slice, ...]:
