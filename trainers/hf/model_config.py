@@ -206,7 +206,9 @@ def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = 
   """
   family = (base or {}).get("model_type") or ("qwen2" if fields["qkv_bias"] else "llama")
   out = dict(base or {})
-  for stale in ("rope_parameters", "rope_scaling", "torch_dtype", "transformers_version"):
+  # Written afresh below in transformers 4's names, which 5 reads too; a
+  # base's `dtype` (5's name) would otherwise contradict a chosen --dtype.
+  for stale in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype", "transformers_version"):
     out.pop(stale, None)
   out.update(
     {
