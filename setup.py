@@ -59,6 +59,9 @@ setup(
     # of the zstd library.
     "pyarrow>=17.0",
     "zstandard>=0.22",
+    # Hugging Face model folders in and out (trainers/hf/): the format's own
+    # encoder writes the files transformers reads back.
+    "safetensors>=0.4",
   ],
   extras_require={
     "test": [

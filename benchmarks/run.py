@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, D1-D3) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -24,6 +24,9 @@ counts and process layouts):
   D1-D3   benchmarks/data_prep.py   data.sources prepared by 4 processes: the largest
                                     share of tokens, peak RSS and time to the first
                                     step as a generated corpus grows 4x
+  I1      benchmarks/hf_import.py   one process's peak RSS rise importing a 1B bf16
+                                    Hugging Face folder on 4 processes (FSDP) ÷
+                                    the model's f32 bytes
 
 Every module runs with TCMalloc preloaded where this machine has it, as
 `spmd-launch` runs the trainer (`launch/allocator.py`); each row's machine
@@ -71,6 +74,7 @@ BENCHMARKS = [
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
+  ("hf_import", ("I1",), {}),
 ]
 # Measured on a TPU chip by benchmarks/tpu_check.py, merged by --from-tpu-check.
 TPU_FIGURES = ("P4-tpu", "P9", "P11", "PL1", "PL2", "PL3")

@@ -146,6 +146,23 @@ def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_the_hf_import_figure_runs_end_to_end_on_one_layer(tmp_path):
+  """2 processes import a 1-layer folder (about 0.14B parameters) and report their RSS rise."""
+  out = tmp_path / "i1.json"
+  done = _run_module(
+    "benchmarks.hf_import",
+    "--layers=1",
+    "--processes=2",
+    f"--workdir={tmp_path / 'hf'}",
+    f"--json={out}",
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  [row] = json.loads(out.read_text())
+  assert row["id"] == "I1" and row["value"] > 0 and "| I1 |" in done.stdout
+  assert not (tmp_path / "hf" / "llama_1_layers").exists()  # the random folder is removed
+
+
+@pytest.mark.multiprocess
 def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
   # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.

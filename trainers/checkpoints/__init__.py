@@ -12,4 +12,5 @@ sharded train state, written by every host for its own shards) and `data`
   step_folders.py  which step folders are checkpoints, the harness's unfinished saves, or another tool's
   saved_run.py     a run's resolved config and its checkpoints' weights, read back
   export.py        the trained weights as one plain-array file; `export_cli.py` is `spmd-export`
+  hf_export.py     a Llama run's weights as a Hugging Face folder (`spmd-export --format=safetensors`)
 """

@@ -1,9 +1,16 @@
-"""`spmd-export`: a run's trained weights as one plain-array file, usable with no mesh.
+"""`spmd-export`: a run's trained weights as one plain-array file, or a Hugging Face folder.
 
   spmd-export --workdir=W [--step=N] [--checkpoint=DIR] [--out=FILE]
 
 writes `W/export/params_step_<N>.npz` (or `--out`) with `trainers.checkpoints.export.export`;
 that module describes the file and loads it back (`load_params`, `load_model`).
+
+  spmd-export --format=safetensors --workdir=W [--out=DIR] [--dtype=D] [--max-shard-size=5GB]
+
+writes a Llama run's checkpoint as a folder `transformers` loads
+(`trainers.checkpoints.hf_export`: config.json, model.safetensors or shards with their
+index, the tokenizer files), in the dtype of the files it was imported from
+unless `--dtype` says otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import sys
 import numpy as np
 
 from spmd import errors
-from trainers.checkpoints import export
+from trainers.checkpoints import export, hf_export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +33,33 @@ def _main(argv: list[str]) -> None:
   parser.add_argument("--workdir", required=True, help="the run's workdir")
   parser.add_argument("--step", type=int, default=None, help="default: the latest committed")
   parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
-  parser.add_argument("--out", default=None, help="default: <workdir>/export/params_step_N.npz")
+  parser.add_argument(
+    "--out", default=None, help="default: <workdir>/export/params_step_N.npz (hf_step_N/)"
+  )
+  parser.add_argument("--format", choices=("npz", "safetensors"), default="npz")
+  parser.add_argument(
+    "--dtype", default=None, help="safetensors: the files' dtype (default: the imported files')"
+  )
+  parser.add_argument(
+    "--max-shard-size", default="5GB", help="safetensors: the largest file before sharding"
+  )
   args = parser.parse_args(argv)
+  if args.format == "safetensors":
+    with errors.user_input(ValueError, FileNotFoundError):
+      done = hf_export.export(
+        args.workdir,
+        args.out,
+        step=args.step,
+        checkpoint=args.checkpoint,
+        dtype=args.dtype,
+        max_shard_bytes=hf_export.parse_size(args.max_shard_size),
+      )
+    print(
+      f"spmd-export: step {done.step}, {done.parameters:,} parameters in {done.dtype} -> "
+      f"{done.folder} ({', '.join(done.files)})",
+      flush=True,
+    )
+    return
   with errors.user_input(ValueError, FileNotFoundError):  # the workdir, checkpoint or step given
     path = export.export(args.workdir, args.out, step=args.step, checkpoint=args.checkpoint)
   exported = export.load_export(str(path))

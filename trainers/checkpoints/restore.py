@@ -6,8 +6,10 @@ Resume order (decided in `restore_or_init`):
      different mesh or process count works). A checkpoint saved before the
      state counted its applied updates (`updates`) resumes with the count set
      to its step;
-  2. else initial weights from `init_from` (another run's workdir, its
-     checkpoint directory, or one step's directory): the parameters and the
+  2. else initial weights from `init_from`: a Hugging Face model folder
+     (config.json and safetensors, `trainers.hf.checkpoint`: each host reads
+     its devices' slices), or another run's workdir, its
+     checkpoint directory, or one step's directory: the parameters and the
      model's other variables (`model_state`: batch statistics, a model's own
      variables) only, read by a partial restore (`reading.restore_weights`)
      that never opens the optimizer state, so any optimizer and schedule may
@@ -45,6 +47,7 @@ from trainers.checkpoints.reading import (
   restore_weights,
   saved_state_tree,
 )
+from trainers.hf import checkpoint as hf_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,17 @@ def restore_or_init(
       log.warning("%s has no update count (saved by an older version): set to its step", what)
       state = dict(state, **{UPDATES: _replicated_scalar(step, target[UPDATES])})
     return Restored(state, dict(restored["data"]), f"checkpoint step {step}", step)
-  # 2. Initial weights from another run: parameters and model state only.
+  # 2. Initial weights from a Hugging Face folder or another run: parameters
+  # and model state only.
+  if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
+    if "model_state" in target:
+      raise ValueError(
+        f"checkpoint.init_from={init_from!r} is a Hugging Face folder, which holds parameters "
+        "only, but the model has other variables (model_state)"
+      )
+    weights = {"params": hf_checkpoint.read_params(paths.user_path(init_from), target["params"])}
+    state = init_with_weights(weights) if init_with_weights else dict(init(), **weights)
+    return Restored(state, None, f"init_from {init_from} (Hugging Face)", 0)
   if init_from:
     directory, other_step = init_from_directory(init_from)
     with read_only_manager(directory) as other:

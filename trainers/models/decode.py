@@ -157,10 +157,7 @@ def _attend(q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Arr
 
 def _llama_layer(block: llama.Block, x, cache, layer, index, sin, cos):
   attn, dt = block.attn, x.dtype
-  h = block.attn_norm(x)
-  q = constrain(dense(h, attn.query[...].astype(dt)), ("batch", "length", "heads", "kv"))
-  k = constrain(dense(h, attn.key[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
-  v = constrain(dense(h, attn.value[...].astype(dt)), ("batch", "length", "kv_heads", "kv"))
+  q, k, v = attn.project(block.attn_norm(x))
   q, k = llama.apply_rope(q, sin, cos), llama.apply_rope(k, sin, cos)
   cache = _write(cache, layer, index, k, v)
   y = _attend(q, cache, layer, index)
@@ -202,7 +199,8 @@ def forward(model: nnx.Module, tokens: jax.Array, cache: KVCache, index: jax.Arr
   if isinstance(model, llama.Llama):
     table = model.token_embed[...].astype(dt)
     x = constrain(embedding.lookup(table, tokens), _RESIDUAL)
-    sin, cos = llama.rope_angles(positions, config.head_dim, config.rope_theta)
+    inv_freq = llama.rope_frequencies(config)
+    sin, cos = llama.rope_angles(positions, config.head_dim, config.rope_theta, inv_freq)
     layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos)
   elif isinstance(model, lm.TransformerLM):
     x = embedding.lookup(model.token_embed[...].astype(dt), tokens)

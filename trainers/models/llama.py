@@ -4,7 +4,9 @@ The architecture of Llama 2/3 (Touvron et al. 2023; Meta 2024): pre-RMSNorm
 blocks of causal self-attention with rotary position embeddings and
 grouped-query attention (`num_kv_heads` key/value heads shared by groups of
 `num_heads` query heads), a SwiGLU MLP, a final RMSNorm and an output
-projection, tied to the token embedding or not. No biases anywhere.
+projection, tied to the token embedding or not. No biases, except on the
+query, key and value projections with `qkv_bias` (Qwen2's). RoPE's frequencies
+are Llama 2's, or stretched as Llama 3.1's (`rope_scaling="llama3"`).
 
 Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
 
@@ -13,6 +15,8 @@ Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
   blocks/attn/query            [layers, d_model, heads, head_dim]    (layers, embed, heads, kv)
   blocks/attn/key, value       [layers, d_model, kv_heads, head_dim] (layers, embed, kv_heads, kv)
   blocks/attn/out              [layers, heads, head_dim, d_model]    (layers, heads, kv, embed)
+  blocks/attn/query_bias       [layers, heads, head_dim]  (qkv_bias)  (layers, heads, kv)
+  blocks/attn/key_bias, value_bias [layers, kv_heads, head_dim] (qkv_bias) (layers, kv_heads, kv)
   blocks/mlp_norm/scale        [layers, d_model]                     (layers, norm)
   blocks/mlp/gate, up          [layers, d_model, d_ff]               (layers, embed, mlp)
   blocks/mlp/down              [layers, d_ff, d_model]               (layers, mlp, embed)
@@ -58,6 +62,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmd.rules import constrain
@@ -66,6 +71,7 @@ from trainers.models.layers import check_decoder_fields, dense, fan_in_init, sca
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 REMAT_POLICIES = ("minimal", "full", "none")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,16 @@ class LlamaConfig:
   """Hidden width of each SwiGLU MLP."""
   rope_theta: float = 10000.0
   """RoPE's base period (Llama 2: 1e4, Llama 3: 5e5)."""
+  rope_scaling: str = "none"
+  """"none", or "llama3": Llama 3.1's stretch of the low frequencies, by the
+  four `rope_*` fields below (Hugging Face's `rope_scaling` of that type)."""
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_length: int = 8192
+  """The context length the unscaled model was trained on."""
+  qkv_bias: bool = False
+  """Biases on the query, key and value projections (Qwen2)."""
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   """Use the token embedding, transposed, as the output projection."""
@@ -123,26 +139,79 @@ class LlamaConfig:
       raise ValueError(f"head_dim={self.head_dim} (d_model / num_heads) must be even for RoPE")
     if not self.rope_theta > 1:
       raise ValueError(f"rope_theta={self.rope_theta!r} must be > 1")
-    if not isinstance(self.tie_embeddings, bool):
-      raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+    for name in ("tie_embeddings", "qkv_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be one of {ROPE_SCALINGS}")
+    if self.rope_scaling == "llama3" and not (
+      self.rope_factor >= 1
+      and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+      and self.rope_original_length > 0
+    ):
+      raise ValueError(
+        f"rope_scaling='llama3' needs rope_factor >= 1, 0 < rope_low_freq_factor < "
+        f"rope_high_freq_factor and rope_original_length > 0, got {self.rope_factor=}, "
+        f"{self.rope_low_freq_factor=}, {self.rope_high_freq_factor=}, "
+        f"{self.rope_original_length=}"
+      )
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def _unscaled_frequencies(head_dim: int, theta: float) -> np.ndarray:
+  exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+  return (np.float32(1.0) / np.float32(theta) ** exponents).astype(np.float32)
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+  """RoPE's inverse frequencies, float32 [head_dim // 2], scaled as `config.rope_scaling` says.
+
+  Frequency i is `theta ** (-2i / head_dim)`, as in Llama, computed in
+  float32 as Hugging Face computes it (so imported models agree to rounding).
+  Llama 3.1's scaling divides the frequencies whose wavelength exceeds
+  `rope_original_length / rope_low_freq_factor` by `rope_factor`, keeps those
+  below `rope_original_length / rope_high_freq_factor`, and blends between.
+
+  Example:
+    >>> config = LlamaConfig(d_model=16, num_heads=2, rope_theta=100.0)
+    >>> rope_frequencies(config).tolist()
+    [1.0, 0.3162277638912201, 0.10000000149011612, 0.03162277862429619]
+    >>> scaled = dataclasses.replace(config, rope_scaling="llama3", rope_original_length=64)
+    >>> [round(f, 6) for f in rope_frequencies(scaled).tolist()]
+    [1.0, 0.244385, 0.013042, 0.003953]
+  """
+  inv_freq = _unscaled_frequencies(config.head_dim, config.rope_theta)
+  if config.rope_scaling == "none":
+    return inv_freq
+  factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+  original = config.rope_original_length
+  wavelength = np.float32(2 * np.pi) / inv_freq
+  scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
+  smooth = (original / wavelength - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelength >= original / high) & (wavelength <= original / low)
+  return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_angles(
+  positions: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None
+) -> tuple[jax.Array, jax.Array]:
   """(sin, cos) of RoPE's angles, float32 [..., head_dim // 2], for integer positions.
 
-  Frequency i is `theta ** (-2i / head_dim)`, as in Llama.
+  `inv_freq` is the frequencies (`rope_frequencies`); None: Llama 2's,
+  `theta ** (-2i / head_dim)`.
 
   Example:
     >>> sin, cos = rope_angles(jnp.array([[0, 1]]), head_dim=4, theta=10000.0)
     >>> sin.shape, cos[0, 0].tolist()
     ((1, 2, 2), [1.0, 1.0])
   """
-  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  if inv_freq is None:
+    inv_freq = _unscaled_frequencies(head_dim, theta)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -173,6 +242,12 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def _add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+  """`y + bias` in y's dtype, added in float32 so that the bias's gradient, a sum
+  over every token, is summed in float32 (as `dense` sums the weights')."""
+  return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+
+
 class Attention(nnx.Module):
   """Grouped-query causal self-attention with RoPE and an optional segment mask."""
 
@@ -186,15 +261,33 @@ class Attention(nnx.Module):
     self.out = param(
       rngs, fan_in_init(in_axis=(0, 1), out_axis=2), (h, k, d), ("heads", "kv", "embed"), pdt
     )
+    if config.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.query_bias = param(rngs, zeros, (h, k), ("heads", "kv"), pdt)
+      self.key_bias = param(rngs, zeros, (g, k), ("kv_heads", "kv"), pdt)
+      self.value_bias = param(rngs, zeros, (g, k), ("kv_heads", "kv"), pdt)
+    self.qkv_bias = config.qkv_bias
     self.kernel = config.attention
+
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries, keys and values of `x` [batch, length, d_model], before RoPE."""
+    # `dense` multiplies each weight in x's dtype (the compute dtype).
+    q = dense(x, self.query[...])
+    k = dense(x, self.key[...])
+    v = dense(x, self.value[...])
+    if self.qkv_bias:
+      q, k, v = (
+        _add_bias(y, b[...])
+        for y, b in zip((q, k, v), (self.query_bias, self.key_bias, self.value_bias))
+      )
+    q = constrain(q, ("batch", "length", "heads", "kv"))
+    k = constrain(k, ("batch", "length", "kv_heads", "kv"))
+    return q, k, constrain(v, ("batch", "length", "kv_heads", "kv"))
 
   def __call__(
     self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
   ) -> jax.Array:
-    # `dense` multiplies each weight in x's dtype (the compute dtype).
-    q = constrain(dense(x, self.query[...]), ("batch", "length", "heads", "kv"))
-    k = constrain(dense(x, self.key[...]), ("batch", "length", "kv_heads", "kv"))
-    v = constrain(dense(x, self.value[...]), ("batch", "length", "kv_heads", "kv"))
+    q, k, v = self.project(x)
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
     y = constrain(y, ("batch", "length", "heads", "kv"))
@@ -321,7 +414,7 @@ class Llama(nnx.Module):
     x = constrain(x, ("batch", "length", "embed"))
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    sin, cos = rope_angles(positions, config.head_dim, config.rope_theta)
+    sin, cos = rope_angles(positions, config.head_dim, config.rope_theta, rope_frequencies(config))
     if config.scan_layers:
       x = scan_layers(
         self.blocks,
@@ -347,6 +440,8 @@ def param_count(config: LlamaConfig) -> int:
   """
   d, f, hd = config.d_model, config.d_ff, config.head_dim
   attention = 2 * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd
+  if config.qkv_bias:
+    attention += (config.num_heads + 2 * config.num_kv_heads) * hd
   per_layer = attention + 3 * d * f + 2 * d  # + two RMSNorm scales
   embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
   return embeddings + config.num_layers * per_layer + d

@@ -24,6 +24,9 @@ import dataclasses
 
 import ml_collections
 
+from trainers import paths
+from trainers.hf import checkpoint as hf_checkpoint
+from trainers.hf import model_config as hf_config
 from trainers.models import llama
 from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
@@ -45,8 +48,39 @@ def default_model_config() -> ml_collections.ConfigDict:
 
 
 def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
-  """The model's sizes from `config.model`; a misspelt key is an error naming it."""
-  return model_section(llama.LlamaConfig, config)
+  """The model's sizes from `config.model`; a misspelt key is an error naming it.
+
+  With `checkpoint.init_from` naming a Hugging Face folder, each field its
+  config.json sets must agree (`check_hf_fields`).
+  """
+  model = model_section(llama.LlamaConfig, config)
+  init_from = config.get("checkpoint", {}).get("init_from", "")
+  if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
+    check_hf_fields(model, hf_config.read_config(paths.user_path(init_from)), init_from)
+  return model
+
+
+def check_hf_fields(model: llama.LlamaConfig, hf: dict, where: str) -> None:
+  """Raises `ValueError` naming each model field that disagrees with the config.json `hf`.
+
+  Example:
+    >>> check_hf_fields(llama.LlamaConfig(d_model=64, num_heads=4),
+    ...                 hf_config.read_config("tests/fixtures/hf/llama3"), "llama3")
+    Traceback (most recent call last):
+    ...
+    ValueError: config.model disagrees with llama3/config.json: vocab_size=256 but the folder's is 96, d_ff=384 but the folder's is 96, rope_theta=10000.0 but the folder's is 500000.0, rope_scaling='none' but the folder's is 'llama3', rope_original_length=8192 but the folder's is 64 (configs/hf.py takes them from the folder)
+  """
+  wrong = [
+    f"{name}={getattr(model, name)!r} but the folder's is {value!r}"
+    for name, value in hf_config.llama_fields(hf).items()
+    if getattr(model, name) != value
+  ]
+  if wrong:
+    shown = ", ".join(wrong[:5]) + (", ..." if len(wrong) > 5 else "")
+    raise ValueError(
+      f"config.model disagrees with {where}/config.json: {shown} (configs/hf.py takes them "
+      "from the folder)"
+    )
 
 
 def next_token_loss(model, batch: Batch, rngs, train: bool):

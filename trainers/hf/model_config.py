@@ -1,0 +1,247 @@
+"""A Hugging Face `config.json` as our Llama's fields, and back.
+
+Families read: Llama 2, 3 and 3.1 (`rope_scaling` of type `llama3`),
+Mistral without a sliding window, and Qwen2 (biases on q/k/v). Both
+spellings of RoPE's settings are read: `rope_theta` with `rope_scaling`
+(transformers 4) and `rope_parameters` (transformers 5).
+
+Every field is accounted for: a field the model implements becomes one of
+ours; a field that only describes the file, the tokenizer or inference
+(`KNOWN_INERT`) is checked or passed over; anything else, or a value the
+model cannot follow (a sliding window, another `rope_scaling` type, a bias
+on the output projection, ...), is an `UnsupportedConfig` naming it. An
+unknown field is never ignored: it might change what the model computes.
+
+Example:
+  >>> fields = llama_fields({"model_type": "llama", "vocab_size": 96, "hidden_size": 64,
+  ...   "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+  ...   "num_key_value_heads": 2, "rope_theta": 500000.0, "tie_word_embeddings": False})
+  >>> fields["d_model"], fields["num_kv_heads"], fields["rope_theta"], fields["qkv_bias"]
+  (64, 2, 500000.0, False)
+  >>> llama_fields({"model_type": "llama", "sliding_window": 4096, "vocab_size": 8})
+  Traceback (most recent call last):
+  ...
+  trainers.hf.model_config.UnsupportedConfig: config.json: sliding_window=4096 is not implemented by this Llama (full causal attention only)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from etils import epath
+
+FAMILIES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "mistral": "MistralForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+}
+# config.json fields that describe the files, the tokenizer or inference, not
+# what the model computes.
+KNOWN_INERT = frozenset(
+  {
+    "architectures",
+    "model_type",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "max_position_embeddings",
+    "_name_or_path",
+    "tokenizer_class",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "max_window_layers",  # Qwen2's layers without the sliding window: no window here
+    "attention_dropout",  # checked to be 0 below
+    "pretraining_tp",  # checked to be 1 below
+  }
+)
+
+
+class UnsupportedConfig(ValueError):
+  """A config.json field or value this Llama does not implement (named in the message)."""
+
+
+def read_config(folder: str | epath.Path) -> dict[str, Any]:
+  """`folder/config.json` as a dict; a missing file is a `FileNotFoundError` naming it."""
+  path = epath.Path(folder) / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} does not exist: a Hugging Face model folder has a config.json")
+  return json.loads(path.read_text())
+
+
+def _unsupported(name: str, value: Any, why: str) -> UnsupportedConfig:
+  return UnsupportedConfig(
+    f"config.json: {name}={value!r} is not implemented by this Llama ({why})"
+  )
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+  """Our rope_* fields from `rope_parameters`, or `rope_theta` and `rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+  merged = {**scaling, **params}
+  kind = merged.pop("rope_type", merged.pop("type", "default"))
+  fields: dict[str, Any] = {"rope_theta": float(theta)}
+  if kind == "default" and not merged:
+    return {**fields, "rope_scaling": "none"}
+  if kind != "llama3":
+    raise _unsupported("rope_scaling", {"rope_type": kind, **merged}, "types: default, llama3")
+  names = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_length",
+  }
+  unknown = sorted(set(merged) - set(names))
+  if unknown:
+    raise _unsupported("rope_scaling", merged, f"llama3 fields are {sorted(names)}, not {unknown}")
+  fields["rope_scaling"] = "llama3"
+  for theirs, ours in names.items():
+    if theirs not in merged:
+      raise _unsupported("rope_scaling", merged, f"llama3 needs {theirs}")
+    value = merged[theirs]
+    fields[ours] = int(value) if ours == "rope_original_length" else float(value)
+  return fields
+
+
+def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  """`trainers.models.llama.LlamaConfig`'s fields (sizes, RoPE, biases) that `hf` describes.
+
+  Raises:
+    UnsupportedConfig: a family, field or value the model does not implement.
+  """
+  family = hf.get("model_type")
+  if family not in FAMILIES:
+    raise _unsupported("model_type", family, f"families: {', '.join(FAMILIES)}")
+  for name, allowed in (
+    ("hidden_act", ("silu",)),
+    ("attention_bias", (False,)),
+    ("mlp_bias", (False,)),
+    ("attention_dropout", (0, 0.0)),
+    ("pretraining_tp", (1,)),
+    ("use_sliding_window", (False,)),
+  ):
+    if name in hf and hf[name] not in allowed:
+      raise _unsupported(name, hf[name], f"allowed: {allowed}")
+  window = hf.get("sliding_window")
+  if window is not None and not (family == "qwen2" and not hf.get("use_sliding_window")):
+    raise _unsupported("sliding_window", window, "full causal attention only")
+  layer_types = hf.get("layer_types")
+  if layer_types is not None and set(layer_types) != {"full_attention"}:
+    raise _unsupported("layer_types", sorted(set(layer_types)), "full_attention only")
+  heads = hf["num_attention_heads"] if "num_attention_heads" in hf else None
+  fields: dict[str, Any] = {
+    "vocab_size": hf["vocab_size"],
+    "d_model": hf.get("hidden_size"),
+    "d_ff": hf.get("intermediate_size"),
+    "num_layers": hf.get("num_hidden_layers"),
+    "num_heads": heads,
+    "num_kv_heads": hf.get("num_key_value_heads") or heads,
+    "norm_eps": float(hf.get("rms_norm_eps", 1e-6 if family == "qwen2" else 1e-5)),
+    "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    "qkv_bias": family == "qwen2",
+    **_rope(hf),
+  }
+  head_dim = hf.get("head_dim")
+  if head_dim is not None and heads and head_dim * heads != hf.get("hidden_size"):
+    raise _unsupported(
+      "head_dim",
+      head_dim,
+      f"head_dim * num_attention_heads must be hidden_size={hf['hidden_size']}",
+    )
+  consumed = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "head_dim",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "layer_types",
+  }
+  unknown = sorted(set(hf) - consumed - KNOWN_INERT)
+  if unknown:
+    raise UnsupportedConfig(
+      f"config.json: fields {unknown} are not implemented by this Llama: an unknown field "
+      "might change what the model computes, so it is not ignored"
+    )
+  missing = sorted(k for k, v in fields.items() if v is None)
+  if missing:
+    raise UnsupportedConfig(f"config.json lacks the sizes of {missing}")
+  return fields
+
+
+def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = None) -> dict:
+  """A config.json for a model with our Llama `fields`, its files in `dtype` ("bfloat16", ...).
+
+  `base`: the config.json the weights were imported with, whose other
+  fields (token ids, max_position_embeddings, ...) are kept.
+
+  Example:
+    >>> from trainers.models.llama import LlamaConfig
+    >>> import dataclasses
+    >>> out = hf_config(dataclasses.asdict(LlamaConfig()), "float32")
+    >>> out["model_type"], out["num_key_value_heads"], out["rope_theta"]
+    ('llama', 2, 10000.0)
+    >>> llama_fields(out)["d_ff"]
+    384
+  """
+  family = (base or {}).get("model_type") or ("qwen2" if fields["qkv_bias"] else "llama")
+  out = dict(base or {})
+  # Written afresh below in transformers 4's names, which 5 reads too; a
+  # base's `dtype` (5's name) would otherwise contradict a chosen --dtype.
+  for stale in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype", "transformers_version"):
+    out.pop(stale, None)
+  out.update(
+    {
+      "architectures": [ARCHITECTURES[family]],
+      "model_type": family,
+      "vocab_size": fields["vocab_size"],
+      "hidden_size": fields["d_model"],
+      "intermediate_size": fields["d_ff"],
+      "num_hidden_layers": fields["num_layers"],
+      "num_attention_heads": fields["num_heads"],
+      "num_key_value_heads": fields["num_kv_heads"],
+      "head_dim": fields["d_model"] // fields["num_heads"],
+      "rms_norm_eps": fields["norm_eps"],
+      "tie_word_embeddings": fields["tie_embeddings"],
+      "hidden_act": "silu",
+      "rope_theta": fields["rope_theta"],
+      "torch_dtype": dtype,
+    }
+  )
+  out.setdefault("max_position_embeddings", fields.get("seq_len", 2048))
+  if family == "llama":
+    out.setdefault("attention_bias", False)
+    out.setdefault("mlp_bias", False)
+  if fields["rope_scaling"] == "llama3":
+    out["rope_scaling"] = {
+      "rope_type": "llama3",
+      "factor": fields["rope_factor"],
+      "low_freq_factor": fields["rope_low_freq_factor"],
+      "high_freq_factor": fields["rope_high_freq_factor"],
+      "original_max_position_embeddings": fields["rope_original_length"],
+    }
+  if family == "qwen2" and not fields["qkv_bias"]:
+    raise ValueError("a qwen2 config.json needs qkv_bias=True (Qwen2 has q/k/v biases)")
+  if family != "qwen2" and fields["qkv_bias"]:
+    raise ValueError(f"qkv_bias=True has no {family} config.json (Qwen2's has)")
+  return out
