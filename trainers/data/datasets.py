@@ -24,17 +24,25 @@ rather than garbage.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 from array_record.python import array_record_module
+from google.protobuf.message import DecodeError
 from tensorflow_datasets.core import read_only_builder
 
-from trainers.data import text_corpus
+from trainers.data import stored_lengths, text_corpus
+
+log = logging.getLogger(__name__)
 
 _ARRAY_RECORD = tfds.core.FileFormat.ARRAY_RECORD
+# What a bad record raises: array_record for a file it cannot read, protobuf
+# for bytes that are not an Example.
+_BAD_RECORD = (RuntimeError, DecodeError)
 
 
 class RecordSource(Sequence):
@@ -75,21 +83,25 @@ class RecordSource(Sequence):
   def __getitem__(self, index: int) -> Any:
     try:
       record = self._source[index]
-    except RuntimeError as e:  # What array_record raises for a bad file.
+      return record if self._decode is None else self._decode(record)
+    except _BAD_RECORD as e:
       raise self._read_error(index, e) from e
-    return record if self._decode is None else self._decode(record)
 
   def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
     try:
       records = self._source.__getitems__(indices)
-    except RuntimeError:
+      return records if self._decode is None else [self._decode(r) for r in records]
+    except _BAD_RECORD:
       # Read one at a time to name the bad record (the error path only).
       return [self[i] for i in indices]
-    return records if self._decode is None else [self._decode(r) for r in records]
 
   def __iter__(self) -> Iterator[Any]:
     for i in range(len(self)):
       yield self[i]
+
+  def stored_lengths(self, feature: str) -> np.ndarray | None:
+    """Each record's length of `feature`, as kept when the dataset was prepared; None if not kept."""
+    return stored_lengths.read_lengths(self.info, self.split, feature)
 
   def __repr__(self) -> str:
     return f"RecordSource({self.name}, split={self.split!r}, {len(self)} records)"
@@ -218,6 +230,44 @@ def open_source(
       split, file_format=_ARRAY_RECORD, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
     )
   return RecordSource(source, name=full_name, split=split, info=info, files=files, decode=decode)
+
+
+def keep_record_lengths(name: str, data_dir: str | os.PathLike, feature: str) -> list[str]:
+  """Keeps `feature`'s per-record lengths beside a prepared dataset that has none; returns the splits.
+
+  For a dataset prepared elsewhere (`tfds build`) or before lengths were
+  kept: its records are read once here, where the data is prepared (process
+  0 first), so that no host reads them all at startup (`RecordSource.stored_lengths`).
+  A dataset that is not prepared is left to `open_source` to report; a
+  folder that cannot be written (read-only) is read at startup as before.
+
+  >>> import tempfile
+  >>> keep_record_lengths("mnist", tempfile.mkdtemp(), "tokens")
+  []
+  """
+  try:
+    info = read_only_builder.builder_from_files(name, data_dir=os.fspath(data_dir)).info
+  except tfds.core.DatasetNotFoundError:
+    return []
+  try:
+    written = stored_lengths.keep_lengths(info.data_dir, info, feature)
+  except OSError as e:
+    log.warning(
+      "spmd-train: data: cannot keep the record lengths of %s in %s (%s); every host reads "
+      "them from the records at startup",
+      info.full_name,
+      info.data_dir,
+      e,
+    )
+    return []
+  if written:
+    log.warning(
+      "spmd-train: data: kept the %r lengths of %s's records (splits %s) beside its index",
+      feature,
+      info.full_name,
+      written,
+    )
+  return written
 
 
 def prepare_text_corpus(

@@ -8,10 +8,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 Example = dict[str, np.ndarray]
 
@@ -82,10 +85,12 @@ def record_lengths(records: Sequence[Any], feature: str) -> np.ndarray:
   """The length of `feature` (elements) in every record, in record order.
 
   A feature whose shape the dataset fixes (`records.info.features`, as a
-  `RecordSource` has) is not read at all. A variable-length one is read
-  once, in order, in batches: the same files give every host the same
-  lengths, and the hosts compare what they derive from them (the stream's
-  fingerprint) before any step.
+  `RecordSource` has) is not read at all, nor is one whose lengths were kept
+  when the dataset was prepared (`records.stored_lengths(feature)`, see
+  `trainers.data.stored_lengths`). Otherwise every record is read once, in
+  order, in batches: the same files give every host the same lengths, and
+  the hosts compare what they derive from them (the stream's fingerprint)
+  before any step.
 
   Example:
     >>> record_lengths([{"tokens": np.zeros(3)}, {"tokens": np.zeros(5)}], "tokens").tolist()
@@ -96,6 +101,18 @@ def record_lengths(records: Sequence[Any], feature: str) -> np.ndarray:
   shape = getattr(spec, "shape", None)
   if shape is not None and all(d is not None and d >= 0 for d in shape):
     return np.full(len(records), int(np.prod(shape)), np.int64)
+  stored = getattr(records, "stored_lengths", None)
+  if stored is not None:
+    kept = stored(feature)
+    if kept is not None:
+      return kept
+    log.warning(
+      "spmd-train: data: %r keeps no lengths of its %r records (prepared before they were "
+      "kept, or not by this harness); reading all %d records for them",
+      records,
+      feature,
+      len(records),
+    )
   getitems = getattr(records, "__getitems__", None)
   lengths = np.zeros(len(records), np.int64)
   for start in range(0, len(records), _LENGTH_READ_BATCH):

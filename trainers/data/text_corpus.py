@@ -7,7 +7,8 @@ Each example is one chunk of one file:
   offset  int64     where the chunk starts in that file
 
 Concatenating a file's chunks in `offset` order gives back the file, byte for
-byte. Empty files give no chunks.
+byte. Empty files give no chunks. Each split's chunk lengths are kept beside
+the index (`trainers.data.stored_lengths`), so opening it reads no chunk.
 
 The source is part of the config (for your own files, also each file's size
 and modification time), so each source, and each state of its files, has its
@@ -59,6 +60,8 @@ from typing import ClassVar
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
+
+from trainers.data import stored_lengths
 
 # The split rule is shared with `config.data.sources` (which holds out documents).
 from trainers.data.holdout import (  # noqa: F401  (re-exported: text_corpus.split_of, ...)
@@ -310,6 +313,12 @@ class TextCorpus(tfds.core.GeneratorBasedBuilder):
         }
       ),
     )
+
+  def _download_and_prepare(self, dl_manager, download_config) -> None:
+    super()._download_and_prepare(dl_manager, download_config)
+    # Inside TFDS's temporary folder, before it writes the index and renames
+    # the folder into place: a published corpus always has its lengths.
+    stored_lengths.keep_lengths(self.data_dir, self.info, "tokens")
 
   def _split_generators(self, dl_manager) -> dict[str, Iterator]:
     del dl_manager  # Everything is local.

@@ -201,23 +201,30 @@ def packed_prepare(
 
 
 def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
-  """`Task.prepare_data` for `config.data`: builds text_corpus, or names a prepared dataset."""
+  """`Task.prepare_data` for `config.data`: builds text_corpus, or names a prepared dataset.
+
+  Either way the records' token lengths are kept beside the dataset's index
+  (read once here, where the data is prepared, if it has none yet), so that
+  no host reads every record at startup.
+  """
   name = config.data.name
-  if name == "text_corpus":
 
-    def prepare(data_dir: str) -> str:
-      from trainers.data.datasets import prepare_text_corpus  # TFDS: see the top
+  def prepare(data_dir: str) -> str:
+    from trainers.data import datasets  # TFDS: see the top
 
+    found = name
+    if name == "text_corpus":
       check_held_out(config, data_dir)  # before a build that could not be evaluated
-      return prepare_text_corpus(
+      found = datasets.prepare_text_corpus(
         data_dir,
         config.data.source or None,
         chunk_bytes=CORPUS_RECORD_BYTES,
         validation_percent=config.data.validation_percent,
       )
+    datasets.keep_record_lengths(found, data_dir, "tokens")
+    return found
 
-    return prepare
-  return lambda data_dir: name  # any TFDS dataset already prepared in data_dir
+  return prepare
 
 
 def lm_records(config: ml_collections.ConfigDict, seq_len: int):
