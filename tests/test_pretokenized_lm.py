@@ -97,7 +97,8 @@ def open_train(data_dir, config, global_batch, caplog, split="train"):
       shuffle_block=7,
       to_batch=task.to_batch,
     )
-  (line,) = [r.getMessage() for r in caplog.records if "spmd-train: data:" in r.getMessage()]
+  # The split's line; preparing may log another (the record lengths it kept).
+  (line,) = [r.getMessage() for r in caplog.records if " split: " in r.getMessage()]
   return batches, line
 
 
