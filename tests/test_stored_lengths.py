@@ -97,6 +97,21 @@ def test_a_prepared_corpus_opens_without_reading_its_records(corpus, tmp_path):
     open_train(config, name, str(spoiled))
 
 
+def test_preparing_leaves_a_bad_shard_to_the_open_that_every_host_does(corpus, tmp_path, caplog):
+  """Process 0 prepares alone while the others wait: an error there would reach no other host."""
+  config, name, data_dir = corpus
+  spoiled = shutil.copytree(data_dir, tmp_path / "data")
+  folder = version_dir(name, spoiled)
+  spoil_records_after_the_first(folder)
+  os.remove(stored_lengths.lengths_path(folder, "train", "tokens"))
+  with caplog.at_level(logging.WARNING, logger=datasets.__name__):
+    assert make_task(config).prepare_data(str(spoiled)) == name
+  assert f"cannot keep the record lengths of {name.replace(':', '/')}" in caplog.text
+  assert not os.path.exists(stored_lengths.lengths_path(folder, "train", "tokens"))
+  with pytest.raises(ValueError, match="could not read record"):
+    open_train(config, name, str(spoiled))
+
+
 def test_kept_lengths_give_the_windows_and_batches_a_scan_gives(corpus, tmp_path, caplog):
   config, name, data_dir = corpus
   kept = open_train(config, name, data_dir)

@@ -238,8 +238,9 @@ def keep_record_lengths(name: str, data_dir: str | os.PathLike, feature: str) ->
   For a dataset prepared elsewhere (`tfds build`) or before lengths were
   kept: its records are read once here, where the data is prepared (process
   0 first), so that no host reads them all at startup (`RecordSource.stored_lengths`).
-  A dataset that is not prepared is left to `open_source` to report; a
-  folder that cannot be written (read-only) is read at startup as before.
+  A dataset that is not prepared, or has a bad shard, is left to
+  `open_source` to report on every host; a folder that cannot be written
+  (read-only) is read at startup as before.
 
   >>> import tempfile
   >>> keep_record_lengths("mnist", tempfile.mkdtemp(), "tokens")
@@ -251,7 +252,7 @@ def keep_record_lengths(name: str, data_dir: str | os.PathLike, feature: str) ->
     return []
   try:
     written = stored_lengths.keep_lengths(info.data_dir, info, feature)
-  except OSError as e:
+  except (OSError, ValueError, *_BAD_RECORD) as e:
     log.warning(
       "spmd-train: data: cannot keep the record lengths of %s in %s (%s); every host reads "
       "them from the records at startup",
