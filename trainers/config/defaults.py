@@ -135,6 +135,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.init_from = ""  # initial weights (params, model state) from another run: workdir, checkpoints dir or step dir
   # A save's own time limit in the watchdog (0 = none); the step limit does not apply.
   config.checkpoint.save_timeout_s = 1800.0
+  # Weights & Biases (trainers/reporting/tracking.py; the `wandb` extra): process 0
+  # logs the metrics file's records and the summary. "" = off. A restart resumes
+  # the same W&B run (its id is kept in the workdir).
+  config.wandb = ml_collections.ConfigDict()
+  config.wandb.project = ""
+  config.wandb.entity = ""  # "" = your default entity
+  config.wandb.name = ""  # "" = the workdir's name
+  config.wandb.mode = ""  # online, offline, disabled; "" = WANDB_MODE, else online
   config.profile = ml_collections.ConfigDict()
   config.profile.start_step = -1  # -1 = no trace
   config.profile.num_steps = 5

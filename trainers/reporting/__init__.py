@@ -8,4 +8,5 @@ peaks.py        a device's peak FLOP/s: from the chip table, or measured
 chips.py        the chips the harness knows: peak FLOP/s and memory per device kind
 matmul_peak.py  the FLOP/s of a large matmul, measured (a CPU's peak)
 summary.py      the end of a run: summary.json, the loss curve, the task's report
+tracking.py     Weights & Biases: the metrics records and the summary (optional)
 """

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
-  pass
+  from trainers.reporting.tracking import Tracker
 from tensorboardX import SummaryWriter
 
 from trainers import paths
@@ -63,6 +63,8 @@ class MetricsWriter:
   back) so a diverged run's log shows the divergence.
 
   With `enabled=False` (every process but 0) nothing is created or written.
+  `tracker` (`trainers.reporting.tracking`), when given, gets each record as
+  written, so W&B holds the file's scalars; closing the writer leaves it open.
 
   Example:
     >>> import tempfile, numpy as np
@@ -74,9 +76,12 @@ class MetricsWriter:
     1.5
   """
 
-  def __init__(self, workdir: str | os.PathLike, enabled: bool) -> None:
+  def __init__(
+    self, workdir: str | os.PathLike, enabled: bool, tracker: Tracker | None = None
+  ) -> None:
     self.workdir = paths.user_path(workdir)
     self.enabled = enabled
+    self._tracker = tracker
     self.path = self.workdir / METRICS_FILE
     self.tensorboard_dir = self.workdir / TENSORBOARD_DIR
     self._file: IO[str] | paths.RemoteTextFile | None = None
@@ -113,6 +118,8 @@ class MetricsWriter:
       self._file.flush()
     for key, value in values.items():
       self._tb.add_scalar(key, value, global_step=int(step), walltime=now)
+    if self._tracker is not None:
+      self._tracker.log(int(step), values)
 
   def flush(self) -> None:
     """Pushes buffered lines and TensorBoard events to disk."""

@@ -37,7 +37,7 @@ from trainers.data import pipeline
 from trainers.hooks import Hook, StepContext, Wrapper, load_hooks
 from trainers.hooks.builtin import CheckpointSaves, Evaluations, MetricsHook, Profile
 from trainers.hooks.wrapper import wrap_batches, wrap_train_step
-from trainers.reporting import console, metrics, summary
+from trainers.reporting import console, metrics, summary, tracking
 from trainers.reporting.throughput import Throughput, measure_throughput
 from trainers.run import startup
 from trainers.run.data import open_data
@@ -85,14 +85,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # From the start: a process waiting for its peers (data preparation, restore)
   # hears of a peer's failure at once, and the first step's limit covers setup.
   watchdog = ProgressWatchdog(config.train.step_timeout_s, config.train.first_step_timeout_s)
+  chief = jax.process_index() == 0
   try:
-    return _train_and_evaluate(config, paths.user_path(workdir), watchdog, started)
+    # Finished on the way out: failed after an error, so W&B shows how the run ended.
+    with tracking.open_tracker(config.wandb, workdir, config.to_dict(), chief) as tracker:
+      return _train_and_evaluate(config, paths.user_path(workdir), watchdog, started, tracker)
   finally:
     watchdog.close()
 
 
 def _train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: epath.Path, watchdog: ProgressWatchdog, started
+  config: ml_collections.ConfigDict,
+  workdir: epath.Path,
+  watchdog: ProgressWatchdog,
+  started,
+  tracker: tracking.Tracker,
 ) -> dict[str, Any]:
   """The steps of the module docstring, in order; `started` is when training began."""
   chief = jax.process_index() == 0
@@ -130,6 +137,7 @@ def _train_and_evaluate(
     steps,
     train_batches,
     eval_batches,
+    tracker,
   )
   watch = PreemptionWatch()
   loop = _loop_state(config, setup, restored.step, restored.state, mesh, workdir, throughput)
@@ -154,13 +162,15 @@ def _train_and_evaluate(
     extra=loop.summary_entries,  # what the hooks' ends returned
     data_sources=train_batches.sources_fed(loop.step, task.unit),  # a mixture's; else None
   )
-  return summary.publish(
+  published = summary.publish(
     results,
     workdir,
     chief,
     lambda: summary.task_report(task, setup, loop.state, loop.step),
     own_entries=[k for k, v in loop.summary_entries.items() if results.get(k) is v],
   )
+  tracker.finish(published)
+  return published
 
 
 def _open_run_data(config, task: Task, workdir: epath.Path, mesh, batch_axes, watchdog):
@@ -255,10 +265,11 @@ def _make_hooks(
   steps: _Steps,
   train_batches: pipeline.GlobalBatches,
   eval_batches: pipeline.GlobalBatches,
+  tracker: tracking.Tracker,
 ) -> _RunHooks:
   """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's, and their wrappers."""
   chief = jax.process_index() == 0
-  writer = metrics.MetricsWriter(workdir, enabled=chief)
+  writer = metrics.MetricsWriter(workdir, enabled=chief, tracker=tracker)
   progress = console.Progress(config.train.steps, initial=start, enabled=chief)
   saver = Saver(manager)
   save_budget = (
