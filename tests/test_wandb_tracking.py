@@ -58,11 +58,9 @@ def _items(items) -> dict:
   return {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in items}
 
 
-def _history(path: Path) -> list[dict]:
+def _history(records: list) -> list[dict]:
   """Each logged row, without W&B's own `_` keys."""
-  rows = [
-    _items(r.history.item) for r in _records(path) if r.WhichOneof("record_type") == "history"
-  ]
+  rows = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
   return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
 
 
@@ -121,7 +119,7 @@ def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_ru
     written = [
       {k: v for k, v in r.items() if k != "time"} for r in read_metrics(workdir / "metrics.jsonl")
     ]
-    assert _history(first) == written  # every record, train and eval, value for value
+    assert _history(_records(first)) == written  # every record, train and eval, value for value
     assert [r["step"] for r in written if "loss" in r] == [1, 2, 3, 4, 5, 6]
     logged = _summary(first)
     for name in ("steps", "train_loss", "eval_loss", "workdir", "resumed_from"):
@@ -131,7 +129,31 @@ def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_ru
     again = train_and_evaluate(config(8), str(workdir))
     assert again["resumed_from"] == "checkpoint step 6"
     assert (workdir / tracking.RUN_ID_FILE).read_text().strip() == run_id
-    steps = [row["step"] for row in _history(_run_file(workdir, run_id, 1)) if "loss" in row]
+    steps = [
+      row["step"] for row in _history(_records(_run_file(workdir, run_id, 1))) if "loss" in row
+    ]
     assert steps == [7, 8]  # the same W&B run, continued
   finally:
     wandb.teardown()  # stops W&B's service process
+
+
+@pytest.mark.multiprocess
+def test_an_error_ends_the_w_and_b_run_as_failed_and_a_preemption_says_so(tmp_path, monkeypatch):
+  wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed")
+  monkeypatch.delenv("WANDB_DIR", raising=False)
+  monkeypatch.setenv("WANDB_CONSOLE", "off")
+  settings = train_tiny.get_config().wandb
+  settings.project, settings.mode = "spmd-test", "offline"
+  try:
+    with pytest.raises(RuntimeError, match="stopped"):
+      with tracking.open_tracker(settings, tmp_path, {}, enabled=True) as tracker:
+        tracker.log(1, {"loss": 2.5})
+        tracker.mark_preempting()
+        raise RuntimeError("stopped")
+  finally:
+    wandb.teardown()
+  records = _records(_run_file(tmp_path, (tmp_path / tracking.RUN_ID_FILE).read_text().strip(), 0))
+  kinds = [r.WhichOneof("record_type") for r in records]
+  assert "preempting" in kinds
+  assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
+  assert _history(records) == [{"step": 1, "loss": 2.5}]

@@ -76,6 +76,11 @@ class Tracker:
     if self._run is not None:
       self._run.log({"step": int(step), **values})
 
+  def mark_preempting(self) -> None:
+    """Tells W&B the run is being preempted (it resumes), so it is not shown as crashed."""
+    if self._run is not None:
+      self._run.mark_preempting()
+
   def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> None:
     """Adds the summary's scalars and strings to the run's summary, then ends the run.
 

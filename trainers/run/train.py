@@ -89,7 +89,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     # Finished on the way out: failed after an error, so W&B shows how the run ended.
     with tracking.open_tracker(config.wandb, workdir, config.to_dict(), chief) as tracker:
-      return _train_and_evaluate(config, paths.user_path(workdir), watchdog, started, tracker)
+      try:
+        return _train_and_evaluate(config, paths.user_path(workdir), watchdog, started, tracker)
+      except Preempted:
+        tracker.mark_preempting()  # a restart resumes it
+        raise
   finally:
     watchdog.close()
 
