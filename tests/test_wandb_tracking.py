@@ -12,6 +12,7 @@ skipped; the missing-package error is tested either way.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import sys
@@ -23,6 +24,11 @@ from tests.configs import train_tiny
 from trainers.config import checks
 from trainers.reporting import tracking
 from trainers.reporting.metrics import read_metrics
+
+# Skipped before its fixtures, so a skipped test prepares no data.
+needs_wandb = pytest.mark.skipif(
+  importlib.util.find_spec("wandb") is None, reason="the wandb extra is not installed"
+)
 
 # W&B's transaction log: a 7-byte header, then LevelDB log blocks of records.
 _HEADER = b":W&B\xe1\xbe\x00"  # ident, magic 0xBEE1 little-endian, version 0
@@ -90,13 +96,15 @@ def test_a_project_without_wandb_installed_is_one_line_naming_the_extra(monkeypa
     tracking.start_run(config.wandb, "/nonexistent", {})
 
 
+@needs_wandb
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_run(
   training_corpus, tmp_path, monkeypatch
 ):
   """Trains its own run: the W&B run is what it reads, and no shared run has one."""
-  wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed")
+  import wandb
+
   from trainers.run.train import train_and_evaluate
 
   monkeypatch.delenv("WANDB_DIR", raising=False)  # W&B's files go under the workdir
@@ -137,9 +145,11 @@ def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_ru
     wandb.teardown()  # stops W&B's service process
 
 
+@needs_wandb
 @pytest.mark.multiprocess
 def test_an_error_ends_the_w_and_b_run_as_failed_and_a_preemption_says_so(tmp_path, monkeypatch):
-  wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed")
+  import wandb
+
   monkeypatch.delenv("WANDB_DIR", raising=False)
   monkeypatch.setenv("WANDB_CONSOLE", "off")
   settings = train_tiny.get_config().wandb
