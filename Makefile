@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,tpu]'
+	$(BIN)/python -m pip install --quiet -e '.[test,tpu,wandb]'
 	touch $@
 
 # DEMO_FLAGS are appended to spmd-train's (tests/test_demo.py runs a few steps in a

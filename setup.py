@@ -75,8 +75,9 @@ setup(
     ],
     # Experiment tracking in Weights & Biases (`config.wandb.project`), imported
     # only when set. Not in `test`: it brings about 35 packages (OpenTelemetry,
-    # pydantic, a Go service) for one test, which skips without it. 0.31 is the
-    # version tests/test_wandb_tracking.py ran on.
+    # pydantic, a Go service); the Makefile's venv (CI's) installs it, so
+    # tests/test_wandb_tracking.py runs there, and skips, saying why, without it.
+    # 0.31 is the version that test ran on.
     "wandb": ["wandb>=0.31"],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
