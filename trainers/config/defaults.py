@@ -47,6 +47,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Replaces data.name and data.source.
   config.data.sources = ""
   config.data.text_field = "text"  # the JSON field or column that holds each document
+  # "text" (data.text_field is a document) or "prompt_completion": data.sources'
+  # JSONL rows with `prompt` and `completion` strings, the loss on the completion
+  # and its EOS only (docs/finetune.md).
+  config.data.format = "text"
   # Sources to evaluate on instead of holding documents out of data.sources ("": hold out).
   config.data.eval_sources = ""
   # Bad rows (not JSON, no text_field, not a string, null) a source may skip; past

@@ -15,6 +15,11 @@ One reader per format, each with the library made for it:
                                  cut at line breaks (`Document.part` counts
                                  them), so a large file is never held whole.
 
+With `PROMPT_COMPLETION` as the field (`data.format="prompt_completion"`),
+a JSONL row is a fine-tuning example: its `prompt` and `completion`, both
+strings, become a `Document` whose `prompt` is the one and `text` the other.
+Other formats hold no such rows: reading one for them is a `SourceError`.
+
 Rows are named as a user finds them: `line N` (from 1) in JSONL, `row N`
 (from 0, within the file) in Parquet and Arrow. A row that cannot be a
 document (not JSON, no `text_field`, a value that is not a string, a null,
@@ -60,6 +65,8 @@ BAD_ROWS_SHOWN = 20  # bad rows a report names; the count is always whole
 # a corpus of many files is sampled across files, not only from the first).
 BPE_SAMPLE_CHARS = 32 << 20
 MIN_FILE_SAMPLE = 64 << 10
+PROMPT_COMPLETION = ("prompt", "completion")  # the fields of a fine-tuning example's row
+Fields = str | tuple[str, ...]  # a document's field, or PROMPT_COMPLETION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Document:
   row: int  # the line (JSONL, from 1) or row (Parquet and Arrow, from 0; .txt: 0)
   text: str
   part: int = 0  # a .txt file's pieces after the first (1, 2, ...) continue its document
+  prompt: str = ""  # a fine-tuning example's prompt (`text` is then its completion)
 
   @property
   def key(self) -> str:
@@ -97,7 +105,8 @@ def _json_type(value: Any) -> str:
   return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _jsonl_rows(file: SourceFile, lines: BinaryIO, field: str) -> Iterator[Row]:
+def _jsonl_rows(file: SourceFile, lines: BinaryIO, field: Fields) -> Iterator[Row]:
+  fields = (field,) if isinstance(field, str) else field
   for number, line in enumerate(lines, 1):
     if not line.strip():
       continue  # a blank line (the usual one at the end) holds no row
@@ -109,14 +118,21 @@ def _jsonl_rows(file: SourceFile, lines: BinaryIO, field: str) -> Iterator[Row]:
       continue
     if not isinstance(value, dict):
       yield BadRow(file.path, where, f"is a JSON {_json_type(value)}, not an object")
-    elif field not in value:
-      fields = sorted(value)[:10]
-      yield BadRow(file.path, where, f"has no {field!r} field (its fields: {fields})")
-    elif not isinstance(value[field], str):
-      kind = _json_type(value[field])
-      yield BadRow(file.path, where, f"{field!r} is a {kind}, not a string")
-    else:
+      continue
+    missing = [f for f in fields if f not in value]
+    wrong = [f for f in fields if f in value and not isinstance(value[f], str)]
+    if missing:
+      found = sorted(value)[:10]
+      yield BadRow(file.path, where, f"has no {missing[0]!r} field (its fields: {found})")
+    elif wrong:
+      yield BadRow(
+        file.path, where, f"{wrong[0]!r} is a {_json_type(value[wrong[0]])}, not a string"
+      )
+    elif len(fields) == 1:
       yield Document(file, number, _text(value[field]))
+    else:
+      prompt, completion = (_text(value[f]) for f in fields)
+      yield Document(file, number, completion, prompt=prompt)
 
 
 def _text(value: str) -> str:
@@ -229,14 +245,19 @@ def _lines(file: SourceFile, raw: BinaryIO) -> BinaryIO:
   return raw
 
 
-def _rows_of(file: SourceFile, raw: BinaryIO, field: str) -> Iterator[Row]:
+def _rows_of(file: SourceFile, raw: BinaryIO, field: Fields) -> Iterator[Row]:
   if file.format.startswith("jsonl"):
     return _jsonl_rows(file, _lines(file, raw), field)
+  if not isinstance(field, str):
+    raise SourceError(
+      f"{file.path}: data.format='prompt_completion' reads JSONL rows with {list(field)} "
+      f"fields, and this file is {file.format}"
+    )
   readers = {"parquet": _parquet_rows, "arrow": _arrow_rows, "txt": _text_rows}
   return readers[file.format](file, raw, field)
 
 
-def read_rows(file: SourceFile, text_field: str = "text") -> Iterator[Row]:
+def read_rows(file: SourceFile, text_field: Fields = "text") -> Iterator[Row]:
   """The rows of one file, in order, as `Document`s and `BadRow`s (see the module docstring).
 
   Raises `SourceError` naming the file, and the last row read, when the file
@@ -274,7 +295,7 @@ class SourceDocuments:
   def __init__(
     self,
     source: Source,
-    text_field: str = "text",
+    text_field: Fields = "text",
     skip_bad_rows: int = 0,
     keep: Callable[[Document], bool] | None = None,
   ):
@@ -309,7 +330,7 @@ class SourceDocuments:
         f"{self.skip_bad_rows} lets a source skip that many"
       )
       hint = ""
-      if "field (its fields" in row.reason:
+      if "field (its fields" in row.reason and isinstance(self.text_field, str):
         hint = " (data.text_field names the field that holds the text)"
       raise SourceError(f"data.sources {self.source.spec!r}: {row}{hint}; {allowed}")
 
@@ -320,7 +341,7 @@ class SourceDocuments:
 
 def sample_texts(
   sources: Sequence[Source],
-  text_field: str = "text",
+  text_field: Fields = "text",
   skip_bad_rows: int = 0,
   keep: Callable[[Document], bool] | None = None,
   budget: int = BPE_SAMPLE_CHARS,
@@ -352,7 +373,7 @@ def sample_texts(
       from_file = 0
       with contextlib.closing(documents.of_file(file)) as found:
         for document in found:
-          text = document.text[: min(share - taken, per_file - from_file)]
+          text = (document.prompt + document.text)[: min(share - taken, per_file - from_file)]
           yield text
           taken, from_file = taken + len(text), from_file + len(text)
           if taken >= share or from_file >= per_file:

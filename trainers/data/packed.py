@@ -17,6 +17,8 @@ in the split's last record), as one run of the stream:
   starts    int32[m]   offsets in the run where a document begins
   length    int32      real tokens in the run
   document  int64      index, in the split's order, of the document of token 0
+  loss_mask uint8 [n * seq_len + 1]  (prompt/completion data only) 1 where the token
+                       counts as a target: a completion's tokens and its EOS
 
 Window `w` of a record is its tokens `[w * seq_len, w * seq_len + seq_len + 1)`.
 A run rather than a record per window: the dataset is written and decoded a
@@ -92,6 +94,14 @@ def document_order(count: int, seed: int) -> np.ndarray:
   [0, 1, 2, 3, 4]
   """
   return np.random.default_rng([seed, count]).permutation(count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """A document whose tokens count as targets only where `loss_mask` is 1 (prompt/completion)."""
+
+  tokens: np.ndarray
+  loss_mask: np.ndarray  # uint8, one per token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +183,8 @@ def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str
     positions    int32  index within its segment in this row: a document cut
                         at the window's start continues as a new segment at 0
     mask         float32  1 where the target is a real token of the input's
-                        document (so EOS -> next BOS pairs and padding are 0)
+                        document (so EOS -> next BOS pairs and padding are 0),
+                        and, when the records carry a `loss_mask`, one it marks
 
   Example:
     >>> records = list(pack_documents([np.array([1, 5, 2]), np.array([1, 6, 7, 2])], seq_len=4))
@@ -193,9 +204,13 @@ def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str
     tokens = np.zeros((n, seq_len + 1), np.int32)
     starts = np.zeros((n, seq_len + 1), bool)
     lengths = np.zeros((n, 1), np.int64)
+    counted = np.ones((n, seq_len), bool)  # targets a `loss_mask` keeps (all without one)
     for row, (record, lo) in enumerate(zip(records, first)):
       run = record["tokens"]
       tokens[row] = run[lo : lo + seq_len + 1]
+      if "loss_mask" in record:
+        kept = np.asarray(record["loss_mask"][lo + 1 : lo + seq_len + 1], bool)
+        counted[row] = np.pad(kept, (0, seq_len - len(kept)))
       opened = np.asarray(record["starts"], np.int64) - lo
       starts[row, opened[(opened >= 0) & (opened <= seq_len)]] = True
       lengths[row] = min(max(int(record["length"]) - lo, 0), seq_len + 1)
@@ -205,7 +220,7 @@ def packed_batch(seq_len: int) -> Callable[[Sequence[Any], np.ndarray], dict[str
     segment_ids = np.where(real, np.cumsum(boundary, axis=1), 0).astype(np.int32)
     opened = np.maximum.accumulate(np.where(boundary, index, 0), axis=1)
     positions = np.where(real, index - opened, 0).astype(np.int32)
-    mask = (index + 1 < lengths) & ~starts[:, 1:]
+    mask = (index + 1 < lengths) & ~starts[:, 1:] & counted
     return {
       "inputs": np.ascontiguousarray(tokens[:, :-1]),
       "targets": np.ascontiguousarray(tokens[:, 1:]),
@@ -227,14 +242,20 @@ def packed_example(seq_len: int) -> Callable[..., dict[str, np.ndarray]]:
   return to_example
 
 
-def record_template(seq_len: int) -> dict[str, np.ndarray]:
-  """One packed record as zeros (one window of padding: the data decides the run's length)."""
-  return {
+def record_template(seq_len: int, loss_mask: bool = False) -> dict[str, np.ndarray]:
+  """One packed record as zeros (one window of padding: the data decides the run's length).
+
+  `loss_mask`: the records carry one (prompt/completion data), so it is decoded.
+  """
+  template = {
     "tokens": np.zeros(seq_len + 1, np.int32),
     "starts": np.zeros(0, np.int32),
     "length": np.int32(0),
     "document": np.int64(0),
   }
+  if loss_mask:
+    template["loss_mask"] = np.zeros(seq_len + 1, np.uint8)
+  return template
 
 
 def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
@@ -272,18 +293,20 @@ def packed_plan(seq_len: int, identity: Callable[[], str] = lambda: ""):
   return plan
 
 
-def packed_features(seq_len: int, run_windows: int, vocab_size: int) -> tfds.features.FeaturesDict:
+def packed_features(
+  seq_len: int, run_windows: int, vocab_size: int, loss_mask: bool = False
+) -> tfds.features.FeaturesDict:
   """The features of a record of packed windows (the module docstring), as TFDS stores them."""
-  return tfds.features.FeaturesDict(
-    {
-      "tokens": tfds.features.Tensor(
-        shape=(run_windows * seq_len + 1,), dtype=token_dtype(vocab_size), encoding="bytes"
-      ),
-      "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
-      "length": tfds.features.Scalar(dtype=np.int32),
-      "document": tfds.features.Scalar(dtype=np.int64),
-    }
-  )
+  run = run_windows * seq_len + 1
+  features = {
+    "tokens": tfds.features.Tensor(shape=(run,), dtype=token_dtype(vocab_size), encoding="bytes"),
+    "starts": tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding="bytes"),
+    "length": tfds.features.Scalar(dtype=np.int32),
+    "document": tfds.features.Scalar(dtype=np.int64),
+  }
+  if loss_mask:
+    features["loss_mask"] = tfds.features.Tensor(shape=(run,), dtype=np.uint8, encoding="bytes")
+  return tfds.features.FeaturesDict(features)
 
 
 @dataclasses.dataclass(eq=False)

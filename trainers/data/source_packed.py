@@ -23,6 +23,12 @@ documents; the build's report, kept with it as `source_report.json`, says
 how many documents the split took, how many went to the other, and which
 bad rows it skipped.
 
+With `format="prompt_completion"` each JSONL row is a fine-tuning
+example: BOS + prompt + completion + EOS, the prompt and the completion
+tokenized apart so the boundary is exact, and the records carry a
+`loss_mask` that is 1 on the completion's tokens and the EOS only
+(`packed.Example`), so the LM loss counts nothing of the prompt.
+
 A build is shared by the processes that prepare it
 (`trainers.data.source_shards`): each tokenizes its share of the files and
 writes its share of the shards, and the records are those of the files'
@@ -30,8 +36,8 @@ documents packed in file order, whatever the number of processes.
 
 The config name hashes what the windows depend on: the source's spec and
 every file's key, format, size and version, the text field, the split and
-its share, the tokenizer's identity, seq_len, windows per record and the
-token dtype.
+its share, the tokenizer's identity, seq_len, windows per record, the
+token dtype and (when not plain text) the format.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from trainers.data import packed, source_shards
-from trainers.data.documents import BAD_ROWS_SHOWN, Document, SourceDocuments
+from trainers.data.documents import BAD_ROWS_SHOWN, PROMPT_COMPLETION, Document, SourceDocuments
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
 from trainers.data.prepare_group import ALONE, PrepareGroup
 from trainers.data.source_files import Source, SourceError, SourceFile
@@ -61,6 +67,7 @@ _ENCODE_DOCUMENTS = 256  # documents per tokenizer call: the libraries' threads 
 _ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
 _CUT_CHECK_CHARS = 1024  # of the lines either side of a large file's cut, tokenized to check it
 _CUT_TRIES = 64  # lines a cut may move on before the pieces are joined
+FORMATS = ("text", "prompt_completion")  # config.data.format
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,6 +85,7 @@ class SourceConfig(tfds.core.BuilderConfig):
   seq_len: int = 128
   windows_per_record: int = 1
   vocab_size: int = 256
+  format: str = "text"  # or "prompt_completion" (the module docstring)
 
   def source(self) -> Source:
     return Source(self.spec, None, tuple(SourceFile(*f) for f in self.files))
@@ -94,10 +102,13 @@ def source_config(
   text_field: str = "text",
   skip_bad_rows: int = 0,
   run_windows: int | None = None,
+  format: str = "text",
 ) -> SourceConfig:
   """A config whose name hashes the source's files, the split, the tokenizer and the packing."""
   if split not in (TRAIN, VALIDATION):
     raise ValueError(f"{split=} must be {TRAIN!r} or {VALIDATION!r}")
+  if format not in FORMATS:
+    raise ValueError(f"data.format={format!r} must be one of {FORMATS}")
   per = run_windows or packed.windows_per_record(seq_len)
   identity = tokenizer.identity if tokenizer else "bytes"
   key = [
@@ -110,6 +121,8 @@ def source_config(
     per,
     packed.token_dtype(vocab_size).name,
   ]
+  if format != "text":  # so the names of text builds prepared before stay theirs
+    key.append(format)
   digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
   return SourceConfig(
     name=f"{split}-{seq_len}s-{digest}",
@@ -127,6 +140,7 @@ def source_config(
     seq_len=seq_len,
     windows_per_record=per,
     vocab_size=vocab_size,
+    format=format,
   )
 
 
@@ -138,19 +152,23 @@ def _tokenize(config: SourceConfig) -> source_shards.Tokenize:
   source = config.source()
   tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
 
+  examples = config.format == "prompt_completion"
+
   def tokenize(i: int):
     tally = {"documents": 0, "other_split": 0}
 
     def keep(document: Document) -> bool:
-      if not document.text:
-        return False  # an empty document holds nothing
+      if not examples and not document.text:
+        return False  # an empty document holds nothing (an example still has its EOS)
       mine = split_of(document.key, config.validation_percent) == config.split
       if not document.part:  # a large file's later pieces are the same document
         tally["documents" if mine else "other_split"] += 1
       return mine
 
-    documents = SourceDocuments(source, config.text_field, config.skip_bad_rows, keep)
-    ids = _token_ids(documents.of_file(source.files[i]), tokenizer)
+    field = PROMPT_COMPLETION if examples else config.text_field
+    documents = SourceDocuments(source, field, config.skip_bad_rows, keep)
+    read = documents.of_file(source.files[i])
+    ids = _example_ids(read, tokenizer) if examples else _token_ids(read, tokenizer)
     return ids, lambda: {**tally, "bad_rows": documents.report()}
 
   return tokenize
@@ -213,6 +231,48 @@ def _token_ids(
       batch, chars = [], 0
   if batch:
     yield from _encoded(batch, tokenizer)
+
+
+def _example_ids(
+  documents: Iterable[Document], tokenizer: Tokenizer | None
+) -> Iterator[packed.Example]:
+  """Each prompt/completion as BOS + prompt + completion + EOS, the loss on completion and EOS.
+
+  The prompt and the completion are tokenized apart, so the boundary is
+  where the row puts it whatever the tokenizer would merge across it.
+  Bytes: the texts' bytes, unframed (a byte vocabulary has no room for markers).
+  """
+  batch: list[Document] = []
+  chars = 0
+  for document in documents:
+    batch.append(document)
+    chars += len(document.prompt) + len(document.text)
+    if len(batch) >= _ENCODE_DOCUMENTS or chars >= _ENCODE_CHARS:
+      yield from _framed_examples(batch, tokenizer)
+      batch, chars = [], 0
+  if batch:
+    yield from _framed_examples(batch, tokenizer)
+
+
+def _framed_examples(
+  batch: list[Document], tokenizer: Tokenizer | None
+) -> Iterator[packed.Example]:
+  if tokenizer is None:
+    encode = [d.prompt.encode("utf-8", "surrogateescape") for d in batch]
+    prompts = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
+    encode = [d.text.encode("utf-8", "surrogateescape") for d in batch]
+    completions = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
+    bos = eos = []
+  else:
+    prompts = tokenizer.encode_batch([d.prompt for d in batch])
+    completions = tokenizer.encode_batch([d.text for d in batch])
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  for prompt, completion in zip(prompts, completions):
+    tokens = np.concatenate([np.asarray(bos + list(prompt), np.int64), completion, eos])
+    mask = np.zeros(len(tokens), np.uint8)
+    mask[len(bos) + len(prompt) :] = 1  # the completion and the EOS
+    yield packed.Example(tokens.astype(np.int64), mask)
 
 
 def _encoded(
@@ -320,6 +380,7 @@ def prepare_source(
     split=config.split,
     dataset=NAME,
     shard_bytes=source_shards.SHARD_BYTES,
+    loss_mask=config.format == "prompt_completion",
   )
   tokenized = source_shards.prepare_shards(
     folder,

@@ -10,8 +10,9 @@ process doing its share, the group waiting between them
 
   1. tokenize: each piece is given to one process (the largest first, each
      to the least loaded: a deterministic share of the tokens), which
-     streams its ids to a spill file, its documents' starts to another and
-     its notes (counts, bad rows) to a small JSON, written last;
+     streams its ids to a spill file, its documents' starts to another (and,
+     for prompt/completion data, each token's loss mask to a third) and its
+     notes (counts, bad rows) to a small JSON, written last;
   2. pack: with every piece's token count known, record `r` covers the
      stream's tokens `[r * run, r * run + run + 1)` (`run` = windows per
      record x seq_len); records are grouped into shards of a fixed count
@@ -42,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -67,7 +69,7 @@ _WORKSPACE = ".{version}.preparing"  # beside the dataset's version folder
 _TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
 _FORMAT = "array_record"
 
-Ids = np.ndarray | packed.Continued
+Ids = np.ndarray | packed.Continued | packed.Example
 # tokenize(i) -> (piece i's ids, in order; () -> its notes once they are read)
 Tokenize = Callable[[int], tuple[Iterable[Ids], Callable[[], dict[str, Any]]]]
 
@@ -82,6 +84,7 @@ class ShardLayout:
   split: str
   dataset: str = "packed_source"
   shard_bytes: int = SHARD_BYTES
+  loss_mask: bool = False  # the records carry each token's loss mask (`packed.Example`s)
 
   @property
   def run(self) -> int:
@@ -96,7 +99,9 @@ class ShardLayout:
     return max(1, self.shard_bytes // ((self.run + 1) * self.dtype.itemsize))
 
   def features(self) -> tfds.features.FeaturesDict:
-    return packed.packed_features(self.seq_len, self.run_windows, self.vocab_size)
+    return packed.packed_features(
+      self.seq_len, self.run_windows, self.vocab_size, loss_mask=self.loss_mask
+    )
 
 
 def share_pieces(sizes: Sequence[int], count: int) -> list[int]:
@@ -150,11 +155,11 @@ def prepare_shards(
   tokenized = 0
   for piece, owner in enumerate(owners):
     if owner == group.index and not (spill / f"{piece:06d}.json").exists():
-      tokenized += _spill(spill, piece, *tokenize(piece), layout.dtype)
+      tokenized += _spill(spill, piece, *tokenize(piece), layout)
   group.wait(f"{dataset}/tokenized")
   notes = [json.loads((spill / f"{piece:06d}.json").read_text()) for piece in range(len(sizes))]
   published = check(notes)
-  stream = _Stream(spill, notes, layout.dtype)
+  stream = _Stream(spill, notes, layout.dtype, layout.loss_mask)
   records = -(-stream.length // layout.run)
   shards = -(-records // layout.shard_records)
   names = [_shard_name(layout, shard, shards) for shard in range(shards)]
@@ -187,29 +192,39 @@ def _spill(
   piece: int,
   ids: Iterable[Ids],
   notes: Callable[[], dict[str, Any]],
-  dtype: np.dtype,
+  layout: ShardLayout,
 ) -> int:
-  """Piece `piece`'s ids and document starts to spill files, then its notes (written last).
+  """Piece `piece`'s ids and document starts (and loss masks) to spill files, then its notes.
 
-  Returns the piece's token count.
+  The notes are written last: they mark the piece as done. Returns the
+  piece's token count.
   """
   stem = f"{piece:06d}"
-  tokens_path, starts_path = spill / f".{stem}.tokens.partial", spill / f".{stem}.starts.partial"
+  kinds = ("tokens", "starts", "mask") if layout.loss_mask else ("tokens", "starts")
+  partial = {kind: spill / f".{stem}.{kind}.partial" for kind in kinds}
   length = documents = 0
-  with open(tokens_path, "wb") as tokens, open(starts_path, "wb") as starts:
+  with contextlib.ExitStack() as stack:
+    out = {kind: stack.enter_context(open(path, "wb")) for kind, path in partial.items()}
     for document in ids:
       continued = isinstance(document, packed.Continued)
-      document = np.asarray(document.tokens if continued else document)
+      mask = document.loss_mask if isinstance(document, packed.Example) else None
+      if layout.loss_mask and mask is None:
+        raise TypeError(f"piece {piece}: {type(document).__name__} has no loss mask")
+      if isinstance(document, packed.Continued | packed.Example):
+        document = document.tokens
+      document = np.asarray(document)
       if not len(document):
         continue  # an empty document holds nothing (as `pack_documents`)
       # A piece's first ids always open a document: a piece is read on its own.
       if not continued or not length:
-        starts.write(np.int64(length).tobytes())
+        out["starts"].write(np.int64(length).tobytes())
         documents += 1
-      tokens.write(document.astype(dtype).tobytes())
+      out["tokens"].write(document.astype(layout.dtype).tobytes())
+      if layout.loss_mask:
+        out["mask"].write(np.asarray(mask, np.uint8).tobytes())
       length += len(document)
-  os.replace(tokens_path, spill / f"{stem}.tokens")
-  os.replace(starts_path, spill / f"{stem}.starts")
+  for kind, path in partial.items():
+    os.replace(path, spill / f"{stem}.{kind}")
   facts = {"tokens": length, "documents": documents, **notes()}
   _replace_when_written(spill / f"{stem}.json", lambda p: p.write_text(json.dumps(facts)))
   return length
@@ -218,8 +233,10 @@ def _spill(
 class _Stream:
   """The pieces' spill files read as one stream of tokens and document starts."""
 
-  def __init__(self, spill: pathlib.Path, notes: list[dict[str, Any]], dtype: np.dtype):
-    self.spill, self.dtype = spill, dtype
+  def __init__(
+    self, spill: pathlib.Path, notes: list[dict[str, Any]], dtype: np.dtype, masked: bool = False
+  ):
+    self.spill, self.dtype, self.masked = spill, dtype, masked
     self.offsets = np.concatenate([[0], np.cumsum([n["tokens"] for n in notes])]).astype(np.int64)
     self.documents_before = np.concatenate([[0], np.cumsum([n["documents"] for n in notes])])
     self.length = int(self.offsets[-1])
@@ -236,13 +253,19 @@ class _Stream:
     return self._starts[1]
 
   def tokens(self, lo: int, hi: int) -> np.ndarray:
+    return self._read("tokens", self.dtype, lo, hi)
+
+  def loss_mask(self, lo: int, hi: int) -> np.ndarray:
+    return self._read("mask", np.dtype(np.uint8), lo, hi)
+
+  def _read(self, kind: str, dtype: np.dtype, lo: int, hi: int) -> np.ndarray:
     parts, piece = [], self._piece_at(lo)
     while lo < hi:
       end = min(hi, int(self.offsets[piece + 1]))
       if end > lo:
-        with open(self.spill / f"{piece:06d}.tokens", "rb") as f:
-          f.seek((lo - int(self.offsets[piece])) * self.dtype.itemsize)
-          parts.append(np.fromfile(f, self.dtype, end - lo))
+        with open(self.spill / f"{piece:06d}.{kind}", "rb") as f:
+          f.seek((lo - int(self.offsets[piece])) * dtype.itemsize)
+          parts.append(np.fromfile(f, dtype, end - lo))
       lo, piece = end, piece + 1
     return np.concatenate(parts)
 
@@ -267,12 +290,16 @@ def _record(stream: _Stream, r: int, layout: ShardLayout) -> dict[str, Any]:
   length = min(layout.run + 1, stream.length - base)
   tokens = np.zeros(layout.run + 1, layout.dtype)
   tokens[:length] = stream.tokens(base, base + length)
-  return {
+  record = {
     "tokens": tokens,
     "starts": (stream.starts(base, base + length) - base).astype(np.int32),
     "length": np.int32(length),
     "document": np.int64(stream.document(base)),
   }
+  if layout.loss_mask:
+    record["loss_mask"] = np.zeros(layout.run + 1, np.uint8)
+    record["loss_mask"][:length] = stream.loss_mask(base, base + length)
+  return record
 
 
 def _write_shard(path: pathlib.Path, records: Iterator[dict[str, Any]], layout: ShardLayout):

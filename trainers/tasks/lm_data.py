@@ -108,6 +108,10 @@ def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
     from trainers.tasks import lm_sources  # pyarrow and more: see the top
 
     lm_sources.check_sources(config)
+  elif config.data.get("format", "text") != "text":
+    raise ValueError(
+      f"data.format={config.data.format!r} reads data.sources: name your JSONL files there"
+    )
   spec, pack, name = (
     tok.tokenizer_spec(config),
     bool(config.data.get("pack", False)),
@@ -317,7 +321,9 @@ def lm_data(
     prepare = lm_sources.sources_prepare
   fields = dict(
     prepare_data=prepare(config, prepared, check, seq_len, vocab_size),
-    record_template=packed.record_template(seq_len),
+    record_template=packed.record_template(
+      seq_len, loss_mask=config.data.get("format", "text") == "prompt_completion"
+    ),
     to_example=packed.packed_example(seq_len),
     to_batch=packed.packed_batch(seq_len),
     plan_records=packed.packed_plan(seq_len, lambda: prepared.identity),

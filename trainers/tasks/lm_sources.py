@@ -70,6 +70,8 @@ def check_sources(config: ml_collections.ConfigDict) -> None:
     raise UserError(f"data.text_field={data.text_field!r} must name a field (e.g. 'text')")
   if data.skip_bad_rows < 0:
     raise UserError(f"data.skip_bad_rows={data.skip_bad_rows} must be >= 0")
+  if data.get("format", "text") not in ("text", "prompt_completion"):
+    raise UserError(f"data.format={data.format!r} must be 'text' or 'prompt_completion'")
 
 
 def _tokenizer(config, data_dir: str, sources: list[Source], percent: float, vocab_size: int):
@@ -83,11 +85,14 @@ def _tokenizer(config, data_dir: str, sources: list[Source], percent: float, voc
       log.warning("spmd-train: data: %s: documents are packed without it", found.missing)
     return found
   field, skip = config.data.text_field, int(config.data.skip_bad_rows)
+  if config.data.get("format", "text") == "prompt_completion":
+    field = docs.PROMPT_COMPLETION
   key = [[s.identity() for s in sources], field, percent, docs.BPE_SAMPLE_CHARS]
   digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
   def keep(document: docs.Document) -> bool:
-    return bool(document.text) and split_of(document.key, percent) == TRAIN
+    text = document.prompt + document.text
+    return bool(text) and split_of(document.key, percent) == TRAIN
 
   return tok.bpe_tokenizer(
     data_dir,
@@ -153,6 +158,7 @@ def sources_prepare(
       tokenizer=prepared.tokenizer,
       text_field=data.text_field,
       skip_bad_rows=int(data.skip_bad_rows),
+      format=data.get("format", "text"),
     )
 
     def split(source: Source, which: str, share: float):
