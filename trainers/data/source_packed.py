@@ -48,7 +48,8 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -221,15 +222,7 @@ def _token_ids(
       ids = np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
       yield packed.Continued(ids) if document.part else ids
     return
-  batch: list[tuple[str, bool, bool]] = []
-  chars = 0
-  for piece in _pieces(documents, tokenizer):
-    batch.append(piece)
-    chars += len(piece[0])
-    if len(batch) >= _ENCODE_DOCUMENTS or chars >= _ENCODE_CHARS:
-      yield from _encoded(batch, tokenizer)
-      batch, chars = [], 0
-  if batch:
+  for batch in _encode_batches(_pieces(documents, tokenizer), lambda piece: len(piece[0])):
     yield from _encoded(batch, tokenizer)
 
 
@@ -242,16 +235,26 @@ def _example_ids(
   where the row puts it whatever the tokenizer would merge across it.
   Bytes: the texts' bytes, unframed (a byte vocabulary has no room for markers).
   """
-  batch: list[Document] = []
+  for batch in _encode_batches(documents, lambda d: len(d.prompt) + len(d.text)):
+    yield from _framed_examples(batch, tokenizer)
+
+
+def _encode_batches(items: Iterable, chars_of: Callable[[Any], int]) -> Iterator[list]:
+  """`items` in lists of `_ENCODE_DOCUMENTS`, or fewer that hold `_ENCODE_CHARS` of text.
+
+  >>> [len(b) for b in _encode_batches(["ab"] * 600, len)]
+  [256, 256, 88]
+  """
+  batch: list = []
   chars = 0
-  for document in documents:
-    batch.append(document)
-    chars += len(document.prompt) + len(document.text)
+  for item in items:
+    batch.append(item)
+    chars += chars_of(item)
     if len(batch) >= _ENCODE_DOCUMENTS or chars >= _ENCODE_CHARS:
-      yield from _framed_examples(batch, tokenizer)
+      yield batch
       batch, chars = [], 0
   if batch:
-    yield from _framed_examples(batch, tokenizer)
+    yield batch
 
 
 def _framed_examples(
