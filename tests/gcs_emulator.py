@@ -10,11 +10,13 @@ orbax) each read their own variable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from launch.local import free_port
@@ -86,3 +88,25 @@ class GcsEmulator:
     """Every object name in `bucket`, from the backend's folder."""
     base = self.root / bucket
     return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def serving(root: Path, monkeypatch) -> Iterator[GcsEmulator]:
+  """A `GcsEmulator` in `root` for this test's process and the jobs it starts; stopped after.
+
+  Its variables are set with pytest's `monkeypatch`, and gcsfs's cached
+  clients are dropped on the way in and out: a cached client would keep
+  talking to another test's server.
+  """
+  import gcsfs
+
+  emulator = GcsEmulator(root)
+  emulator.start()
+  try:
+    for key, value in emulator.env().items():
+      monkeypatch.setenv(key, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    yield emulator
+  finally:
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    emulator.stop()

@@ -118,20 +118,11 @@ def test_a_copy_streams_a_file_larger_than_its_memory_limit(tmp_path):
 @pytest.fixture
 def bucket(tmp_path, monkeypatch):
   """A GCS emulator's `gs://bucket`, for this test's processes."""
-  import gcsfs
 
-  from tests.gcs_emulator import GcsEmulator
+  from tests.gcs_emulator import serving
 
-  emulator = GcsEmulator(tmp_path / "gcs")
-  emulator.start()
-  try:
-    for key, value in emulator.env().items():
-      monkeypatch.setenv(key, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+  with serving(tmp_path / "gcs", monkeypatch) as emulator:
     yield emulator
-  finally:
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    emulator.stop()
 
 
 @pytest.mark.multiprocess  # a process of its own (or the storage emulator)

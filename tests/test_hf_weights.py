@@ -191,17 +191,11 @@ def test_a_config_that_disagrees_with_the_folder_names_the_fields():
 @pytest.mark.multiprocess  # starts the GCS emulator
 def test_a_folder_on_cloud_storage_imports_by_byte_ranges(tmp_path, monkeypatch):
   """gs://: a local GCS emulator serves the fixture; the slices are read from it, no copy."""
-  import gcsfs
   from etils import epath
 
-  from tests.gcs_emulator import GcsEmulator
+  from tests.gcs_emulator import serving
 
-  emulator = GcsEmulator(tmp_path / "gcs")
-  emulator.start()
-  try:
-    for key, value in emulator.env().items():
-      monkeypatch.setenv(key, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+  with serving(tmp_path / "gcs", monkeypatch):
     url = "gs://bucket/models/llama3"
     for name in ("config.json", "model.safetensors", "golden_tokens.npy", "golden_logits.npy"):
       (epath.Path(url) / name).write_bytes(open(f"{FIXTURES}/llama3/{name}", "rb").read())
@@ -211,9 +205,6 @@ def test_a_folder_on_cloud_storage_imports_by_byte_ranges(tmp_path, monkeypatch)
     tokens = np.load(f"{FIXTURES}/llama3/golden_tokens.npy", allow_pickle=False)
     golden = np.load(f"{FIXTURES}/llama3/golden_logits.npy", allow_pickle=False)
     np.testing.assert_allclose(model(jnp.asarray(tokens)), golden, rtol=1e-4, atol=1e-4)
-  finally:
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    emulator.stop()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

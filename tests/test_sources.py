@@ -195,21 +195,15 @@ def test_the_bpe_sample_is_bounded_deterministic_and_spreads_over_files(tmp_path
 @pytest.mark.multiprocess  # the emulator is a process
 def test_gs_sources_list_with_generations_and_read_every_format(tmp_path, monkeypatch):
   """`gs://` globs and HF folders through gcsfs, on a local GCS emulator."""
-  import gcsfs
   from etils import epath
 
-  from tests.gcs_emulator import GcsEmulator
+  from tests.gcs_emulator import serving
 
   local = tmp_path / "local"
   write_jsonl(local / "a", TEXTS, files=2, suffix=".jsonl.zst")
   write_parquet(local / "b", TEXTS)
   write_hf_dataset(local / "hf", TEXTS, files=2)
-  emulator = GcsEmulator(tmp_path / "gcs")
-  emulator.start()
-  try:
-    for key, value in emulator.env().items():
-      monkeypatch.setenv(key, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+  with serving(tmp_path / "gcs", monkeypatch):
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
       epath.Path(f"gs://bucket/corpus/{path.relative_to(local)}").write_bytes(path.read_bytes())
     zst = list_source(SourceSpec("gs://bucket/corpus/a/*.jsonl.zst"))
@@ -223,9 +217,6 @@ def test_gs_sources_list_with_generations_and_read_every_format(tmp_path, monkey
     assert read("gs://bucket/corpus/hf") == TEXTS[0::2] + TEXTS[1::2]
     with pytest.raises(SourceError, match=r"'gs://bucket/corpus/c/\*.jsonl' matches no file"):
       list_source(SourceSpec("gs://bucket/corpus/c/*.jsonl"))
-  finally:
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    emulator.stop()
 
 
 def _strings_with_invalid_utf8(values: list[bytes]):

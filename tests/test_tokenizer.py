@@ -134,17 +134,11 @@ def test_a_tokenizer_file_on_cloud_storage_is_copied_into_the_data_dir(
   files, tmp_path, monkeypatch
 ):
   """data.tokenizer=gs://...: a local GCS emulator serves it; the run reads the local copy."""
-  import gcsfs
   from etils import epath
 
-  from tests.gcs_emulator import GcsEmulator
+  from tests.gcs_emulator import serving
 
-  emulator = GcsEmulator(tmp_path / "gcs")
-  emulator.start()
-  try:
-    for key, value in emulator.env().items():
-      monkeypatch.setenv(key, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client would keep another server
+  with serving(tmp_path / "gcs", monkeypatch):
     local = tok.train_bpe((open(f).read() for f in files), 300, tmp_path / "t" / "tokenizer.json")
     url = "gs://bucket/tokenizers/tokenizer.json"
     epath.Path(url).write_bytes(local.read_bytes())
@@ -155,6 +149,3 @@ def test_a_tokenizer_file_on_cloud_storage_is_copied_into_the_data_dir(
     assert found.decode(found.encode(TEXT)) == TEXT
     with pytest.raises(FileNotFoundError, match=r"data.tokenizer='gs://bucket/missing.json'"):
       tok.user_tokenizer("gs://bucket/missing.json", tmp_path / "data")
-  finally:
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    emulator.stop()
