@@ -135,7 +135,16 @@ def test_kill_9_mid_run_resumes_bit_identical(example, tmp_path, reference):
   workdir = tmp_path / "run"
   job = start(example, workdir, 2, 2, max_restarts=1)
   try:
-    harness.wait_for(lambda: harness.last_step(workdir) >= 7, 300, "step 7")
+    # Mid-run, after step 6's checkpoint is committed: saves are asynchronous,
+    # so step 7 can be logged while step 6's save is still in flight (the
+    # resume would then rightly start from step 3).
+    harness.wait_for(
+      lambda: (
+        harness.last_step(workdir) >= 7 and max(harness.committed_steps(workdir), default=0) >= 6
+      ),
+      300,
+      "step 7, step 6's checkpoint committed",
+    )
     running = harness.wait_for(
       lambda: len(found := harness.pids(workdir)) == 2 and found, 60, "both processes"
     )
