@@ -51,7 +51,17 @@ def _terminate_in_turn(data, workdir) -> dict | None:
   detections, saved_steps, lost, problems = [], [], 0, []
   for i, step in enumerate(harness.fault_steps(TERMS, seed=4)):
     process = (1, 0)[i % 2]  # CI: a non-coordinator; full: both kinds in turn
-    job = harness.start(data, workdir, *harness.long_run())
+    # Steps paused by STEP_DELAY_S (the slow-save entry without its save
+    # delay): with every process reading the compilation cache, the run's
+    # remaining steps took about as long as JAX's SIGTERM poll and the sync
+    # protocol, and every attempt ended first (seen under -n 0).
+    job = harness.start(
+      data,
+      workdir,
+      *harness.long_run(),
+      entry="tests.workers.slow_save_train",
+      env={"SPMD_TEST_SAVE_DELAY_S": "0", "SPMD_TEST_STEP_DELAY_S": str(STEP_DELAY_S)},
+    )
     try:
       harness.wait_for(lambda s=step: harness.last_step(workdir) >= s, 300, f"step {step}")
       running = harness.wait_for(
