@@ -28,8 +28,8 @@ setup(
     # a few private JAX and orbax names (TESTED there must match these).
     "jax>=0.10.2,<0.11",
     "jaxlib>=0.10.2,<0.11",
-    # JAX's dtypes. 0.7.0's extension takes about 0.6 s of CPU to load (0.6.0:
-    # 0.1 s), and every process of every job pays it at start.
+    # JAX's dtypes. 0.7.0's extension is several times slower to load than
+    # 0.6.0's, and every process of every job pays it at start.
     "ml_dtypes>=0.5.0,<0.7",
     "numpy>=2.0",
     "flax>=0.12.8,<0.13",
