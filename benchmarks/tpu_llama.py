@@ -8,8 +8,11 @@ P10 on the chip (`benchmarks/llama.py` is its CPU form): the model of
 scanned layers, remat "minimal"), our real step (`make_state`,
 `make_train_step`: the task's loss, clipping, adamw, the non-finite guard,
 the metrics) against a Llama written directly in JAX, no Flax: the layers'
-weights stacked and applied by `lax.scan` under `jax.checkpoint` with the
-same policy, RMSNorm and RoPE in float32, SwiGLU, the same splash kernel
+float32 weights stacked and applied by `lax.scan` under `jax.checkpoint` with
+the same policy, each layer's weights cast to bf16 inside the scanned body
+(as MaxText's layers cast theirs), so that, as in ours, each layer's weight
+gradients leave the layer in float32 and are stacked and handed to the
+optimizer in float32; RMSNorm and RoPE in float32, SwiGLU, the same splash kernel
 (`attention.splash_attention`, the block the product picks) and the same
 chunked cross-entropy (`losses.chunked_cross_entropy_sums`), then
 `optax.clip_by_global_norm` + `optax.adamw` with the same hyperparameters,
@@ -123,6 +126,7 @@ def hand_loss(config):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dt)
 
   def layer(x, p, sin, cos):  # x [b*l, d]
+    p = jax.tree.map(lambda a: a.astype(dt), p)  # this layer's float32 weights, cast here
     rows = x.shape[0] // length
     d = model.d_model
 
@@ -141,12 +145,14 @@ def hand_loss(config):
   policy = CHECKPOINT_POLICIES[model.remat_policy]
 
   def loss_sums(params, batch):
-    p = jax.tree.map(lambda a: a.astype(dt), params)
+    # Float32 weights go in: each product casts its own (the layers in the
+    # scanned body, the chunked loss inside its projection), as ours do.
+    p = params
     tokens = batch["inputs"]
     inv_freq = model.rope_theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq
     sin, cos = jnp.sin(angles)[None, :, None], jnp.cos(angles)[None, :, None]
-    x = p["embed"][tokens.reshape(-1)]
+    x = p["embed"][tokens.reshape(-1)].astype(dt)
     names = ("attn_norm", "query", "key", "value", "out", "mlp_norm", "gate", "up", "down")
     body = lambda x, lp: (layer(x, lp, sin, cos), None)  # noqa: E731
     if policy is not None:

@@ -17,12 +17,12 @@ INDEX="${SPMD_TPU_INDEX:-file:///opt/pypi/simple}"
 WHEELS="${SPMD_TPU_WHEELS:-.whl-tpu}"
 PY="${PYTHON:-python3}"
 # What the index of a TPU machine lacks (tensorflow-datasets, grain, array-record,
-# gcsfs and some of their needs), pinned to what the test suite ran with.
+# gcsfs, safetensors and some of their needs), pinned to what the test suite ran with.
 CARRIED=(tensorflow-datasets==4.9.10 grain==0.2.18 array-record==0.8.6 gcsfs==2026.10.1
   dm-tree==0.1.10 simple-parsing==0.1.9 tensorflow-metadata==1.21.0 portpicker==1.6.0
   immutabledict==4.3.1 termcolor==3.3.0 toml==0.10.2 docstring-parser==0.18.0
   googleapis-common-protos==1.76.0 six==1.17.0 attrs==26.1.0 cloudpickle==3.1.3 wrapt==2.5.2
-  psutil==7.2.2 zipp==4.1.2 fsspec==2026.9.0)
+  psutil==7.2.2 zipp==4.1.2 fsspec==2026.9.0 safetensors==0.8.0)
 # From the index, with what they need (setup.py's install_requires but the carried).
 FROM_INDEX=(flax optax orbax-checkpoint ml-collections absl-py etils tokenizers sentencepiece
   pyarrow zstandard tensorboardX matplotlib tqdm pyyaml importlib_resources pytest-timeout)
