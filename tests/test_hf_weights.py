@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
 from flax import nnx
 
 from configs import hf as hf_configs
 from spmd.mesh import create_mesh
 from trainers.checkpoints import hf_export
-from trainers.hf import checkpoint, model_config
+from trainers.hf import checkpoint, model_config, safetensors_files
 from trainers.hf.safetensors_files import TensorFile, write_file
 from trainers.models import decode
 from trainers.models.llama import Llama, LlamaConfig, param_count
@@ -270,7 +271,8 @@ def test_sharded_export_writes_an_index_and_reads_back(tmp_path):
   folder = f"{FIXTURES}/qwen2"
   params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
   tensors = hf_export.hf_tensors(params, np.dtype(np.float32))
-  files = hf_export.write_weights(tmp_path, tensors, max_bytes=64 * 1024)
+  weights = hf_export.InMemoryWeights(params)
+  files, _ = hf_export.write_weights(tmp_path, weights, np.dtype(np.float32), max_bytes=64 * 1024)
   index = json.loads((tmp_path / checkpoint.INDEX_FILE).read_text())
   assert len(files) > 2 and files[-1] == checkpoint.INDEX_FILE
   assert sorted(index["weight_map"]) == sorted(tensors)
@@ -283,3 +285,23 @@ def test_sharded_export_writes_an_index_and_reads_back(tmp_path):
     shutil.copy(f"{folder}/{name}", tmp_path / name)
   logits, golden = _logits(_imported(tmp_path, _config(folder)), tmp_path)
   np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)
+
+
+def test_a_file_written_a_tensor_at_a_time_reads_back_with_the_reference_reader(tmp_path):
+  rng = np.random.default_rng(0)
+  tensors = {
+    "model.b": rng.standard_normal((3, 5)).astype(np.float32),
+    "model.a": rng.standard_normal((7,)).astype(np.float32),
+    "model.c": rng.standard_normal((2, 2, 3)).astype(np.float32),
+  }
+  entries = [(name, value.dtype, value.shape) for name, value in tensors.items()]
+  path = tmp_path / "streamed.safetensors"
+  safetensors_files.write_streamed(path, entries, iter(tensors.values()))
+  with safetensors.safe_open(str(path), framework="numpy") as f:
+    assert sorted(f.keys()) == sorted(tensors)
+    assert f.metadata() == {"format": "pt"}
+    for name, value in tensors.items():
+      assert f.get_tensor(name).tobytes() == value.tobytes(), name
+  wrong = iter([tensors["model.b"].astype(np.float64)])
+  with pytest.raises(ValueError, match=r"model.b: got float64\[3, 5\], its entry says float32"):
+    safetensors_files.write_streamed(tmp_path / "wrong.safetensors", entries, wrong)

@@ -11,6 +11,7 @@ sharded train state, written by every host for its own shards) and `data`
   damage.py        a checkpoint that cannot be restored, told apart from storage trouble
   step_folders.py  which step folders are checkpoints, the harness's unfinished saves, or another tool's
   saved_run.py     a run's resolved config and its checkpoints' weights, read back
+  saved_arrays.py  a step's weights read by index ranges, a block at a time (the HF export's reader)
   export.py        the trained weights as one plain-array file; `export_cli.py` is `spmd-export`
   hf_export.py     a Llama run's weights as a Hugging Face folder (`spmd-export --format=safetensors`)
 """

@@ -16,17 +16,27 @@ Tensors are written in `dtype`, by default the dtype of the files the run
 was imported from (float32 for a run that was not): bf16 files imported into
 float32 parameters come back bit for bit.
 
-One process writes everything: the checkpoint's parameters are restored to
-numpy on this host (`saved_run.restore_weights`, any saving mesh), so its
-RAM holds the whole model in the checkpoint's dtype (4 bytes a parameter for
-float32) plus one shard being written.
+One process writes everything, one tensor at a time: the checkpoint's
+arrays are read by index ranges (`saved_arrays.SavedWeights`), a weight of
+the scanned layers in blocks of layers of at most `read_block_bytes` (1 GiB;
+at least one layer), and each HF tensor is written as soon as it is made
+(`safetensors_files.write_streamed`). What it holds at once: one block, one
+HF tensor in the export's dtype, and the saved chunks a read touches, twice
+(as read and decoded). A chunk is one device's shard of one weight as the
+run saved it, and for scanned layers it spans all of them: a run saved from
+one device has each weight's whole stack as one chunk (for llama3_8b in
+float32 the MLP's, 7.5 GB of the model's 32 GB), one saved with FSDP over
+N devices a 1/N of it. The cost in time: a read decodes the whole chunks
+it touches, so a weight bigger than a block is decoded once per block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -36,10 +46,11 @@ from etils import epath
 from trainers import paths
 from trainers.checkpoints import saved_run
 from trainers.checkpoints.export import EXPORT_DIR
+from trainers.checkpoints.saved_arrays import SavedWeights
 from trainers.hf import model_config
 from trainers.hf.checkpoint import INDEX_FILE, SINGLE_FILE, Weights, is_hf_folder
-from trainers.hf.layouts import layout_for
-from trainers.hf.safetensors_files import write_file
+from trainers.hf.layouts import Layout, layout_for
+from trainers.hf.safetensors_files import write_streamed
 from trainers.tasks import resolve_task_spec
 from trainers.tasks.llama import llama_config
 
@@ -74,54 +85,136 @@ def parse_size(text: str) -> int:
   return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
-def _key(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+DEFAULT_READ_BLOCK_BYTES = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+  """One HF tensor of the export: its name and shape, and the saved array (and layer) it comes from."""
+
+  name: str
+  source: str  # the saved array, `params/blocks/mlp/gate`
+  layer: int | None  # its index along the source's first axis (scanned layers), or None: all of it
+  layout: Layout
+  shape: tuple[int, ...]
+
+
+class InMemoryWeights:
+  """Parameters already in memory (a nested dict of arrays) read as `SavedWeights` reads a checkpoint.
+
+  >>> weights = InMemoryWeights({"final_norm": {"scale": np.ones(4, np.float32)}})
+  >>> weights.arrays, weights.read("params/final_norm/scale").tolist()
+  ({'params/final_norm/scale': ((4,), dtype('float32'))}, [1.0, 1.0, 1.0, 1.0])
+  """
+
+  def __init__(self, params: Any):
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    self._values = {
+      "params/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(
+        v
+      )
+      for path, v in flat
+    }
+    self.arrays = {name: (v.shape, v.dtype) for name, v in self._values.items()}
+
+  def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+    return self._values[name][index]
 
 
 def hf_tensors(params: Any, dtype: np.dtype) -> dict[str, np.ndarray]:
   """Our Llama's parameters (a nested tree of arrays) as HF tensors in `dtype`, in HF's names."""
-  flat = {_key(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-  scanned = not any(k.split("/")[1:2] and k.split("/")[1].isdigit() for k in flat)
-  tensors = {}
-  for key, value in flat.items():
-    layout = layout_for(key, scanned)
+  weights = InMemoryWeights(params)
+  planned = plan_tensors(weights.arrays)
+  tensors = _tensors(weights, planned, np.dtype(dtype), DEFAULT_READ_BLOCK_BYTES)
+  return {t.name: np.array(value) for t, value in zip(planned, tensors)}
+
+
+def plan_tensors(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> list[PlannedTensor]:
+  """The HF tensors of our Llama's saved parameters, in the order they are read: array by array.
+
+  `arrays`: saved name (`params/...`) -> (shape, dtype), `SavedWeights.arrays`.
+  """
+  params = {n.removeprefix("params/"): s for n, (s, _) in arrays.items() if n.startswith("params/")}
+  scanned = not any(k.split("/")[1:2] and k.split("/")[1].isdigit() for k in params)
+  planned = []
+  for key in sorted(params):
+    layout, shape = layout_for(key, scanned), params[key]
     if layout.per_layer:
-      for i in range(value.shape[0]):
-        tensors[layout.hf_name(i)] = layout.to_hf(value[i]).astype(dtype)
+      for i in range(shape[0]):
+        hf_shape = layout.hf_shape(shape[1:])
+        planned.append(PlannedTensor(layout.hf_name(i), f"params/{key}", i, layout, hf_shape))
     else:
-      tensors[layout.hf_name(None)] = layout.to_hf(value).astype(dtype)
-  return tensors
+      hf_shape = layout.hf_shape(shape)
+      planned.append(PlannedTensor(layout.hf_name(None), f"params/{key}", None, layout, hf_shape))
+  return planned
 
 
-def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[list[str]]:
-  """Tensor names grouped in order into files of at most `max_bytes` (a bigger tensor alone)."""
-  groups: list[list[str]] = [[]]
+def _tensors(
+  saved: SavedWeights | InMemoryWeights,
+  planned: list[PlannedTensor],
+  dtype: np.dtype,
+  block_bytes: int,
+) -> Iterator[np.ndarray]:
+  """Each planned tensor in `dtype`, in order: a scanned weight read in blocks of its layers."""
+  i = 0
+  while i < len(planned):
+    first = planned[i]
+    if first.layer is None:
+      yield first.layout.to_hf(saved.read(first.source)).astype(dtype, copy=False)
+      i += 1
+      continue
+    shape, saved_dtype = saved.arrays[first.source]
+    layer_bytes = math.prod(shape[1:]) * saved_dtype.itemsize
+    count = min(max(1, block_bytes // max(layer_bytes, 1)), shape[0] - first.layer)
+    block = saved.read(first.source, (slice(first.layer, first.layer + count),))
+    for k in range(count):  # the plan lists a weight's layers one after another
+      yield planned[i + k].layout.to_hf(block[k]).astype(dtype, copy=False)
+    i += count
+    del block
+
+
+def _shards(planned: list[PlannedTensor], itemsize: int, max_bytes: int) -> list[list[int]]:
+  """The plan's positions grouped in order into files of at most `max_bytes` (a bigger tensor alone)."""
+  groups: list[list[int]] = [[]]
   size = 0
-  for name in sorted(tensors):
-    nbytes = tensors[name].nbytes
+  for k, tensor in enumerate(planned):
+    nbytes = math.prod(tensor.shape) * itemsize
     if groups[-1] and size + nbytes > max_bytes:
       groups.append([])
       size = 0
-    groups[-1].append(name)
+    groups[-1].append(k)
     size += nbytes
   return groups
 
 
-def write_weights(folder: epath.Path, tensors: dict[str, np.ndarray], max_bytes: int) -> list[str]:
-  """model.safetensors, or shards and their index above `max_bytes`; the files' names."""
-  groups = _shards(tensors, max_bytes)
-  if len(groups) == 1:
-    write_file(folder / SINGLE_FILE, tensors)
-    return [SINGLE_FILE]
-  names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+def write_weights(
+  folder: epath.Path,
+  saved: SavedWeights | InMemoryWeights,
+  dtype: np.dtype,
+  max_bytes: int,
+  read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
+) -> tuple[list[str], int]:
+  """model.safetensors, or shards and their index above `max_bytes`: the files' names, the parameter count."""
+  planned = plan_tensors(saved.arrays)
+  groups = _shards(planned, dtype.itemsize, max_bytes)
+  tensors = _tensors(saved, planned, dtype, read_block_bytes)
+  names = (
+    [SINGLE_FILE]
+    if len(groups) == 1
+    else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+  )
   for name, group in zip(names, groups):
-    write_file(folder / name, {t: tensors[t] for t in group})
+    entries = [(planned[k].name, dtype, planned[k].shape) for k in group]
+    write_streamed(folder / name, entries, tensors)
+  count = sum(math.prod(t.shape) for t in planned)
+  if len(groups) == 1:
+    return names, count
   index = {
-    "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-    "weight_map": {t: name for name, group in zip(names, groups) for t in group},
+    "metadata": {"total_size": count * dtype.itemsize},
+    "weight_map": {planned[k].name: name for name, group in zip(names, groups) for k in group},
   }
   (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-  return [*names, INDEX_FILE]
+  return [*names, INDEX_FILE], count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +243,7 @@ def export(
   checkpoint: str = "",
   dtype: str | None = None,
   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+  read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
 ) -> HFExport:
   """Writes the Llama run's checkpoint as a Hugging Face folder (see the module docstring).
 
@@ -170,14 +264,12 @@ def export(
   dtype = dtype or _source_dtype(source)
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
   ref = saved_run.find_checkpoint(workdir, checkpoint, step)
-  params = saved_run.restore_weights(ref)["params"]  # numpy on this host: any saving mesh
-  tensors = hf_tensors(params, np_dtype)
-  del params
+  saved = SavedWeights(ref)  # read a block at a time, whatever mesh saved it
   folder = (
     paths.user_path(out) if out else paths.user_path(workdir) / EXPORT_DIR / f"hf_step_{ref.step}"
   )
   folder.mkdir(parents=True, exist_ok=True)
-  files = write_weights(folder, tensors, max_shard_bytes)
+  files, count = write_weights(folder, saved, np_dtype, max_shard_bytes, read_block_bytes)
   base = model_config.read_config(source) if source else None
   (folder / "config.json").write_text(
     json.dumps(model_config.hf_config(fields, np_dtype.name, base), indent=2) + "\n"
@@ -191,5 +283,4 @@ def export(
   elif str(config.data.tokenizer).endswith(".json"):  # the run's own tokenizer file
     (folder / "tokenizer.json").write_bytes(paths.user_path(config.data.tokenizer).read_bytes())
     files.append("tokenizer.json")
-  count = sum(t.size for t in tensors.values())
   return HFExport(folder, ref.step, np_dtype.name, files, count)

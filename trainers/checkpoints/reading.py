@@ -125,6 +125,36 @@ _TREE_METADATA_FILE = "_METADATA"
 _SEQUENCE_KEY = 1
 
 
+def weight_infos(state_dir: epath.Path) -> tuple[list[list[tuple[str, Any]]], list[Any]]:
+  """The weights' (`WEIGHTS`) key paths in a saved state and orbax's `ParamInfo` of each.
+
+  Read from orbax's tree description (`_METADATA`) alone; no array is opened.
+  A `ParamInfo` names the array for orbax's handler and for its tensorstore
+  spec (`ocp.type_handlers.get_json_tspec_read`).
+  """
+  described = json.loads((state_dir / _TREE_METADATA_FILE).read_text())
+  leaves = [
+    [(k["key"], k.get("key_type")) for k in entry["key_metadata"]]
+    for entry in described["tree_metadata"].values()
+    if entry["key_metadata"][0]["key"] in WEIGHTS
+    and not entry.get("value_metadata", {}).get("skip_deserialize", False)
+  ]
+  use_ocdbt = bool(described.get("use_ocdbt", True))
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  infos = [
+    ocp.type_handlers.ParamInfo(
+      name=".".join(str(key) for key, _ in path),
+      parent_dir=state_dir,
+      skip_deserialize=False,
+      is_ocdbt_checkpoint=use_ocdbt,
+      use_zarr3=bool(described.get("use_zarr3", False)),
+      ts_context=context,
+    )
+    for path in leaves
+  ]
+  return leaves, infos
+
+
 def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> dict[str, Any]:
   """The saved shapes and dtypes of the weights (`WEIGHTS`) of `step`.
 
@@ -135,26 +165,7 @@ def weights_metadata(manager: ocp.CheckpointManager, step: int, what: str) -> di
   """
   state_dir = epath.Path(manager.directory) / str(step) / "state"
   try:
-    described = json.loads((state_dir / _TREE_METADATA_FILE).read_text())
-    leaves = [
-      [(k["key"], k.get("key_type")) for k in entry["key_metadata"]]
-      for entry in described["tree_metadata"].values()
-      if entry["key_metadata"][0]["key"] in WEIGHTS
-      and not entry.get("value_metadata", {}).get("skip_deserialize", False)
-    ]
-    use_ocdbt = bool(described.get("use_ocdbt", True))
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
-    infos = [
-      ocp.type_handlers.ParamInfo(
-        name=".".join(str(key) for key, _ in path),
-        parent_dir=state_dir,
-        skip_deserialize=False,
-        is_ocdbt_checkpoint=use_ocdbt,
-        use_zarr3=bool(described.get("use_zarr3", False)),
-        ts_context=context,
-      )
-      for path in leaves
-    ]
+    leaves, infos = weight_infos(state_dir)
     register_array_handler()
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     arrays = _run_async(handler.metadata(infos)) if infos else []

@@ -1,4 +1,4 @@
-"""Safetensors files: tensors' slices read by byte range, shards written by the reference encoder.
+"""Safetensors files: tensors' slices read by byte range; files written whole or a tensor at a time.
 
 Reading parses the format's header (8 bytes of little-endian header length,
 a JSON header of `{name: {dtype, shape, data_offsets}}`, then the row-major
@@ -9,9 +9,14 @@ is not used to read: its numpy reader has no bfloat16 (numpy lacks the
 dtype; ml_dtypes supplies it here), its flax reader puts every slice on
 JAX's default device, and it opens local files only.
 
-Writing goes through `safetensors.serialize` (the format's Rust encoder),
-given each array's bytes, so what `transformers` reads back is the
-reference's own output.
+`write_file` goes through `safetensors.serialize` (the format's Rust
+encoder), given each array's bytes, so what `transformers` reads back is
+the reference's own output; it needs every tensor at once. `write_streamed`
+writes the same format a tensor at a time (the export of a model bigger
+than the host's RAM): the header from the names, dtypes and shapes alone,
+padded to 8 bytes as the reference pads it, then each tensor's bytes as it
+comes. The library has no such writer. `tests/test_hf_weights.py` reads its
+files back with `safetensors.safe_open`, the reference reader.
 
 Example:
   >>> import tempfile, os, numpy as np, ml_dtypes
@@ -31,7 +36,8 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -205,3 +211,41 @@ def write_file(
 ) -> None:
   """Writes `tensors` as one `.safetensors` file, locally or on any `etils.epath` URL."""
   epath.Path(path).write_bytes(encode(tensors, metadata))
+
+
+def write_streamed(
+  path: str | os.PathLike,
+  entries: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+  tensors: Iterator[np.ndarray],
+  metadata: Mapping[str, str] | None = None,
+) -> None:
+  """Writes one `.safetensors` file of `entries` (name, dtype, shape), taking each from `tensors`.
+
+  The header is known from the entries alone, so each tensor is written as it
+  comes and only one is held at a time (`encode` needs them all at once: the
+  reference encoder takes every buffer in one call). The data follow the
+  entries' order; readers find each by its offsets, as the format has it.
+  A tensor whose dtype or shape is not its entry's is an error naming it.
+  """
+  header: dict[str, Any] = {"__metadata__": {**FORMAT_METADATA, **(metadata or {})}}
+  offset = 0
+  for name, dtype, shape in entries:
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    header[name] = {
+      "dtype": dtype_name(dtype),
+      "shape": list(shape),
+      "data_offsets": [offset, offset + nbytes],
+    }
+    offset += nbytes
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)  # the reference pads the header to 8 bytes
+  with epath.Path(path).open("wb") as f:
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    for name, dtype, shape in entries:
+      value = next(tensors)
+      if value.dtype != np.dtype(dtype) or tuple(value.shape) != tuple(shape):
+        raise ValueError(
+          f"{name}: got {value.dtype}{list(value.shape)}, its entry says {np.dtype(dtype)}{list(shape)}"
+        )
+      f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
