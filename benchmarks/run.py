@@ -109,13 +109,23 @@ def figure_order(row: dict) -> tuple[bool, str, int, str]:
 
 
 def _chip_command(report: dict) -> str:
-  """The check's command as a reader would type it: no output path, the tuning file by name."""
-  words = []
+  """The check's command as a reader would type it: no output path, the tuning file by name.
+
+  A flag given twice keeps its last value, as argparse does (`tpu_check.sh`
+  puts its own `--train_steps=60` ahead of the caller's flags).
+
+  >>> _chip_command({"command": "c.sh --a=1 --b=2 --a=3 --out=/x.json --tuning=/t/tune.json"})
+  'c.sh --b=2 --a=3 --tuning=tune.json'
+  """
+  words: list[str] = []
   for word in report.get("command", "benchmarks/tpu_check.sh").split():
     if word.startswith("--out="):
       continue
     if word.startswith("--tuning="):
       word = "--tuning=" + os.path.basename(word.split("=", 1)[1])
+    if word.startswith("--"):
+      flag = word.split("=", 1)[0] + "="
+      words = [w for w in words if not w.startswith(flag)]
     words.append(word)
   return " ".join(words)
 
