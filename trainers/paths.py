@@ -23,6 +23,7 @@ import io
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from etils import epath
@@ -77,8 +78,13 @@ _RACY_NS = 1_000_000_000  # a local file changed this recently may change again 
 _SAVE_EVERY_S = 30.0  # a long copy records its progress this often (a kill loses less)
 
 
-def copy_tree(source: epath.Path, target: epath.Path) -> int:
+def copy_tree(
+  source: epath.Path, target: epath.Path, exclude: Callable[[str], bool] | None = None
+) -> int:
   """Copies the files under `source` to `target` (either may be remote); returns the count.
+
+  `exclude(relative_name)` true: that file is not copied (a dataset's shards,
+  when they are staged on demand instead).
 
   A file is copied again unless the one at the target is known to be a copy
   of the source's file as it is now. Identity is size plus version: the
@@ -125,6 +131,8 @@ def copy_tree(source: epath.Path, target: epath.Path) -> int:
   count, changed, saved_at = 0, False, time.monotonic()
   for path in _files(source):
     name = path.relative_to(source).as_posix()
+    if exclude is not None and exclude(name):
+      continue
     dest = target / name
     source_id, dest_id = _identity(path), _identity(dest)
     record = {"source": source_id, "target": dest_id}
@@ -171,6 +179,15 @@ def _settled(identity: list) -> list:
   if isinstance(version, int) and time.time_ns() - version < _RACY_NS:
     return [size, None]
   return identity
+
+
+def copy_file(source: epath.Path, dest: epath.Path) -> None:
+  """Copies one file (either side may be remote), whole or not at all under `dest`'s name.
+
+  Streamed in chunks through a hidden partial file beside `dest`, renamed at
+  the end (see `copy_tree`).
+  """
+  _stream(epath.Path(source), epath.Path(dest))
 
 
 def _stream(source: epath.Path, dest: epath.Path) -> None:

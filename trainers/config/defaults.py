@@ -75,6 +75,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Records per shuffle block when records hold several examples (LM windows):
   # a batch draws from this many records, each read about once per block.
   config.data.shuffle_block = 256
+  # A gs:// data.dir: 0 copies the whole folder to every host before step 0;
+  # N > 0 stages shards on demand into a local cache of at most N bytes a
+  # process, least recently used out, and orders the records a window of
+  # shards at a time (trainers/data/shard_cache.py). Local dirs are read in place.
+  config.data.cache_bytes = 0
 
   # The task: what model trains on what data, with which loss (trainers/tasks).
   # A built-in name ("lm", "classifier"), "package.module:function", or

@@ -24,6 +24,7 @@ rather than garbage.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -32,10 +33,13 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 from array_record.python import array_record_module
+from etils import epath
 from google.protobuf.message import DecodeError
 from tensorflow_datasets.core import read_only_builder
 
 from trainers.data import stored_lengths, text_corpus
+from trainers.data.record_order import ShardWindows
+from trainers.data.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +67,11 @@ class RecordSource(Sequence):
     info: tfds.core.DatasetInfo,
     files: list[str],
     decode: Callable[[bytes], Any] | None = None,
+    shard_windows: ShardWindows | None = None,
   ):
     self._source = source
+    # The order its reads need (shards staged into a bounded cache), or None.
+    self.shard_windows = shard_windows
     self._decode = decode  # for a source of raw records; None: `source` decodes
     self.name = name
     self.split = split
@@ -168,6 +175,7 @@ def open_source(
   split: str,
   data_dir: str | os.PathLike,
   features: Sequence[str] | None = None,
+  staging: Staging | None = None,
 ) -> RecordSource:
   """Opens split `split` of dataset `name`, already prepared in `data_dir`.
 
@@ -181,6 +189,9 @@ def open_source(
       None decodes all. The others are never decoded: for the text corpus
       that is a third of the decoding time, for an image dataset with unused
       images or masks far more.
+    staging: the shards are not in `data_dir` (which holds the dataset's
+      metadata) but at `staging.remote`, read through `staging.cache`; the
+      records are then ordered a window of shards at a time (`Staging`).
 
   Returns:
     A `RecordSource`: `len()` and `[i]`, each record a dict of numpy values.
@@ -213,6 +224,8 @@ def open_source(
       f"{full_name} in {data_dir=} is stored as {info.file_format.value}, which has no random "
       f"access. Prepare it again with `tfds build {info.name} --file_format=array_record`."
     )
+  if staging is not None:
+    return _staged_source(builder, full_name, split, features, staging)
   files = _check_files(full_name, split, info)
   if features is None:
     source, decode = builder.as_data_source(split, file_format=_ARRAY_RECORD), None
@@ -230,6 +243,70 @@ def open_source(
       split, file_format=_ARRAY_RECORD, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
     )
   return RecordSource(source, name=full_name, split=split, info=info, files=files, decode=decode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+  """Where a dataset's shards are (`remote`, the data.dir its metadata came from) and the cache."""
+
+  remote: str  # the remote data.dir: `data_dir`'s files are copies of its metadata
+  local: str  # the local data_dir the dataset is opened from
+  cache: ShardCache
+  share: int = 1  # datasets read at once (a mixture's sources): each gets 1/share of the cache
+
+
+def _staged_source(builder, name: str, split: str, features, staging: Staging) -> RecordSource:
+  """A split whose shards are read through `staging.cache`, in a shard-window order."""
+  info = builder.info
+  instructions = info.splits[split].file_instructions
+  urls = [
+    os.fspath(epath.Path(staging.remote) / os.path.relpath(os.fspath(i.filename), staging.local))
+    for i in instructions
+  ]
+  largest = max(epath.Path(url).stat().length for url in urls)
+  # Two windows fit the cache: a shuffle block straddles two at most.
+  window = staging.cache.capacity // (2 * max(largest, 1) * staging.share)
+  if window < 1:
+    raise ValueError(
+      f"data.cache_bytes={staging.cache.capacity} is less than two of {name}'s shards "
+      f"({largest} bytes the largest) for each of the {staging.share} datasets read at once: "
+      f"raise it to at least {2 * largest * staging.share}"
+    )
+  chosen = features if features is not None else list(info.features.keys())
+  decode = tfds.features.FeaturesDict({f: info.features[f] for f in chosen}).deserialize_example_np
+  source = _StagedShards(urls, [(i.skip, i.take) for i in instructions], staging.cache)
+  windows = ShardWindows(sizes=tuple(i.take for i in instructions), window=window)
+  return RecordSource(
+    source, name=name, split=split, info=info, files=urls, decode=decode, shard_windows=windows
+  )
+
+
+class _StagedShards(Sequence):
+  """Raw records of a split's shards, each read through the cache (staged when first needed)."""
+
+  def __init__(self, urls: list[str], parts: list[tuple[int, int]], cache: ShardCache):
+    self._urls, self._parts, self._cache = urls, parts, cache
+    self._starts = np.concatenate([[0], np.cumsum([take for _, take in parts])]).tolist()
+
+  def __len__(self) -> int:
+    return self._starts[-1]
+
+  def __getitem__(self, index: int) -> bytes:
+    return self.__getitems__([index])[0]
+
+  def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
+    by_shard: dict[int, list[int]] = {}
+    for k, index in enumerate(indices):
+      if not 0 <= index < len(self):
+        raise IndexError(f"record {index} of {len(self)}")
+      by_shard.setdefault(bisect.bisect_right(self._starts, index) - 1, []).append(k)
+    out: list[bytes] = [b""] * len(indices)
+    for shard, ks in by_shard.items():
+      skip = self._parts[shard][0] - self._starts[shard]
+      records = self._cache.read(self._urls[shard], [skip + int(indices[k]) for k in ks])
+      for k, record in zip(ks, records):
+        out[k] = record
+    return out
 
 
 def keep_record_lengths(name: str, data_dir: str | os.PathLike, feature: str) -> list[str]:

@@ -299,6 +299,7 @@ def open_mixture_batches(
   plan_records: Callable[[Sequence[Any]], RecordPlan] | None = None,
   steps: int | None = None,
   unit: str = "units",
+  staging: Any = None,
 ) -> MixtureBatches:
   """Opens each source's prepared split and their mixture, on every host together.
 
@@ -308,6 +309,8 @@ def open_mixture_batches(
   share of rows and examples, and, given `steps`, each source's share of
   `unit` and its epochs over the run). All hosts compare what they opened,
   as `open_global_batches`, so one host's bad copy stops every host.
+  `staging`: the shards are remote, read through a bounded cache
+  (`datasets.Staging`), which the sources share.
   """
   from trainers.data.datasets import open_source  # tfds is imported only when used
 
@@ -324,8 +327,10 @@ def open_mixture_batches(
         "eval data in data.eval_sources"
       )
     streams = []
+    if staging is not None:  # every source reads its windows at once: each its share
+      staging = dataclasses.replace(staging, share=len(kept))
     for source in kept:
-      records = open_source(source.dataset(split), split, data_dir, features)
+      records = open_source(source.dataset(split), split, data_dir, features, staging)
       streams.append(
         RecordStream(
           records,
@@ -337,6 +342,7 @@ def open_mixture_batches(
           plan=plan_records(records) if plan_records is not None else None,
           cache_rows=global_batch,
           last_record_last=True,
+          shard_windows=getattr(records, "shard_windows", None),
         )
       )
     weights = [s.weight for s in kept]

@@ -275,6 +275,9 @@ class GlobalBatches(StepBatches):
       to_batch=to_batch,
       plan=plan,
       cache_rows=global_batch,
+      # Shards staged into a bounded cache are read a window at a time (the
+      # train order; an eval pass reads them in order anyway).
+      shard_windows=getattr(records, "shard_windows", None) if train else None,
     )
     self.shuffle_block = shuffle_block
     self.examples_per_record = stream.examples_per_record
@@ -400,13 +403,15 @@ def open_global_batches(
   shuffle_block: int = 256,
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None,
   plan_records: Callable[[Sequence[Any]], RecordPlan] | None = None,
+  staging: Any = None,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
 
   `features` names the record features `to_example` reads; only those are
   decoded (None: all of them; see `datasets.open_source`). `plan_records`,
   when given, is called with the opened records and decides how many
-  examples each holds (see `RecordPlan`, `lm_windows`).
+  examples each holds (see `RecordPlan`, `lm_windows`). `staging`: the
+  shards are remote, read through a bounded cache (`datasets.Staging`).
 
   Process 0 logs what the split's examples use of it and what they drop
   (`GlobalBatches.usage`), once, before any step.
@@ -420,7 +425,7 @@ def open_global_batches(
 
   what = f"input pipeline {name}[{split}]"
   try:
-    records = open_source(name, split, data_dir, features)
+    records = open_source(name, split, data_dir, features, staging)
     plan = plan_records(records) if plan_records is not None else None
     batches = GlobalBatches(
       records,

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import hashlib
 import json
@@ -24,6 +26,32 @@ from grain.experimental import index_shuffle
 _ROUNDS = 4
 ORDER_DIGEST_POSITIONS = 64  # first positions of each permutation in `order_digest`
 _RECORD_ORDER, _WINDOW_ORDER = 0, 1  # which permutation a seed is for
+_SHARD_ORDER, _WITHIN_SHARDS = 2, 3  # the shard-window order's two permutations
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardWindows:
+  """A record order that reads a few shards at a time: for shards staged into a bounded cache.
+
+  Each epoch permutes the shards, cuts that order into windows of `window`
+  shards, and permutes the records within each window: consecutive
+  positions stay within one window's shards (two at a block's edge), where
+  one permutation of all records touches every shard in every batch. Still a
+  pure function of (seed, position, sizes, window): the same on any process
+  count. `sizes`: each shard's record count, in the split's file order.
+  """
+
+  sizes: tuple[int, ...]
+  window: int
+
+  def __post_init__(self):
+    if self.window < 1 or not self.sizes or min(self.sizes) < 0:
+      raise ValueError(f"ShardWindows needs shards and a window of at least 1: {self}")
+
+  @functools.cached_property
+  def firsts(self) -> list[int]:
+    """Each shard's first record index."""
+    return np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(int).tolist()
 
 
 def order_digest(
@@ -33,6 +61,7 @@ def order_digest(
   seed: int,
   missing: int = 0,
   short_last: bool | None = None,
+  shard_windows: ShardWindows | None = None,
 ) -> str:
   """A hash of the first positions of both permutations, for the run's seed.
 
@@ -50,7 +79,7 @@ def order_digest(
   """
   first = min(num_records, ORDER_DIGEST_POSITIONS)
   last = missing > 0 if short_last is None else short_last
-  records = [record_in_order(p, num_records, seed, last) for p in range(first)]
+  records = [record_in_order(p, num_records, seed, last, shard_windows) for p in range(first)]
   windows: list[int] = []
   if examples_per_record > 1:
     size = min(shuffle_block, num_records) * examples_per_record
@@ -61,7 +90,10 @@ def order_digest(
       index_shuffle(j, size - 1, block_seed, _ROUNDS)
       for j in range(min(size, ORDER_DIGEST_POSITIONS))
     ]
-  return hashlib.sha256(json.dumps([records, windows]).encode()).hexdigest()[:16]
+  shown: list = [records, windows]
+  if shard_windows is not None:  # a different order: never the digest of the plain one
+    shown.append(["shard-windows-v1", shard_windows.window, list(shard_windows.sizes)])
+  return hashlib.sha256(json.dumps(shown).encode()).hexdigest()[:16]
 
 
 def shuffled_position(position: int, length: int, seed: int) -> int:
@@ -85,24 +117,77 @@ def shuffled_position(position: int, length: int, seed: int) -> int:
   return epoch * length + index_shuffle(within, length - 1, seed, _ROUNDS)
 
 
-def record_in_order(position: int, count: int, seed: int, short_last: bool) -> int:
+def record_in_order(
+  position: int,
+  count: int,
+  seed: int,
+  short_last: bool,
+  shard_windows: ShardWindows | None = None,
+) -> int:
   """The record at `position` of the record order, epoch after epoch.
 
   Each epoch is a permutation of the `count` records. With `short_last`
   (the last record holds fewer examples than the others) it is a permutation
   of the others followed by that record, so that only an epoch's last block
-  of the window shuffle is short and positions stay arithmetic.
+  of the window shuffle is short and positions stay arithmetic. With
+  `shard_windows`, the permutation is that order's (`ShardWindows`).
 
   Example:
     >>> [record_in_order(p, 4, seed=0, short_last=True) for p in range(4)][-1]
     3
+    >>> windows = ShardWindows(sizes=(3, 3, 3, 3), window=2)
+    >>> order = [record_in_order(p, 12, 0, False, windows) for p in range(12)]
+    >>> sorted(order) == list(range(12)), len({r // 3 for r in order[:6]})
+    (True, 2)
   """
+  if shard_windows is not None:
+    return _in_shard_windows(position, count, seed, short_last, shard_windows)
   if not short_last or count == 1:
     return shuffled_position(position, count, seed) % count
   epoch, within = divmod(position, count)
   if within == count - 1:
     return count - 1
   return shuffled_position(epoch * (count - 1) + within, count - 1, seed) % (count - 1)
+
+
+def _in_shard_windows(position: int, count: int, seed: int, short_last: bool, w: ShardWindows):
+  if sum(w.sizes) != count:
+    raise ValueError(f"ShardWindows.sizes sum to {sum(w.sizes)}, not the {count} records")
+  sizes = list(w.sizes)
+  if short_last and count > 1:  # the last record (its shard's last) closes each epoch
+    last = max(i for i, size in enumerate(sizes) if size > 0)
+    sizes[last] -= 1
+  length = sum(sizes)
+  epoch, within = divmod(position, count)
+  if within >= length:
+    return count - 1
+  starts, shards, windows = _epoch_windows(tuple(sizes), w.window, seed, epoch)
+  k = bisect.bisect_right(windows, within) - 1  # the window
+  offset, size = within - windows[k], windows[k + 1] - windows[k]
+  if size > 1:
+    offset = index_shuffle(offset, size - 1, _seed_of(_WITHIN_SHARDS, seed, epoch, k), _ROUNDS)
+  j = bisect.bisect_right(starts[k], offset) - 1  # the shard within the window
+  shard = shards[k][j]
+  return w.firsts[shard] + offset - starts[k][j]
+
+
+@functools.lru_cache(maxsize=4)  # a batch spans at most two epochs
+def _epoch_windows(sizes: tuple[int, ...], window: int, seed: int, epoch: int):
+  """One epoch's windows: each one's shard starts, shards, and the windows' first positions."""
+  n = len(sizes)
+  order = (
+    [0]
+    if n == 1
+    else [index_shuffle(i, n - 1, _seed_of(_SHARD_ORDER, seed, epoch), _ROUNDS) for i in range(n)]
+  )
+  starts, shards, windows = [], [], [0]
+  for first in range(0, n, window):
+    group = order[first : first + window]
+    offsets = np.concatenate([[0], np.cumsum([sizes[s] for s in group])]).tolist()
+    starts.append(offsets[:-1])
+    shards.append(group)
+    windows.append(windows[-1] + offsets[-1])
+  return starts, shards, windows
 
 
 @functools.lru_cache(maxsize=16)  # a batch spans at most two epochs, two blocks

@@ -35,7 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from trainers.data.record_order import order_digest, record_in_order, window_in_block
+from trainers.data.record_order import (
+  ShardWindows,
+  order_digest,
+  record_in_order,
+  window_in_block,
+)
 from trainers.data.records import Example, RecordPlan
 
 
@@ -59,6 +64,9 @@ class RecordStream:
       batch), for the sizes of the caches.
     last_record_last: the last record closes every epoch (`record_in_order`'s
       `short_last`); None = when it holds fewer examples than the others.
+    shard_windows: order the records a window of shards at a time
+      (`record_order.ShardWindows`: shards staged into a bounded cache); None:
+      one permutation of all the records an epoch.
   """
 
   def __init__(
@@ -74,6 +82,7 @@ class RecordStream:
     plan: RecordPlan | None = None,
     cache_rows: int = 0,
     last_record_last: bool | None = None,
+    shard_windows: ShardWindows | None = None,
   ):
     self.windowed = plan is not None or examples_per_record > 1
     if plan is not None:
@@ -109,13 +118,24 @@ class RecordStream:
     # come from its `shuffle_block` records: most lookups are repeats.
     self._record_at = functools.lru_cache(maxsize=2 * shuffle_block + cache_rows)(
       functools.partial(
-        record_in_order, count=self.count, seed=seed, short_last=self.last_record_last
+        record_in_order,
+        count=self.count,
+        seed=seed,
+        short_last=self.last_record_last,
+        shard_windows=shard_windows,
       )
     )
     self._cache = _RecordCache(shuffle_block + cache_rows) if examples_per_record > 1 else None
     self.example_spec = self.example(records[0], 0) if self.count else {}
+    self.shard_windows = shard_windows
     self.order = order_digest(
-      self.count, examples_per_record, shuffle_block, seed, self.missing, self.last_record_last
+      self.count,
+      examples_per_record,
+      shuffle_block,
+      seed,
+      self.missing,
+      self.last_record_last,
+      shard_windows,
     )
 
   def fingerprint_text(self) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import pathlib
+from typing import Any
 
 import jax
 import ml_collections
@@ -55,7 +57,16 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
   """`open_data`'s (train, eval) streams, before their checks."""
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
-  if task.prepares_together and local == data_dir:
+  staging = None
+  if local != data_dir and config.data.get("cache_bytes", 0):
+    from trainers.data.datasets import Staging  # tfds is imported only when used
+    from trainers.data.shard_cache import ShardCache
+
+    name = _prepare_for_staging(task, data_dir, local)
+    folder = paths.local_cache("staged", data_dir) / f"process-{jax.process_index()}"
+    cache = ShardCache(folder, int(config.data.cache_bytes))
+    staging = Staging(remote=str(data_dir), local=str(local), cache=cache)
+  elif task.prepares_together and local == data_dir:
     name = task.prepare_data(str(local), _group())
   else:
     name = _prepare_on_process_0_first(task, data_dir, local)
@@ -68,6 +79,7 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
     features=tuple(task.record_template),  # decode only what the task reads
     shuffle_block=config.data.shuffle_block,
     to_batch=task.to_batch,
+    staging=staging,
   )
   if isinstance(name, mixture.DataMixture):  # several sources (config.data.sources)
     return _open_mixture(config, task, name, str(data_dir), common)
@@ -118,6 +130,38 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local):
   if jax.process_index() != 0:
     if local != data_dir:
       paths.copy_tree(data_dir, epath.Path(local))
+    name = task.prepare_data(str(local))
+  return name
+
+
+def _is_shard(name: str) -> bool:
+  """A dataset's ArrayRecord shard (TFDS's `NAME-SPLIT.array_record-0000k-of-0000n`)."""
+  return ".array_record-" in name
+
+
+def _prepare_for_staging(task: Task, data_dir: epath.Path, local) -> Any:
+  """The task's data prepared as `_prepare_on_process_0_first` does, but no host keeps its shards.
+
+  Each host copies the remote dataset's metadata (everything but the shards)
+  to `local`, which is what opening it needs; the shards are staged on demand
+  (`ShardCache`). A dataset not yet prepared is prepared by process 0 in
+  `local` and uploaded, and process 0 then removes the shards it wrote.
+  """
+  if jax.process_index() == 0:
+    if data_dir.exists():
+      paths.copy_tree(data_dir, epath.Path(local), exclude=_is_shard)
+    name = task.prepare_data(str(local))
+    shards = [p for p in pathlib.Path(local).rglob("*") if _is_shard(p.name) and p.is_file()]
+    if shards:  # prepared here just now: the bucket is where they are read from
+      uploaded = paths.copy_tree(epath.Path(local), data_dir)
+      log.warning(
+        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
+      )
+      for path in shards:
+        path.unlink()
+  multihost.barrier("data_prepared", timeout_s=_PREPARE_TIMEOUT_S)
+  if jax.process_index() != 0:
+    paths.copy_tree(data_dir, epath.Path(local), exclude=_is_shard)
     name = task.prepare_data(str(local))
   return name
 
