@@ -267,10 +267,10 @@ def _staged_source(builder, name: str, split: str, features, staging: Staging) -
   # Two windows fit the cache: a shuffle block straddles two at most.
   window = staging.cache.capacity // (2 * max(largest, 1) * staging.share)
   if window < 1:
+    each = f" for each of the {staging.share} sources read at once" if staging.share > 1 else ""
     raise ValueError(
       f"data.cache_bytes={staging.cache.capacity} is less than two of {name}'s shards "
-      f"({largest} bytes the largest) for each of the {staging.share} datasets read at once: "
-      f"raise it to at least {2 * largest * staging.share}"
+      f"({largest} bytes the largest){each}: raise it to at least {2 * largest * staging.share}"
     )
   chosen = features if features is not None else list(info.features.keys())
   decode = tfds.features.FeaturesDict({f: info.features[f] for f in chosen}).deserialize_example_np

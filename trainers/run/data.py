@@ -58,13 +58,20 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
   staging = None
-  if local != data_dir and config.data.get("cache_bytes", 0):
+  cache_bytes = int(config.data.get("cache_bytes", 0))
+  if cache_bytes < 0:
+    raise UserError(f"config.data.cache_bytes={cache_bytes} must be 0 (copy whole) or a size")
+  if cache_bytes and local == data_dir:
+    log.warning(
+      "spmd-train: data.cache_bytes applies to a gs:// data.dir; %s is read in place", data_dir
+    )
+  if local != data_dir and cache_bytes:
     from trainers.data.datasets import Staging  # tfds is imported only when used
     from trainers.data.shard_cache import ShardCache
 
     name = _prepare_for_staging(task, data_dir, local)
     folder = paths.local_cache("staged", data_dir) / f"process-{jax.process_index()}"
-    cache = ShardCache(folder, int(config.data.cache_bytes))
+    cache = ShardCache(folder, cache_bytes)
     staging = Staging(remote=str(data_dir), local=str(local), cache=cache)
   elif task.prepares_together and local == data_dir:
     name = task.prepare_data(str(local), _group())
