@@ -41,7 +41,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -52,6 +52,9 @@ from trainers.data.mixture_rows import RowMix
 from trainers.data.pipeline import PADDING_MASK, StepBatches
 from trainers.data.record_stream import RecordStream
 from trainers.data.records import Example, RecordPlan
+
+if TYPE_CHECKING:
+  from trainers.data.datasets import Staging  # tfds is imported only when used
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +302,7 @@ def open_mixture_batches(
   plan_records: Callable[[Sequence[Any]], RecordPlan] | None = None,
   steps: int | None = None,
   unit: str = "units",
-  staging: Any = None,
+  staging: Staging | None = None,
 ) -> MixtureBatches:
   """Opens each source's prepared split and their mixture, on every host together.
 
@@ -342,7 +345,7 @@ def open_mixture_batches(
           plan=plan_records(records) if plan_records is not None else None,
           cache_rows=global_batch,
           last_record_last=True,
-          shard_windows=getattr(records, "shard_windows", None),
+          shard_windows=records.shard_windows,
         )
       )
     weights = [s.weight for s in kept]

@@ -46,7 +46,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -55,6 +55,9 @@ from spmd import layout as layout_lib
 from spmd import multihost
 from trainers.data.record_stream import RecordStream
 from trainers.data.records import Example, RecordPlan
+
+if TYPE_CHECKING:
+  from trainers.data.datasets import Staging  # tfds is imported only when used
 
 log = logging.getLogger(__name__)
 # One row's mask in eval batches of examples that have none: padding rows get 0.
@@ -403,7 +406,7 @@ def open_global_batches(
   shuffle_block: int = 256,
   to_batch: Callable[[Sequence[Any], np.ndarray], Example] | None = None,
   plan_records: Callable[[Sequence[Any]], RecordPlan] | None = None,
-  staging: Any = None,
+  staging: Staging | None = None,
 ) -> GlobalBatches:
   """Opens a prepared TFDS split and its global batches, on every host together.
 

@@ -53,6 +53,31 @@ class ShardWindows:
     """Each shard's first record index."""
     return np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(int).tolist()
 
+  @functools.cached_property
+  def _plans(self) -> dict:
+    return {}
+
+  def epoch_plan(self, count: int, seed: int, epoch: int, short_last: bool):
+    """(positions before the short last record, each window's shard starts, shards, first positions).
+
+    Computed once an epoch and kept (a batch spans two epochs at most): the
+    lookup of a position is then two bisections and a bijection, never a
+    pass over the shards.
+    """
+    key = (count, seed, epoch, short_last)
+    plan = self._plans.get(key)  # threads may share it: one get, one set
+    if plan is None:
+      if sum(self.sizes) != count:
+        raise ValueError(f"ShardWindows.sizes sum to {sum(self.sizes)}, not the {count} records")
+      sizes = list(self.sizes)
+      if short_last and count > 1:  # the last record (its shard's last) closes each epoch
+        sizes[max(i for i, size in enumerate(sizes) if size > 0)] -= 1
+      plan = (sum(sizes), *_epoch_windows(sizes, self.window, seed, epoch))
+      if len(self._plans) >= 4:
+        self._plans.clear()
+      self._plans[key] = plan
+    return plan
+
 
 def order_digest(
   num_records: int,
@@ -151,17 +176,10 @@ def record_in_order(
 
 
 def _in_shard_windows(position: int, count: int, seed: int, short_last: bool, w: ShardWindows):
-  if sum(w.sizes) != count:
-    raise ValueError(f"ShardWindows.sizes sum to {sum(w.sizes)}, not the {count} records")
-  sizes = list(w.sizes)
-  if short_last and count > 1:  # the last record (its shard's last) closes each epoch
-    last = max(i for i, size in enumerate(sizes) if size > 0)
-    sizes[last] -= 1
-  length = sum(sizes)
   epoch, within = divmod(position, count)
-  if within >= length:
+  length, starts, shards, windows = w.epoch_plan(count, seed, epoch, short_last)
+  if within >= length:  # the short last record, after the others
     return count - 1
-  starts, shards, windows = _epoch_windows(tuple(sizes), w.window, seed, epoch)
   k = bisect.bisect_right(windows, within) - 1  # the window
   offset, size = within - windows[k], windows[k + 1] - windows[k]
   if size > 1:
@@ -171,8 +189,7 @@ def _in_shard_windows(position: int, count: int, seed: int, short_last: bool, w:
   return w.firsts[shard] + offset - starts[k][j]
 
 
-@functools.lru_cache(maxsize=4)  # a batch spans at most two epochs
-def _epoch_windows(sizes: tuple[int, ...], window: int, seed: int, epoch: int):
+def _epoch_windows(sizes: list[int], window: int, seed: int, epoch: int):
   """One epoch's windows: each one's shard starts, shards, and the windows' first positions."""
   n = len(sizes)
   order = (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from typing import Any
 
 import jax
 import ml_collections
@@ -69,7 +68,7 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
     from trainers.data.datasets import Staging  # tfds is imported only when used
     from trainers.data.shard_cache import ShardCache
 
-    name = _prepare_for_staging(task, data_dir, local)
+    name = _prepare_on_process_0_first(task, data_dir, local, staged=True)
     folder = paths.local_cache("staged", data_dir) / f"process-{jax.process_index()}"
     cache = ShardCache(folder, cache_bytes)
     staging = Staging(remote=str(data_dir), local=str(local), cache=cache)
@@ -121,22 +120,34 @@ def _group() -> PrepareGroup:
   )
 
 
-def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local):
-  """The task's data prepared by process 0 (and uploaded to a remote `data.dir`), then found."""
+def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged: bool = False):
+  """The task's data prepared by process 0 (and uploaded to a remote `data.dir`), then found.
+
+  A remote `data.dir` is copied to each host's `local` cache; `staged`: its
+  metadata only (everything but the shards), which is what opening it
+  needs, the shards being staged on demand (`ShardCache`), and process 0
+  removes the shards it prepared once they are uploaded.
+  """
+  exclude = _is_shard if staged else None
   # Process 0 builds; the others wait, then find it built (no race on files).
   if jax.process_index() == 0:
     if local != data_dir and data_dir.exists():
-      paths.copy_tree(data_dir, epath.Path(local))
+      paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
     name = task.prepare_data(str(local))
-    if local != data_dir:
+    shards = []
+    if staged:
+      shards = [p for p in pathlib.Path(local).rglob("*") if _is_shard(p.name) and p.is_file()]
+    if local != data_dir and (shards or not staged):  # staged: only what was prepared here
       uploaded = paths.copy_tree(epath.Path(local), data_dir)
       log.warning(
         "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
       )
+    for path in shards:  # the bucket is where they are read from
+      path.unlink()
   multihost.barrier("data_prepared", timeout_s=_PREPARE_TIMEOUT_S)
   if jax.process_index() != 0:
     if local != data_dir:
-      paths.copy_tree(data_dir, epath.Path(local))
+      paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
     name = task.prepare_data(str(local))
   return name
 
@@ -144,33 +155,6 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local):
 def _is_shard(name: str) -> bool:
   """A dataset's ArrayRecord shard (TFDS's `NAME-SPLIT.array_record-0000k-of-0000n`)."""
   return ".array_record-" in name
-
-
-def _prepare_for_staging(task: Task, data_dir: epath.Path, local) -> Any:
-  """The task's data prepared as `_prepare_on_process_0_first` does, but no host keeps its shards.
-
-  Each host copies the remote dataset's metadata (everything but the shards)
-  to `local`, which is what opening it needs; the shards are staged on demand
-  (`ShardCache`). A dataset not yet prepared is prepared by process 0 in
-  `local` and uploaded, and process 0 then removes the shards it wrote.
-  """
-  if jax.process_index() == 0:
-    if data_dir.exists():
-      paths.copy_tree(data_dir, epath.Path(local), exclude=_is_shard)
-    name = task.prepare_data(str(local))
-    shards = [p for p in pathlib.Path(local).rglob("*") if _is_shard(p.name) and p.is_file()]
-    if shards:  # prepared here just now: the bucket is where they are read from
-      uploaded = paths.copy_tree(epath.Path(local), data_dir)
-      log.warning(
-        "spmd-train: data prepared in %s; %d files uploaded to %s", local, uploaded, data_dir
-      )
-      for path in shards:
-        path.unlink()
-  multihost.barrier("data_prepared", timeout_s=_PREPARE_TIMEOUT_S)
-  if jax.process_index() != 0:
-    paths.copy_tree(data_dir, epath.Path(local), exclude=_is_shard)
-    name = task.prepare_data(str(local))
-  return name
 
 
 def _open_mixture(config, task: Task, prepared: mixture.DataMixture, data_dir: str, common: dict):
