@@ -45,7 +45,7 @@ from etils import epath
 
 from trainers import paths
 from trainers.checkpoints import saved_run
-from trainers.checkpoints.export import EXPORT_DIR
+from trainers.checkpoints.export import EXPORT_DIR, flatten
 from trainers.checkpoints.saved_arrays import SavedWeights
 from trainers.hf import model_config
 from trainers.hf.checkpoint import INDEX_FILE, SINGLE_FILE, Weights, is_hf_folder
@@ -108,13 +108,7 @@ class InMemoryWeights:
   """
 
   def __init__(self, params: Any):
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    self._values = {
-      "params/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(
-        v
-      )
-      for path, v in flat
-    }
+    self._values = {f"params/{name}": np.asarray(v) for name, v in flatten(params).items()}
     self.arrays = {name: (v.shape, v.dtype) for name, v in self._values.items()}
 
   def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -37,10 +36,7 @@ from etils import epath
 
 from trainers.checkpoints import reading, saved_run
 from trainers.checkpoints.damage import damaged, is_trouble
-
-
-def _name(path: Any) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+from trainers.checkpoints.export import flatten
 
 
 class SavedWeights:
@@ -55,10 +51,7 @@ class SavedWeights:
     self.what = f"step {ref.step} of {ref.directory}"
     tree = saved_run.saved_weights_metadata(ref)
     self.arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-      _name(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
-      for path, leaf in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: hasattr(x, "shape")
-      )[0]
+      name: (tuple(leaf.shape), np.dtype(leaf.dtype)) for name, leaf in flatten(tree).items()
     }
     state_dir = epath.Path(ref.directory) / str(ref.step) / "state"
     leaves, infos = reading.weight_infos(state_dir)
