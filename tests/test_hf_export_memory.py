@@ -11,6 +11,9 @@ the rise is what `hf_export` says it holds: the largest saved chunk twice
 over the layers as one chunk, 42 MB here) and a few layers' tensors, not
 the model. The exported tensors equal the checkpoint's, converted whole,
 bit for bit.
+
+Its own run, not a shared one: the bound needs a model whose chunks are a
+small part of it (a scanned 47M-parameter Llama), which no shared run trains.
 """
 
 from __future__ import annotations

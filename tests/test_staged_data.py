@@ -9,6 +9,10 @@ says it filled and began to evict from. The records come a window of shards
 at a time (`record_order.ShardWindows`); a run stopped at step 6 resumes on
 4 processes to the same losses and weights, bit for bit, as the
 run that never stopped.
+
+Its own runs, not shared ones: they need a gs:// data.dir on the emulator
+and a dataset of many small shards (prepared by the worker), which no shared
+run has.
 """
 
 from __future__ import annotations
