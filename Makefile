@@ -41,9 +41,11 @@ test-fast: $(BIN)/.installed
 
 # The tests that mean something only on a TPU (tests/tpu), in one process, as
 # that machine's own python3 runs them (after `eval "$$(benchmarks/tpu_setup.sh)"`;
-# no venv there). --confcutdir leaves out the suite's conftest.py, which pins JAX
-# to CPU devices; elsewhere these tests skip, saying why.
-TPU_PYTHON ?= python3
+# no venv there). Where the venv exists (a development machine) its python runs
+# them, since the system python3 there has no JAX. --confcutdir leaves out the
+# suite's conftest.py, which pins JAX to CPU devices; elsewhere these tests skip,
+# saying why.
+TPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 test-tpu:
 	PYTHONUNBUFFERED=1 $(TPU_PYTHON) -m pytest -p no:cacheprovider --confcutdir=tests/tpu -v -s -rA tests/tpu
 

