@@ -305,3 +305,47 @@ def test_a_file_written_a_tensor_at_a_time_reads_back_with_the_reference_reader(
   wrong = iter([tensors["model.b"].astype(np.float64)])
   with pytest.raises(ValueError, match=r"model.b: got float64\[3, 5\], its entry says float32"):
     safetensors_files.write_streamed(tmp_path / "wrong.safetensors", entries, wrong)
+
+
+def _weights_of(folder) -> dict[str, bytes]:
+  """Each tensor as `checkpoint.Weights` reads the folder (through the index when there is one)."""
+  weights = checkpoint.Weights(folder)
+  return {name: weights.file(name).read(name).tobytes() for name in weights.names()}
+
+
+@pytest.mark.parametrize("first,second", [("sharded", "single"), ("single", "sharded")])
+def test_a_second_export_into_the_same_folder_leaves_only_its_own_weights(tmp_path, first, second):
+  """Re-exporting into one `--out`: the first export's files must not outlive it.
+
+  Sharded then single: a stale index made the import read the old shards.
+  Single then sharded: a stale model.safetensors is what transformers reads
+  first, ahead of the index.
+  """
+  folder = f"{FIXTURES}/qwen2"
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
+  older = jax.tree.map(lambda a: np.asarray(a) + 1, params)  # an earlier run's weights
+  sizes = {"sharded": 64 * 1024, "single": 10**9}
+  f32 = np.dtype(np.float32)
+  hf_export.write_weights(tmp_path, hf_export.InMemoryWeights(older), f32, sizes[first])
+  files, _ = hf_export.write_weights(
+    tmp_path, hf_export.InMemoryWeights(params), f32, sizes[second]
+  )
+  want = {name: value.tobytes() for name, value in hf_export.hf_tensors(params, f32).items()}
+  stale = sorted(k for k, v in _weights_of(tmp_path).items() if want.get(k) != v)
+  assert not stale, f"the import reads the first export's {stale}"
+  left = {p.name for p in tmp_path.iterdir()} - set(files)
+  assert not left, f"the first export's {sorted(left)} remain"
+
+
+def test_an_export_never_deletes_weights_it_did_not_write(tmp_path):
+  """A folder holding someone's model.safetensors (the folder a run started from, say) is refused."""
+  folder = f"{FIXTURES}/qwen2"
+  shutil.copy(f"{folder}/model.safetensors", tmp_path / "model.safetensors")
+  before = (tmp_path / "model.safetensors").read_bytes()
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
+  with pytest.raises(ValueError, match=rf"{tmp_path}.*'model.safetensors'.*not written by"):
+    hf_export.write_weights(
+      tmp_path, hf_export.InMemoryWeights(params), np.dtype(np.float32), 64 * 1024
+    )
+  assert (tmp_path / "model.safetensors").read_bytes() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
