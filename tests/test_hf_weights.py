@@ -153,6 +153,50 @@ def test_config_fields_the_model_does_not_implement_are_named(field, value, name
   assert named in str(error.value)
 
 
+def _family_config(family: str) -> dict:
+  """A config.json of `family` as transformers saves it (the fixtures; Mistral from the Llama's)."""
+  if family != "mistral":
+    return model_config.read_config(f"{FIXTURES}/{family}")
+  hf = model_config.read_config(f"{FIXTURES}/llama3")
+  for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
+    hf.pop(llama_only)
+  hf.update(
+    architectures=["MistralForCausalLM"],
+    model_type="mistral",
+    rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+    sliding_window=None,
+  )
+  return hf
+
+
+# What transformers 5.25 fills in for a field config.json leaves out
+# (LlamaConfig(), MistralConfig(), Qwen2Config()); None: num_attention_heads.
+TRANSFORMERS_DEFAULTS = {
+  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None},
+  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8},
+  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_fields_left_out_take_the_defaults_transformers_gives_them(family):
+  hf = _family_config("llama3" if family == "llama" else family)
+  defaults = TRANSFORMERS_DEFAULTS[family]
+  left_out = {k: v for k, v in hf.items() if k not in ("rms_norm_eps", "num_key_value_heads")}
+  fields = model_config.llama_fields(left_out)
+  kv_heads = defaults["num_key_value_heads"] or hf["num_attention_heads"]
+  assert (fields["norm_eps"], fields["num_kv_heads"]) == (defaults["rms_norm_eps"], kv_heads)
+
+
+def test_a_mistral_config_without_sliding_window_has_transformers_window_of_4096():
+  """MistralConfig's sliding_window defaults to 4096: only an explicit null means none."""
+  hf = _family_config("mistral")
+  assert model_config.llama_fields(hf)["num_kv_heads"] == 2  # null: full attention, read
+  del hf["sliding_window"]
+  with pytest.raises(model_config.UnsupportedConfig, match="sliding_window=4096"):
+    model_config.llama_fields(hf)
+
+
 def test_both_spellings_of_rope_settings_read_alike():
   """transformers 5's `rope_parameters` and 4's `rope_theta` + `rope_scaling`."""
   new = model_config.read_config(f"{FIXTURES}/llama3")
