@@ -8,9 +8,11 @@ writes DIR (default `W/export/hf_step_<N>/`):
                        a folder keeps that folder's other fields (token ids, ...)
   model.safetensors    or, above `--max-shard-size`, `model-0000k-of-0000n.safetensors`
                        shards and `model.safetensors.index.json`
-  tokenizer files      the imported folder's (tokenizer.json, tokenizer_config.json,
-                       special_tokens_map.json, generation_config.json), else the
-                       run's own tokenizer.json
+  the folder's files   every other file of the folder the run was imported
+                       from, as bytes (the tokenizer's files, chat_template.jinja,
+                       tokenizer.model, generation_config.json, its LICENSE, ...),
+                       except its weights, its index and its config.json; a run
+                       not imported from a folder: its own tokenizer.json
 
 An export into a folder that holds an earlier export's weights removes
 them first (each weight file and the index carry `WRITTEN_BY` in their
@@ -62,12 +64,11 @@ from trainers.tasks import resolve_task_spec
 from trainers.tasks.llama import llama_config
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default, "5GB"
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "generation_config.json",
-)
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes `--dtype` takes: the floating formats transformers loads weights in."""
+# A source folder's files that hold weights (any framework's) or describe
+# them: the export writes its own, so these are not carried over.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _UNITS = {
   "": 1,
   "B": 1,
@@ -284,6 +285,22 @@ def _source_dtype(source: epath.Path | None) -> str:
   return dtypes.pop() if len(dtypes) == 1 else "float32"
 
 
+def carried_files(source: epath.Path) -> list[str]:
+  """The files of `source` an export copies: all but hidden ones, weights, indexes and config.json.
+
+  >>> carried_files(epath.Path("tests/fixtures/hf/llama3"))  # no model.safetensors, no config.json
+  ['generation_config.json', 'golden_logits.npy', 'golden_tokens.npy', 'tokenizer.json']
+  """
+  return sorted(
+    p.name
+    for p in source.iterdir()
+    if p.is_file()
+    and not p.name.startswith(".")
+    and p.name != "config.json"
+    and not p.name.endswith((*_WEIGHT_SUFFIXES, ".index.json"))
+  )
+
+
 def export(
   workdir: str,
   out: str | None = None,
@@ -297,9 +314,12 @@ def export(
   """Writes the Llama run's checkpoint as a Hugging Face folder (see the module docstring).
 
   Raises:
-    ValueError: the run is not a Llama, or `dtype` has no safetensors name.
+    ValueError: the run is not a Llama, `dtype` is not one of `EXPORT_DTYPES`,
+      or `out` holds weights no export wrote.
     FileNotFoundError: no checkpoint or no such step.
   """
+  if dtype is not None and dtype not in EXPORT_DTYPES:
+    raise ValueError(f"--dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
   config = saved_run.saved_config(workdir)
   if resolve_task_spec(config.task) != resolve_task_spec("llama"):
     raise ValueError(
@@ -325,10 +345,9 @@ def export(
   )
   files.append("config.json")
   if source is not None:
-    for name in TOKENIZER_FILES:
-      if (source / name).exists():
-        (folder / name).write_bytes((source / name).read_bytes())
-        files.append(name)
+    for name in carried_files(source):
+      (folder / name).write_bytes((source / name).read_bytes())
+      files.append(name)
   elif str(config.data.tokenizer).endswith(".json"):  # the run's own tokenizer file
     (folder / "tokenizer.json").write_bytes(paths.user_path(config.data.tokenizer).read_bytes())
     files.append("tokenizer.json")
