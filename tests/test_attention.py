@@ -209,3 +209,28 @@ def test_under_a_matmul_precision_splash_cannot_take_auto_picks_xla_and_splash_i
       ) as raised:
         choose("splash")
       assert "\n" not in str(raised.value)
+
+
+def test_float32_splash_only_under_the_precisions_mosaic_compiles_for_it():
+  """Float32 inputs: Mosaic compiles one pass ("default") and full float32 ("highest"), not HIGH.
+
+  Under "high" or "tensorfloat32" (three bf16 passes) the chip's compile
+  failed with `Unsupported dot precision: HIGH`, yet auto chose splash.
+  """
+
+  def choose(requested):
+    return attention.choose_kernel(
+      requested, platform="tpu", length=1024, dtype=jnp.float32, segments=False
+    )
+
+  for precision in (None, "default", "bfloat16", "highest", "float32"):
+    with jax.default_matmul_precision(precision):
+      assert choose("auto").kernel == "splash", precision
+      assert choose("splash").kernel == "splash", precision
+  for precision in ("high", "tensorfloat32", "BF16_BF16_F32_X3"):
+    with jax.default_matmul_precision(precision):
+      picked = choose("auto")
+      assert picked.kernel == "xla", precision
+      assert f"jax_default_matmul_precision={precision!r}" in picked.describe()
+      with pytest.raises(ValueError, match=rf"model.attention='splash' .*'{precision}'"):
+        choose("splash")

@@ -86,6 +86,17 @@ def _cases(tmp: Path) -> list[tuple[str, list[str], str]]:
       [f"--workdir={empty}", "--promt=x"],
       "--promt is not a flag of spmd-sample (did you mean '--prompt'?)",
     ),
+    # A mesh the trainer cannot build: an axis it has no rule for, sizes that are not the devices'.
+    (
+      "spmd-train",
+      [f"--config={CONFIG}", f"--workdir={tmp / 'w'}", "--config.mesh.ici=data=1,bogus=2"],
+      "'bogus' is not a mesh axis of the trainer; its axes: data, fsdp, tensor",
+    ),
+    (
+      "spmd-train",
+      [f"--config={CONFIG}", f"--workdir={tmp / 'w'}", "--config.mesh.ici=data=3,fsdp=1"],
+      "config.mesh.ici='data=3,fsdp=1': ICI axes {'data': 3, 'fsdp': 1} multiply to 3, but there",
+    ),
     # A missing path.
     ("spmd-train", [f"--config={missing}", f"--workdir={tmp / 'w'}"], f"no such file {missing!r}"),
     ("spmd-plan", [f"--config={missing}", "--topology=v5p-8"], f"no such file {missing!r}"),

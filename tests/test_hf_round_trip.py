@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -33,16 +34,27 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama3"
 
 
+# What a folder saved by transformers holds besides tokenizer.json: its chat
+# template in a file of its own (transformers 5), and a SentencePiece model
+# (Llama 2, Mistral); the export copies them as bytes.
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}\n"
+EXTRA_FILES = {"chat_template.jinja": CHAT_TEMPLATE.encode(), "tokenizer.model": bytes(range(256))}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("hf_run")
+  folder = root / "llama3"  # the fixture, with the files of a folder transformers saved
+  shutil.copytree(FIXTURE, folder)
+  for name, content in EXTRA_FILES.items():
+    (folder / name).write_bytes(content)
   data = training_data(root / "text")
   workdir = root / "run"
   command = [
     sys.executable,
     "-m",
     "trainers.run.train_cli",
-    f"--config={ROOT / 'configs' / 'hf.py'}:{FIXTURE}",
+    f"--config={ROOT / 'configs' / 'hf.py'}:{folder}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",
     f"--config.data.source={data['source']}",
@@ -70,12 +82,13 @@ def run(tmp_path_factory):
   assert result.ok, result.report()
   out = root / "export"
   assert export_cli.main(["--format=safetensors", f"--workdir={workdir}", f"--out={out}"]) == 0
-  return {"workdir": workdir, "export": out, "outputs": [p.output for p in result.processes]}
+  outputs = [p.output for p in result.processes]
+  return {"workdir": workdir, "export": out, "folder": folder, "outputs": outputs}
 
 
 def test_the_run_starts_from_the_folder(run):
   summary = json.loads((run["workdir"] / "summary.json").read_text())
-  assert summary["resumed_from"] == f"init_from {FIXTURE} (Hugging Face)"
+  assert summary["resumed_from"] == f"init_from {run['folder']} (Hugging Face)"
 
 
 def test_each_process_reads_only_its_devices_slices(run):
@@ -120,3 +133,20 @@ def test_export_loads_back_with_the_golden_logits(run):
     (folder / name).write_bytes((FIXTURE / name).read_bytes())
   logits, golden = _logits(_imported(folder, _config(folder)), folder)
   np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)
+
+
+def test_export_carries_every_file_of_the_folder_but_its_weights_and_config(run):
+  """The chat template and tokenizer.model too: a fixed list of names dropped them."""
+  for name in ("tokenizer.json", "generation_config.json", *EXTRA_FILES):
+    assert (run["export"] / name).read_bytes() == (run["folder"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_an_export_dtype_safetensors_weights_do_not_take_is_one_line(run, dtype, tmp_path, capsys):
+  """bf16 was a TypeError traceback; int8 wrote integer weights."""
+  out = tmp_path / "export"
+  args = ["--format=safetensors", f"--workdir={run['workdir']}", f"--out={out}", f"--dtype={dtype}"]
+  assert export_cli.main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f"--dtype: invalid choice: '{dtype}'" in err, err
+  assert not out.exists()

@@ -153,6 +153,50 @@ def test_config_fields_the_model_does_not_implement_are_named(field, value, name
   assert named in str(error.value)
 
 
+def _family_config(family: str) -> dict:
+  """A config.json of `family` as transformers saves it (the fixtures; Mistral from the Llama's)."""
+  if family != "mistral":
+    return model_config.read_config(f"{FIXTURES}/{family}")
+  hf = model_config.read_config(f"{FIXTURES}/llama3")
+  for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
+    hf.pop(llama_only)
+  hf.update(
+    architectures=["MistralForCausalLM"],
+    model_type="mistral",
+    rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+    sliding_window=None,
+  )
+  return hf
+
+
+# What transformers 5.25 fills in for a field config.json leaves out
+# (LlamaConfig(), MistralConfig(), Qwen2Config()); None: num_attention_heads.
+TRANSFORMERS_DEFAULTS = {
+  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None},
+  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8},
+  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_fields_left_out_take_the_defaults_transformers_gives_them(family):
+  hf = _family_config("llama3" if family == "llama" else family)
+  defaults = TRANSFORMERS_DEFAULTS[family]
+  left_out = {k: v for k, v in hf.items() if k not in ("rms_norm_eps", "num_key_value_heads")}
+  fields = model_config.llama_fields(left_out)
+  kv_heads = defaults["num_key_value_heads"] or hf["num_attention_heads"]
+  assert (fields["norm_eps"], fields["num_kv_heads"]) == (defaults["rms_norm_eps"], kv_heads)
+
+
+def test_a_mistral_config_without_sliding_window_has_transformers_window_of_4096():
+  """MistralConfig's sliding_window defaults to 4096: only an explicit null means none."""
+  hf = _family_config("mistral")
+  assert model_config.llama_fields(hf)["num_kv_heads"] == 2  # null: full attention, read
+  del hf["sliding_window"]
+  with pytest.raises(model_config.UnsupportedConfig, match="sliding_window=4096"):
+    model_config.llama_fields(hf)
+
+
 def test_both_spellings_of_rope_settings_read_alike():
   """transformers 5's `rope_parameters` and 4's `rope_theta` + `rope_scaling`."""
   new = model_config.read_config(f"{FIXTURES}/llama3")
@@ -305,3 +349,47 @@ def test_a_file_written_a_tensor_at_a_time_reads_back_with_the_reference_reader(
   wrong = iter([tensors["model.b"].astype(np.float64)])
   with pytest.raises(ValueError, match=r"model.b: got float64\[3, 5\], its entry says float32"):
     safetensors_files.write_streamed(tmp_path / "wrong.safetensors", entries, wrong)
+
+
+def _weights_of(folder) -> dict[str, bytes]:
+  """Each tensor as `checkpoint.Weights` reads the folder (through the index when there is one)."""
+  weights = checkpoint.Weights(folder)
+  return {name: weights.file(name).read(name).tobytes() for name in weights.names()}
+
+
+@pytest.mark.parametrize("first,second", [("sharded", "single"), ("single", "sharded")])
+def test_a_second_export_into_the_same_folder_leaves_only_its_own_weights(tmp_path, first, second):
+  """Re-exporting into one `--out`: the first export's files must not outlive it.
+
+  Sharded then single: a stale index made the import read the old shards.
+  Single then sharded: a stale model.safetensors is what transformers reads
+  first, ahead of the index.
+  """
+  folder = f"{FIXTURES}/qwen2"
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
+  older = jax.tree.map(lambda a: np.asarray(a) + 1, params)  # an earlier run's weights
+  sizes = {"sharded": 64 * 1024, "single": 10**9}
+  f32 = np.dtype(np.float32)
+  hf_export.write_weights(tmp_path, hf_export.InMemoryWeights(older), f32, sizes[first])
+  files, _ = hf_export.write_weights(
+    tmp_path, hf_export.InMemoryWeights(params), f32, sizes[second]
+  )
+  want = {name: value.tobytes() for name, value in hf_export.hf_tensors(params, f32).items()}
+  stale = sorted(k for k, v in _weights_of(tmp_path).items() if want.get(k) != v)
+  assert not stale, f"the import reads the first export's {stale}"
+  left = {p.name for p in tmp_path.iterdir()} - set(files)
+  assert not left, f"the first export's {sorted(left)} remain"
+
+
+def test_an_export_never_deletes_weights_it_did_not_write(tmp_path):
+  """A folder holding someone's model.safetensors (the folder a run started from, say) is refused."""
+  folder = f"{FIXTURES}/qwen2"
+  shutil.copy(f"{folder}/model.safetensors", tmp_path / "model.safetensors")
+  before = (tmp_path / "model.safetensors").read_bytes()
+  params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder))))
+  with pytest.raises(ValueError, match=rf"{tmp_path}.*'model.safetensors'.*not written by"):
+    hf_export.write_weights(
+      tmp_path, hf_export.InMemoryWeights(params), np.dtype(np.float32), 64 * 1024
+    )
+  assert (tmp_path / "model.safetensors").read_bytes() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

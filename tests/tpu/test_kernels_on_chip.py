@@ -177,3 +177,33 @@ def test_the_precision_policy_leaves_bf16_dots_in_the_chips_compiled_step():
   assert found, compiled.as_text()[:3000]
   assert len(bf16) >= 0.75 * len(found), found
   assert len(f32) <= 2 * config.model.num_layers + 2, found
+
+
+@pytest.mark.parametrize(
+  "precision",
+  ["default", "bfloat16", "high", "tensorfloat32", "highest", "float32"],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_attention_compiles_under_every_matmul_precision(dtype, precision):
+  """`model.attention="auto"` compiles forward and backward for the chip under each precision.
+
+  Where `choose_kernel` takes splash, Mosaic must compile it (a float32
+  splash under "high" failed with `Unsupported dot precision: HIGH` while
+  auto still chose it); where it takes XLA, XLA's einsums compile.
+  """
+  from trainers.models.attention import choose_kernel
+
+  q = jnp.zeros((1, LENGTH, HEADS, HEAD_DIM), dtype)
+  kv = jnp.zeros((1, LENGTH, KV_HEADS, HEAD_DIM), dtype)
+  with jax.default_matmul_precision(precision):
+    chosen = choose_kernel(
+      "auto", platform="tpu", length=LENGTH, dtype=jnp.dtype(dtype), segments=False
+    )
+
+    def loss(q, k, v):
+      return attend(q, k, v, kernel="auto").astype(jnp.float32).sum()
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+    lowered.compile()  # Mosaic compiles splash's kernels here, or fails
+  print(f"{dtype} under {precision!r}: {chosen.describe()}")
+  assert ("tpu_custom_call" in lowered.as_text()) == (chosen.kernel == "splash"), chosen

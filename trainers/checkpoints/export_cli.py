@@ -38,7 +38,10 @@ def _main(argv: list[str]) -> None:
   )
   parser.add_argument("--format", choices=("npz", "safetensors"), default="npz")
   parser.add_argument(
-    "--dtype", default=None, help="safetensors: the files' dtype (default: the imported files')"
+    "--dtype",
+    default=None,
+    choices=hf_export.EXPORT_DTYPES,
+    help="safetensors: the files' dtype (default: the imported files')",
   )
   parser.add_argument(
     "--max-shard-size", default="5GB", help="safetensors: the largest file before sharding"

@@ -8,9 +8,17 @@ writes DIR (default `W/export/hf_step_<N>/`):
                        a folder keeps that folder's other fields (token ids, ...)
   model.safetensors    or, above `--max-shard-size`, `model-0000k-of-0000n.safetensors`
                        shards and `model.safetensors.index.json`
-  tokenizer files      the imported folder's (tokenizer.json, tokenizer_config.json,
-                       special_tokens_map.json, generation_config.json), else the
-                       run's own tokenizer.json
+  the folder's files   every other file of the folder the run was imported
+                       from, as bytes (the tokenizer's files, chat_template.jinja,
+                       tokenizer.model, generation_config.json, its LICENSE, ...),
+                       except its weights, its index and its config.json; a run
+                       not imported from a folder: its own tokenizer.json
+
+An export into a folder that holds an earlier export's weights removes
+them first (each weight file and the index carry `WRITTEN_BY` in their
+metadata), so no stale index or model.safetensors is read in place of the
+new one; weights that no export wrote are an error naming them, never
+removed.
 
 Tensors are written in `dtype`, by default the dtype of the files the run
 was imported from (float32 for a run that was not): bf16 files imported into
@@ -36,6 +44,7 @@ import dataclasses
 import json
 import math
 import re
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,17 +59,16 @@ from trainers.checkpoints.saved_arrays import SavedWeights
 from trainers.hf import model_config
 from trainers.hf.checkpoint import INDEX_FILE, SINGLE_FILE, Weights, is_hf_folder
 from trainers.hf.layouts import Layout, layout_for
-from trainers.hf.safetensors_files import write_streamed
+from trainers.hf.safetensors_files import TensorFile, write_streamed
 from trainers.tasks import resolve_task_spec
 from trainers.tasks.llama import llama_config
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default, "5GB"
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "generation_config.json",
-)
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes `--dtype` takes: the floating formats transformers loads weights in."""
+# A source folder's files that hold weights (any framework's) or describe
+# them: the export writes its own, so these are not carried over.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _UNITS = {
   "": 1,
   "B": 1,
@@ -86,6 +94,11 @@ def parse_size(text: str) -> int:
 
 
 DEFAULT_READ_BLOCK_BYTES = 2**30
+# Every weight file and index the export writes carries this in its metadata,
+# so that a later export into the same folder knows them for its own.
+WRITTEN_BY = {"written_by": "spmd-export"}
+# The names transformers reads weights from: what an export must leave consistent.
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +194,44 @@ def _shards(planned: list[PlannedTensor], itemsize: int, max_bytes: int) -> list
   return groups
 
 
+def _written_by_us(path: epath.Path) -> bool:
+  """Whether the weight file or index at `path` carries `WRITTEN_BY` (an unreadable one does not)."""
+  try:
+    if path.name == INDEX_FILE:
+      metadata = json.loads(path.read_text()).get("metadata") or {}
+    else:
+      metadata = TensorFile(path).metadata
+  except (ValueError, OSError, struct.error, AttributeError):
+    return False
+  return all(metadata.get(k) == v for k, v in WRITTEN_BY.items())
+
+
+def clear_previous_export(folder: epath.Path) -> list[str]:
+  """Removes the weight files and index an earlier export left in `folder`; their names.
+
+  The names transformers reads weights from (model.safetensors,
+  model-0000k-of-0000n.safetensors, the index) are checked first: one that
+  an export did not write (no `WRITTEN_BY` in its metadata) is an error
+  naming it, and nothing is removed. The index goes first, so that an
+  interrupted clear never leaves an index naming missing shards.
+
+  Raises:
+    ValueError: `folder` holds weights that no export wrote.
+  """
+  found = sorted(
+    p for p in folder.iterdir() if p.name == INDEX_FILE or _WEIGHT_FILE.fullmatch(p.name)
+  )
+  foreign = [p.name for p in found if not _written_by_us(p)]
+  if foreign:
+    raise ValueError(
+      f"{folder} holds {', '.join(map(repr, foreign))}, not written by spmd-export: transformers "
+      "would read them beside the export's; choose another --out, or remove them"
+    )
+  for path in sorted(found, key=lambda p: p.name != INDEX_FILE):
+    path.unlink()
+  return [p.name for p in found]
+
+
 def write_weights(
   folder: epath.Path,
   saved: SavedWeights | InMemoryWeights,
@@ -188,7 +239,12 @@ def write_weights(
   max_bytes: int,
   read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
 ) -> tuple[list[str], int]:
-  """model.safetensors, or shards and their index above `max_bytes`: the files' names, the parameter count."""
+  """model.safetensors, or shards and their index above `max_bytes`: the files' names, the parameter count.
+
+  A previous export's weights in `folder` are removed first (`clear_previous_export`).
+  """
+  folder = epath.Path(folder)
+  clear_previous_export(folder)
   planned = plan_tensors(saved.arrays)
   groups = _shards(planned, dtype.itemsize, max_bytes)
   tensors = _tensors(saved, planned, dtype, read_block_bytes)
@@ -199,12 +255,12 @@ def write_weights(
   )
   for name, group in zip(names, groups):
     entries = [(planned[k].name, dtype, planned[k].shape) for k in group]
-    write_streamed(folder / name, entries, tensors)
+    write_streamed(folder / name, entries, tensors, metadata=WRITTEN_BY)
   count = sum(math.prod(t.shape) for t in planned)
   if len(groups) == 1:
     return names, count
   index = {
-    "metadata": {"total_size": count * dtype.itemsize},
+    "metadata": {"total_size": count * dtype.itemsize, **WRITTEN_BY},
     "weight_map": {planned[k].name: name for name, group in zip(names, groups) for k in group},
   }
   (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -229,6 +285,22 @@ def _source_dtype(source: epath.Path | None) -> str:
   return dtypes.pop() if len(dtypes) == 1 else "float32"
 
 
+def carried_files(source: epath.Path) -> list[str]:
+  """The files of `source` an export copies: all but hidden ones, weights, indexes and config.json.
+
+  >>> carried_files(epath.Path("tests/fixtures/hf/llama3"))  # no model.safetensors, no config.json
+  ['generation_config.json', 'golden_logits.npy', 'golden_tokens.npy', 'tokenizer.json']
+  """
+  return sorted(
+    p.name
+    for p in source.iterdir()
+    if p.is_file()
+    and not p.name.startswith(".")
+    and p.name != "config.json"
+    and not p.name.endswith((*_WEIGHT_SUFFIXES, ".index.json"))
+  )
+
+
 def export(
   workdir: str,
   out: str | None = None,
@@ -242,9 +314,12 @@ def export(
   """Writes the Llama run's checkpoint as a Hugging Face folder (see the module docstring).
 
   Raises:
-    ValueError: the run is not a Llama, or `dtype` has no safetensors name.
+    ValueError: the run is not a Llama, `dtype` is not one of `EXPORT_DTYPES`,
+      or `out` holds weights no export wrote.
     FileNotFoundError: no checkpoint or no such step.
   """
+  if dtype is not None and dtype not in EXPORT_DTYPES:
+    raise ValueError(f"--dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
   config = saved_run.saved_config(workdir)
   if resolve_task_spec(config.task) != resolve_task_spec("llama"):
     raise ValueError(
@@ -270,10 +345,9 @@ def export(
   )
   files.append("config.json")
   if source is not None:
-    for name in TOKENIZER_FILES:
-      if (source / name).exists():
-        (folder / name).write_bytes((source / name).read_bytes())
-        files.append(name)
+    for name in carried_files(source):
+      (folder / name).write_bytes((source / name).read_bytes())
+      files.append(name)
   elif str(config.data.tokenizer).endswith(".json"):  # the run's own tokenizer file
     (folder / "tokenizer.json").write_bytes(paths.user_path(config.data.tokenizer).read_bytes())
     files.append("tokenizer.json")

@@ -40,6 +40,7 @@ from trainers.data import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.reporting import tracking
 from trainers.step import optim
+from trainers.step.mesh import check_axes
 from trainers.step.precision import PRECISIONS
 from trainers.step.state import UNANNOTATED_RULES
 from trainers.tasks import make_task, resolve_task_spec
@@ -127,6 +128,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
       f"train.micro_batches={config.train.micro_batches}"
     )
   rules.preset(config.mesh.rules)
+  check_axes(config)
   _one_of(config.mesh.unannotated, "mesh.unannotated", UNANNOTATED_RULES)
   _one_of(config.train.flat_grad_reduce, "train.flat_grad_reduce", ("auto", "on", "off"))
   _one_of(config.train.nonfinite_guard, "train.nonfinite_guard", ("auto", "branch", "select"))

@@ -1,7 +1,10 @@
 """A Hugging Face `config.json` as our Llama's fields, and back.
 
 Families read: Llama 2, 3 and 3.1 (`rope_scaling` of type `llama3`),
-Mistral without a sliding window, and Qwen2 (biases on q/k/v). Both
+Mistral without a sliding window (`"sliding_window": null`: transformers
+gives a Mistral config without the field a window of 4096), and Qwen2
+(biases on q/k/v). A field left out takes the value transformers gives it
+(`FAMILY_DEFAULTS`). Both
 spellings of RoPE's settings are read: `rope_theta` with `rope_scaling`
 (transformers 4) and `rope_parameters` (transformers 5).
 
@@ -62,6 +65,17 @@ KNOWN_INERT = frozenset(
     "pretraining_tp",  # checked to be 1 below
   }
 )
+
+
+# What transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config)
+# take for a field config.json leaves out, so a folder means here what it
+# means there. num_key_value_heads None: num_attention_heads. Qwen2's
+# sliding_window counts only under use_sliding_window, which defaults to false.
+FAMILY_DEFAULTS = {
+  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None, "sliding_window": None},
+  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8, "sliding_window": 4096},
+  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32, "sliding_window": 4096},
+}
 
 
 class UnsupportedConfig(ValueError):
@@ -131,7 +145,8 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
   ):
     if name in hf and hf[name] not in allowed:
       raise _unsupported(name, hf[name], f"allowed: {allowed}")
-  window = hf.get("sliding_window")
+  defaults = FAMILY_DEFAULTS[family]
+  window = hf.get("sliding_window", defaults["sliding_window"])
   if window is not None and not (family == "qwen2" and not hf.get("use_sliding_window")):
     raise _unsupported("sliding_window", window, "full causal attention only")
   layer_types = hf.get("layer_types")
@@ -144,8 +159,8 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     "d_ff": hf.get("intermediate_size"),
     "num_layers": hf.get("num_hidden_layers"),
     "num_heads": heads,
-    "num_kv_heads": hf.get("num_key_value_heads") or heads,
-    "norm_eps": float(hf.get("rms_norm_eps", 1e-6 if family == "qwen2" else 1e-5)),
+    "num_kv_heads": hf.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads,
+    "norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     "qkv_bias": family == "qwen2",
     **_rope(hf),

@@ -2,8 +2,9 @@
 
 Reading parses the format's header (8 bytes of little-endian header length,
 a JSON header of `{name: {dtype, shape, data_offsets}}`, then the row-major
-data) and reads only the bytes a slice needs: a local file by `os.pread` of
-each row's span (the slice's bytes, no more), a `gs://` one through
+data) and reads only the bytes a slice needs: a local file by `os.preadv`
+of each row's span straight into the result (the slice's bytes, no more,
+in as many calls as a span over Linux's 2 GiB a call takes), a `gs://` one through
 `etils.epath` by byte ranges, with no local copy. `safetensors.safe_open`
 is not used to read: its numpy reader has no bfloat16 (numpy lacks the
 dtype; ml_dtypes supplies it here), its flax reader puts every slice on
@@ -108,10 +109,12 @@ class TensorFile:
     begin, end = self._entries[name]["data_offsets"]
     return end - begin
 
-  def _read_local(self, start, shape, dtype, rows, index, out) -> np.ndarray:
+  def _read_local(self, name, start, shape, dtype, rows, index, out) -> np.ndarray:
     fd = os.open(os.fspath(self.path), os.O_RDONLY)
     try:
       return _read_local_rows(fd, start, shape, dtype, rows, index, out)
+    except EOFError as e:
+      raise ValueError(f"{self.path}: tensor {name!r} {e}: the file is cut short") from None
     finally:
       os.close(fd)
 
@@ -131,7 +134,7 @@ class TensorFile:
     if not rows or out.size == 0:
       return out
     if self.local and len(shape) <= 2:
-      return self._read_local(start, shape, dtype, rows, index, out)
+      return self._read_local(name, start, shape, dtype, rows, index, out)
     # Remote: whole rows when the slice keeps them whole; else a chunk of rows
     # at a time (one request each, not one per row), so a column slice never
     # holds the whole tensor.
@@ -153,18 +156,32 @@ def _read_local_rows(
   fd: int, start: int, shape: tuple, dtype: np.dtype, rows: range, index: tuple, out: np.ndarray
 ) -> np.ndarray:
   row_bytes = math.prod(shape[1:]) * dtype.itemsize
-  if len(shape) == 1 or out.shape[1] == shape[1]:  # whole rows: one contiguous read
-    data = os.pread(fd, len(rows) * row_bytes, start + rows.start * row_bytes)
-    out[...] = np.frombuffer(data, dtype).reshape(out.shape)
+  if len(shape) == 1 or out.shape[1] == shape[1]:  # whole rows: one contiguous span
+    _pread_into(fd, out, start + rows.start * row_bytes)
     return out
   # A column slice: each row's own span, so that neither the bytes read nor
   # the memory held exceed the slice (a memory map would count every page
   # it touches, i.e. the whole tensor, in the process's RSS).
-  first, count = index[1].indices(shape[1])[0], out.shape[1]
+  first = index[1].indices(shape[1])[0]
   for k, row in enumerate(rows):
-    data = os.pread(fd, count * dtype.itemsize, start + row * row_bytes + first * dtype.itemsize)
-    out[k] = np.frombuffer(data, dtype)
+    _pread_into(fd, out[k], start + row * row_bytes + first * dtype.itemsize)
   return out
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
+  """Fills the C-contiguous `out` with the file's bytes from `offset`, in as many reads as it takes.
+
+  One read call returns at most 2 GiB less a page on Linux (and any read may
+  return fewer bytes than asked), so a span is read until it is whole; the
+  bytes land in `out` itself, never in a second buffer as large.
+  """
+  view = memoryview(out.reshape(-1).view(np.uint8))
+  done = 0
+  while done < len(view):
+    got = os.preadv(fd, [view[done:]], offset + done)
+    if got == 0:
+      raise EOFError(f"ends {len(view) - done} bytes before its data does")
+    done += got
 
 
 def _full(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[slice, ...]:
@@ -188,7 +205,8 @@ def dtype_name(dtype: np.dtype) -> str:
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
   """The bytes of a `.safetensors` file holding `tensors` (C-contiguous copies where needed)."""
-  arrays = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+  # C order, copied only where needed; `np.ascontiguousarray` would make a 0-d tensor 1-d.
+  arrays = {name: np.asarray(value, order="C") for name, value in tensors.items()}
   specs = {
     name: safetensors.TensorSpec(
       dtype=_SPEC_NAMES[dtype_name(a.dtype)],

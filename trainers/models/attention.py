@@ -14,8 +14,10 @@ what was asked, XLA runs it and the log says why (`choose_kernel`):
   on a platform other than TPU it runs in Pallas interpret mode: exact but
   slow, for checking its numerics on a CPU. Its bf16 matmuls are one bf16
   pass: under a `jax_default_matmul_precision` asking for more ("high",
-  "highest", "float32", ...) Mosaic cannot compile them, so "auto" takes XLA
-  and an explicit "splash" is an error naming the setting.
+  "highest", "float32", ...) Mosaic cannot compile them; its float32 ones
+  are one pass or full float32 ("highest"), and Mosaic has no "high" or
+  "tensorfloat32" for them. There "auto" takes XLA and an explicit "splash"
+  is an error naming the setting.
 - cuDNN's public API takes a causal mask but no segment ids, computes in
   bf16 or fp16 only, and takes a head_dim that is a multiple of 8 and at
   most 128 (what every GPU takes; Hopper's 256 is not used); on other
@@ -67,6 +69,10 @@ KERNELS = ("auto", "xla", "splash", "cudnn")
 
 SPLASH_PRECISIONS = (None, "default", "fastest", "bfloat16")
 """The `jax_default_matmul_precision` values splash's bf16 kernel compiles under (one pass)."""
+
+SPLASH_FLOAT32_PRECISIONS = (*SPLASH_PRECISIONS, "highest", "float32")
+"""Those its float32 kernel compiles under: one pass, or full float32; Mosaic has no HIGH
+("high", "tensorfloat32": three bf16 passes) and no named dot algorithms."""
 
 SPLASH_BLOCKS = (1024, 512, 256, 128)
 """Splash's block sizes, largest first: the largest that divides the sequence is used.
@@ -141,7 +147,7 @@ def choose_kernel(
 
   Raises:
     ValueError: `requested` is "splash" and splash cannot compile under
-      `matmul_precision` in `dtype` (`SPLASH_PRECISIONS`).
+      `matmul_precision` in `dtype` (`SPLASH_PRECISIONS`, for float32 `SPLASH_FLOAT32_PRECISIONS`).
 
   Example:
     >>> choose_kernel("auto", platform="tpu", length=8192, dtype=jnp.bfloat16, segments=True)
@@ -172,10 +178,11 @@ def choose_kernel(
     if block is None:
       why = f"sequence {length} is not a multiple of 128, the least block of splash attention"
       return Choice("xla", requested, why)
-    if dtype != jnp.float32 and matmul_precision not in SPLASH_PRECISIONS:
+    compiles = SPLASH_FLOAT32_PRECISIONS if dtype == jnp.float32 else SPLASH_PRECISIONS
+    if matmul_precision not in compiles:
       why = (
-        f"jax_default_matmul_precision={matmul_precision!r} asks more than the one {dtype} pass "
-        "splash's kernel multiplies in, and Mosaic cannot compile it"
+        f"jax_default_matmul_precision={matmul_precision!r} is not a precision Mosaic compiles "
+        f"splash's {dtype} matmuls in ({', '.join(map(str, compiles[1:]))})"
       )
       if requested == "splash":
         raise ValueError(
