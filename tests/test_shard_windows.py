@@ -8,6 +8,8 @@ removed to stay within its bytes, and nothing removed that it did not write.
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 from array_record.python import array_record_module
@@ -82,12 +84,35 @@ def test_the_cache_stages_on_demand_within_its_bytes_and_removes_only_its_own(tm
   for k in [0, 1, 0, 2, 3, 0, 4, 1]:
     assert cache.read(urls[k], [2, 0]) == [f"{k}:2".encode(), f"{k}:0".encode()]
     assert cache.used <= cache.capacity
-    held = [p for p in local.iterdir() if p.name != "notes.txt"]
-    assert sum(p.stat().st_size for p in held) <= cache.capacity, held
+    held = list(cache.folder.glob("*-shard-*"))
+    assert sum(p.stat().length for p in held) <= cache.capacity, held
   assert cache.staged == 7  # 0 stayed while used; 1 came back after its eviction
   cache.close()
-  again = ShardCache(local, capacity=2 * size)  # the next run: the old copies are its own
-  assert sorted(p.name for p in local.iterdir()) == ["notes.txt"]
+  again = ShardCache(local, capacity=2 * size)  # the next run: the closed cache's copies go
+  assert sorted(p.name for p in local.iterdir()) == [again.folder.name, "notes.txt"]
+  assert not list(again.folder.iterdir())[1:], list(again.folder.iterdir())  # its lock alone
   with pytest.raises(ValueError, match=r"data.cache_bytes=10 cannot hold shard .*shard-00000"):
     ShardCache(tmp_path / "tiny", capacity=10).read(urls[0], [0])
   again.close()
+
+
+def test_two_caches_on_one_folder_keep_apart_each_within_its_bytes(tmp_path):
+  """Two runs on one host reading one gs:// data.dir (training, and an eval beside it) make
+  their caches in the same staged folder (`staged/<hash>/process-<i>`). The second must not
+  remove the first's copies: the first goes on reading and evicting, and each run's copies stay
+  within its own bytes."""
+  urls = _shards(epath.Path(tmp_path / "remote"), 6)
+  size = epath.Path(urls[0]).stat().length
+  local = tmp_path / "staged" / "process-0"
+  first = ShardCache(local, capacity=2 * size)
+  assert first.read(urls[0], [1]) == [b"0:1"] and first.read(urls[1], [1]) == [b"1:1"]
+  second = ShardCache(local, capacity=2 * size)
+  for cache, shards in ((second, [2, 3, 4]), (first, [2, 0, 5]), (second, [0, 1])):
+    for k in shards:
+      assert cache.read(urls[k], [0]) == [f"{k}:0".encode()]
+      for each in (first, second):
+        held = [p for p in pathlib.Path(each.folder).rglob("*") if p.is_file()]
+        held = [p for p in held if not p.name.startswith(".")]  # its lock, a partial copy
+        assert sum(p.stat().st_size for p in held) == each.used <= each.capacity, held
+  first.close()
+  second.close()

@@ -107,8 +107,9 @@ def test_a_gs_data_dir_trains_through_a_bounded_cache_and_resumes_on_another_hos
   assert not [p for p in (host / "data").rglob("*") if ".array_record-" in p.name]
   staged = [d for d in (host / "staged").glob("*/process-*") if d.is_dir()]
   assert len(staged) == 2, staged
-  for folder in staged:
-    assert 0 < sum(p.stat().st_size for p in folder.iterdir()) <= CACHE_BYTES, folder
+  for folder in staged:  # each holds its cache's folder (shard_cache): copies and a lock
+    copies = [p for p in folder.glob("cache-*/*") if not p.name.startswith(".")]
+    assert 0 < sum(p.stat().st_size for p in copies) <= CACHE_BYTES, folder
 
   # Stopped at step 6 (its checkpoint and data position), resumed on 4 x 1 (the
   # tiny LM's step is bit-identical on 2 x 2 and 4 x 1 devices: tests/test_sources_train.py).
