@@ -6,6 +6,7 @@ import collections
 import logging
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -184,7 +185,8 @@ def test_bad_rows_skipped_are_logged_with_where_and_a_lower_limit_refuses(tmp_pa
   lines = bad.read_text().splitlines()
   lines[4], lines[9] = '{"body": "no text"}', '{"text": 12}'
   bad.write_text("\n".join(lines) + "\n")
-  config = sources_config(tmp_path, good, validation_percent=0.0, eval_sources=good)
+  held = write_jsonl(tmp_path / "held", source_texts(12, seed=9), files=1)
+  config = sources_config(tmp_path, good, validation_percent=0.0, eval_sources=held)
   with pytest.raises(SourceError, match=r"part-0.jsonl line 5: has no 'text' field"):
     make_task(config).prepare_data(config.data.dir)
   config.data.skip_bad_rows = 2
@@ -223,3 +225,15 @@ def test_a_trained_bpe_learns_from_every_source(tmp_path):
   tokenizer = Tokenizer(path)
   for word in ("program", other_words[-1]):  # one of each source
     assert len(tokenizer.encode(" " + word)) <= 2, (word, tokenizer.encode(" " + word))
+
+
+def test_a_file_in_both_the_train_and_the_eval_sources_is_refused_naming_it(tmp_path):
+  """A user holds one file out for eval by naming it in data.eval_sources, but the train glob
+  still takes it in: evaluated on what it trains on, the eval loss would mean nothing."""
+  a = write_jsonl(tmp_path / "a", source_texts(60, seed=1), files=3)
+  held = tmp_path / "a" / "part-2.jsonl"
+  config = sources_config(tmp_path, a, validation_percent=0.0, eval_sources=str(held))
+  said = f"{held} is in data.sources ('{a}') and in data.eval_sources ('{held}')"
+  with pytest.raises(SourceError, match=re.escape(said)):
+    make_task(config).prepare_data(config.data.dir)
+  assert not (tmp_path / "data" / "packed_source").exists()  # refused before any packing
