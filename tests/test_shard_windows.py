@@ -9,14 +9,22 @@ removed to stay within its bytes, and nothing removed that it did not write.
 from __future__ import annotations
 
 import pathlib
+import re
+import shutil
 
 import numpy as np
 import pytest
 from array_record.python import array_record_module
 from etils import epath
 
+from spmd.errors import UserError
+from tests.data_fixtures import source_texts, write_jsonl
+from trainers.data import source_packed, source_shards
+from trainers.data.datasets import Staging, open_source
+from trainers.data.holdout import TRAIN
 from trainers.data.record_order import ShardWindows, order_digest, record_in_order
 from trainers.data.shard_cache import ShardCache
+from trainers.data.source_files import SourceSpec, list_source
 
 
 def _epoch(sizes, window, seed, epoch, short_last=False):
@@ -116,3 +124,37 @@ def test_two_caches_on_one_folder_keep_apart_each_within_its_bytes(tmp_path):
         assert sum(p.stat().st_size for p in held) == each.used <= each.capacity, held
   first.close()
   second.close()
+
+
+def test_a_cache_smaller_than_two_shards_is_a_user_error_naming_the_dataset_and_the_size(
+  tmp_path, monkeypatch
+):
+  """A mixture's two sources staged through a `data.cache_bytes` too small: one line (exit 2,
+  not a traceback that `--max-restarts` retries) naming the setting, the source's dataset with
+  its config (the sources' datasets differ only there) and the bytes it needs."""
+  monkeypatch.setattr(source_shards, "SHARD_BYTES", 2 * (4 * 16 + 1) * 2)  # 2 records a shard
+  remote, local = tmp_path / "remote", tmp_path / "local"
+  names = []
+  for which in ("a", "b"):
+    spec = write_jsonl(tmp_path / which, source_texts(80, seed=len(names)), files=2)
+    config = source_packed.source_config(
+      list_source(SourceSpec(spec)),
+      split=TRAIN,
+      validation_percent=0.0,
+      seq_len=16,
+      vocab_size=256,
+      run_windows=4,
+    )
+    names.append(source_packed.prepare_source(remote, config).name)
+  shutil.copytree(remote, local, ignore=shutil.ignore_patterns("*.array_record-*"))
+  cache = ShardCache(tmp_path / "staged", capacity=1000)
+  staging = Staging(remote=str(remote), local=str(local), cache=cache, share=2)
+  for name in names:
+    with pytest.raises(UserError) as raised:
+      open_source(name, TRAIN, local, ["tokens"], staging)
+    message = str(raised.value)
+    assert "data.cache_bytes=1000" in message and "\n" not in message, message
+    config = name.split("/")[1].split(":")[0]
+    assert config in message, message
+    assert re.search(r"raise it to at least \d+", message), message
+  cache.close()

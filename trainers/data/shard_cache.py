@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from array_record.python import array_record_module
 from etils import epath
 
+from spmd.errors import UserError
 from trainers import paths
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ class ShardCache:
     """The records at `indices` of shard `url`, staged first when it is not here.
 
     Raises:
-      ValueError: the shard alone is larger than the cache's capacity (naming
-        `data.cache_bytes`), or its copy cannot be read as ArrayRecord.
+      UserError: the shard alone is larger than the cache's capacity (naming
+        `data.cache_bytes`).
+      ValueError: its copy cannot be read as ArrayRecord.
     """
     with self._lock:  # one read at a time: a shard is never removed under a reader
       entry = self._shards.get(url)
@@ -108,7 +110,7 @@ class ShardCache:
     source = epath.Path(url)
     size = source.stat().length
     if size > self.capacity:
-      raise ValueError(
+      raise UserError(
         f"data.cache_bytes={self.capacity} cannot hold shard {url} ({size} bytes): "
         "give the cache at least two shards' bytes"
       )
