@@ -11,6 +11,8 @@ import re
 import numpy as np
 import pytest
 
+from configs import default
+from spmd.errors import UserError
 from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from tests.data_fixtures import WORDS, source_texts, write_jsonl, write_parquet
@@ -237,3 +239,19 @@ def test_a_file_in_both_the_train_and_the_eval_sources_is_refused_naming_it(tmp_
   with pytest.raises(SourceError, match=re.escape(said)):
     make_task(config).prepare_data(config.data.dir)
   assert not (tmp_path / "data" / "packed_source").exists()  # refused before any packing
+
+
+def test_sources_that_hold_no_documents_out_are_a_user_error_naming_each(tmp_path):
+  """Two small sources at the default validation_percent: the hash holds out none of their
+  documents, so the eval has nothing to read. One line (exit 2, not a traceback that
+  --max-restarts retries) naming each source and the settings that fix it."""
+  a = write_jsonl(tmp_path / "a", source_texts(6, seed=1), files=1)
+  b = write_jsonl(tmp_path / "b", source_texts(4, seed=2), files=1)
+  config = sources_config(tmp_path, f"{a}@1,{b}@1")
+  config.data.validation_percent = default.get_config().data.validation_percent
+  prepared = make_task(config).prepare_data(config.data.dir)
+  with pytest.raises(UserError) as raised:
+    open_mixture(config, prepared, train=False)
+  message = str(raised.value)
+  assert a in message and b in message and "\n" not in message, message
+  assert "data.validation_percent" in message and "data.eval_sources" in message, message
