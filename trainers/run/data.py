@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 
@@ -129,11 +130,14 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged:
   removes the shards it prepared once they are uploaded.
   """
   exclude = _is_shard if staged else None
+  prepare = task.prepare_data
+  if task.prepares_together:  # it lists sources: every process takes process 0's listing
+    prepare = functools.partial(task.prepare_data, group=_listed_by_process_0())
   # Process 0 builds; the others wait, then find it built (no race on files).
   if jax.process_index() == 0:
     if local != data_dir and data_dir.exists():
       paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
-    name = task.prepare_data(str(local))
+    name = prepare(str(local))
     shards = []
     if staged:
       shards = [p for p in pathlib.Path(local).rglob("*") if _is_shard(p.name) and p.is_file()]
@@ -148,8 +152,24 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged:
   if jax.process_index() != 0:
     if local != data_dir:
       paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
-    name = task.prepare_data(str(local))
+    name = prepare(str(local))
   return name
+
+
+def _listed_by_process_0() -> PrepareGroup:
+  """A group of one that prepares alone but lists the sources as process 0 did.
+
+  Process 0 prepares first; the others, once it is done, find its datasets.
+  They must look for the datasets of its listing: a file that landed in
+  the meantime would name other datasets, which a process would prepare
+  alone, and the hosts would read different data.
+  """
+  return PrepareGroup(
+    index=0,
+    count=1,
+    barrier=lambda name: None,
+    agree=lambda name, compute: multihost.from_process_0(f"data/{name}", compute),
+  )
 
 
 def _is_shard(name: str) -> bool:
