@@ -217,6 +217,18 @@ def refuse_shared_files(train: list[Source], held: list[Source]) -> None:
 
   A file trained on and evaluated on makes the eval loss a train loss
   without a word; files are compared as `list_sources` compares them.
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> for name in ("a.jsonl", "b.jsonl"):
+  ...   _ = (root / name).write_text('{"text": "hi"}\\n')
+  >>> refuse_shared_files(list_sources(parse_sources(f"{root}/a.jsonl")),
+  ...                     list_sources(parse_sources(f"{root}/b.jsonl")))
+  >>> refuse_shared_files(list_sources(parse_sources(f"{root}/*.jsonl")),
+  ...                     list_sources(parse_sources(f"{root}/b.jsonl")))  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  trainers.data.source_files.SourceError: .../b.jsonl is in data.sources ('.../*.jsonl') and in data.eval_sources ...
   """
   trained = {_same_file(f): (f, s.spec) for s in train for f in s.files}
   for source in held:
