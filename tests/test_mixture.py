@@ -6,10 +6,13 @@ import collections
 import logging
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
+from configs import default
+from spmd.errors import UserError
 from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from tests.data_fixtures import WORDS, source_texts, write_jsonl, write_parquet
@@ -184,7 +187,8 @@ def test_bad_rows_skipped_are_logged_with_where_and_a_lower_limit_refuses(tmp_pa
   lines = bad.read_text().splitlines()
   lines[4], lines[9] = '{"body": "no text"}', '{"text": 12}'
   bad.write_text("\n".join(lines) + "\n")
-  config = sources_config(tmp_path, good, validation_percent=0.0, eval_sources=good)
+  held = write_jsonl(tmp_path / "held", source_texts(12, seed=9), files=1)
+  config = sources_config(tmp_path, good, validation_percent=0.0, eval_sources=held)
   with pytest.raises(SourceError, match=r"part-0.jsonl line 5: has no 'text' field"):
     make_task(config).prepare_data(config.data.dir)
   config.data.skip_bad_rows = 2
@@ -223,3 +227,31 @@ def test_a_trained_bpe_learns_from_every_source(tmp_path):
   tokenizer = Tokenizer(path)
   for word in ("program", other_words[-1]):  # one of each source
     assert len(tokenizer.encode(" " + word)) <= 2, (word, tokenizer.encode(" " + word))
+
+
+def test_a_file_in_both_the_train_and_the_eval_sources_is_refused_naming_it(tmp_path):
+  """A user holds one file out for eval by naming it in data.eval_sources, but the train glob
+  still takes it in: evaluated on what it trains on, the eval loss would mean nothing."""
+  a = write_jsonl(tmp_path / "a", source_texts(60, seed=1), files=3)
+  held = tmp_path / "a" / "part-2.jsonl"
+  config = sources_config(tmp_path, a, validation_percent=0.0, eval_sources=str(held))
+  said = f"{held} is in data.sources ('{a}') and in data.eval_sources ('{held}')"
+  with pytest.raises(SourceError, match=re.escape(said)):
+    make_task(config).prepare_data(config.data.dir)
+  assert not (tmp_path / "data" / "packed_source").exists()  # refused before any packing
+
+
+def test_sources_that_hold_no_documents_out_are_a_user_error_naming_each(tmp_path):
+  """Two small sources at the default validation_percent: the hash holds out none of their
+  documents, so the eval has nothing to read. One line (exit 2, not a traceback that
+  --max-restarts retries) naming each source and the settings that fix it."""
+  a = write_jsonl(tmp_path / "a", source_texts(6, seed=1), files=1)
+  b = write_jsonl(tmp_path / "b", source_texts(4, seed=2), files=1)
+  config = sources_config(tmp_path, f"{a}@1,{b}@1")
+  config.data.validation_percent = default.get_config().data.validation_percent
+  prepared = make_task(config).prepare_data(config.data.dir)
+  with pytest.raises(UserError) as raised:
+    open_mixture(config, prepared, train=False)
+  message = str(raised.value)
+  assert a in message and b in message and "\n" not in message, message
+  assert "data.validation_percent" in message and "data.eval_sources" in message, message

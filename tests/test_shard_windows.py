@@ -8,13 +8,23 @@ removed to stay within its bytes, and nothing removed that it did not write.
 
 from __future__ import annotations
 
+import pathlib
+import re
+import shutil
+
 import numpy as np
 import pytest
 from array_record.python import array_record_module
 from etils import epath
 
+from spmd.errors import UserError
+from tests.data_fixtures import source_texts, write_jsonl
+from trainers.data import source_packed, source_shards
+from trainers.data.datasets import Staging, open_source
+from trainers.data.holdout import TRAIN
 from trainers.data.record_order import ShardWindows, order_digest, record_in_order
 from trainers.data.shard_cache import ShardCache
+from trainers.data.source_files import SourceSpec, list_source
 
 
 def _epoch(sizes, window, seed, epoch, short_last=False):
@@ -82,12 +92,69 @@ def test_the_cache_stages_on_demand_within_its_bytes_and_removes_only_its_own(tm
   for k in [0, 1, 0, 2, 3, 0, 4, 1]:
     assert cache.read(urls[k], [2, 0]) == [f"{k}:2".encode(), f"{k}:0".encode()]
     assert cache.used <= cache.capacity
-    held = [p for p in local.iterdir() if p.name != "notes.txt"]
-    assert sum(p.stat().st_size for p in held) <= cache.capacity, held
+    held = list(cache.folder.glob("*-shard-*"))
+    assert sum(p.stat().length for p in held) <= cache.capacity, held
   assert cache.staged == 7  # 0 stayed while used; 1 came back after its eviction
   cache.close()
-  again = ShardCache(local, capacity=2 * size)  # the next run: the old copies are its own
-  assert sorted(p.name for p in local.iterdir()) == ["notes.txt"]
+  again = ShardCache(local, capacity=2 * size)  # the next run: the closed cache's copies go
+  assert sorted(p.name for p in local.iterdir()) == [again.folder.name, "notes.txt"]
+  assert not list(again.folder.iterdir())[1:], list(again.folder.iterdir())  # its lock alone
   with pytest.raises(ValueError, match=r"data.cache_bytes=10 cannot hold shard .*shard-00000"):
     ShardCache(tmp_path / "tiny", capacity=10).read(urls[0], [0])
   again.close()
+
+
+def test_two_caches_on_one_folder_keep_apart_each_within_its_bytes(tmp_path):
+  """Two runs on one host reading one gs:// data.dir (training, and an eval beside it) make
+  their caches in the same staged folder (`staged/<hash>/process-<i>`). The second must not
+  remove the first's copies: the first goes on reading and evicting, and each run's copies stay
+  within its own bytes."""
+  urls = _shards(epath.Path(tmp_path / "remote"), 6)
+  size = epath.Path(urls[0]).stat().length
+  local = tmp_path / "staged" / "process-0"
+  first = ShardCache(local, capacity=2 * size)
+  assert first.read(urls[0], [1]) == [b"0:1"] and first.read(urls[1], [1]) == [b"1:1"]
+  second = ShardCache(local, capacity=2 * size)
+  for cache, shards in ((second, [2, 3, 4]), (first, [2, 0, 5]), (second, [0, 1])):
+    for k in shards:
+      assert cache.read(urls[k], [0]) == [f"{k}:0".encode()]
+      for each in (first, second):
+        held = [p for p in pathlib.Path(each.folder).rglob("*") if p.is_file()]
+        held = [p for p in held if not p.name.startswith(".")]  # its lock, a partial copy
+        assert sum(p.stat().st_size for p in held) == each.used <= each.capacity, held
+  first.close()
+  second.close()
+
+
+def test_a_cache_smaller_than_two_shards_is_a_user_error_naming_the_dataset_and_the_size(
+  tmp_path, monkeypatch
+):
+  """A mixture's two sources staged through a `data.cache_bytes` too small: one line (exit 2,
+  not a traceback that `--max-restarts` retries) naming the setting, the source's dataset with
+  its config (the sources' datasets differ only there) and the bytes it needs."""
+  monkeypatch.setattr(source_shards, "SHARD_BYTES", 2 * (4 * 16 + 1) * 2)  # 2 records a shard
+  remote, local = tmp_path / "remote", tmp_path / "local"
+  names = []
+  for which in ("a", "b"):
+    spec = write_jsonl(tmp_path / which, source_texts(80, seed=len(names)), files=2)
+    config = source_packed.source_config(
+      list_source(SourceSpec(spec)),
+      split=TRAIN,
+      validation_percent=0.0,
+      seq_len=16,
+      vocab_size=256,
+      run_windows=4,
+    )
+    names.append(source_packed.prepare_source(remote, config).name)
+  shutil.copytree(remote, local, ignore=shutil.ignore_patterns("*.array_record-*"))
+  cache = ShardCache(tmp_path / "staged", capacity=1000)
+  staging = Staging(remote=str(remote), local=str(local), cache=cache, share=2)
+  for name in names:
+    with pytest.raises(UserError) as raised:
+      open_source(name, TRAIN, local, ["tokens"], staging)
+    message = str(raised.value)
+    assert "data.cache_bytes=1000" in message and "\n" not in message, message
+    config = name.split("/")[1].split(":")[0]
+    assert config in message, message
+    assert re.search(r"raise it to at least \d+", message), message
+  cache.close()

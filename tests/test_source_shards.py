@@ -4,13 +4,17 @@ bounded below the corpus's size, and a preparation stopped part-way that resumes
 publishes half a dataset."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from tests.data_fixtures import source_texts, write_jsonl
-from tests.multiprocess import assert_ok, run_worker
+from tests.multiprocess import ROOT, WORKERS, assert_ok, run_worker
 from trainers.data import packed, source_packed, source_shards
 from trainers.data.datasets import open_source
 from trainers.data.documents import SourceDocuments
@@ -65,7 +69,8 @@ def test_shards_hold_the_records_of_the_whole_stream_packed_at_once(tmp_path, mo
   folder = tmp_path / "data" / "packed_source" / config.name / source_packed.VERSION
   assert len(shard_bytes_of(folder)) == -(-len(got) // 3) > 2  # several shards, 3 records each
   assert prepared.documents == int(got[-1]["document"]) + 1 + int(np.sum(got[-1]["starts"] > 0))
-  assert not list(folder.parent.glob(".*"))  # the workspace is gone once published
+  # The workspace is gone once published; the lock file stays (preparation_lock).
+  assert [p.name for p in folder.parent.glob(".*")] == [f".{folder.name}.lock"]
 
 
 def test_a_preparation_stopped_part_way_resumes_and_never_publishes_half(tmp_path):
@@ -151,3 +156,43 @@ def test_2_processes_prepare_the_bytes_1_does_each_in_memory_below_the_corpus(tm
   assert limit_mib < share_mib
   for process in facts[2]:
     assert process["peak_growth_kib"] < limit_mib * 1024, facts
+
+
+@pytest.mark.multiprocess
+def test_two_runs_preparing_one_data_dir_at_once_both_succeed_with_the_dataset_one_run_makes(
+  tmp_path,
+):
+  """Two real processes (a sweep's runs, sibling workdirs, the default data.dir) prepare the same
+  source into one folder at the same moment: both finish with the dataset a run alone makes,
+  byte for byte, and leave no workspace behind. Many files and small shards make the runs
+  write the same spill and shard files at once, unless one waits for the other."""
+  spec = write_jsonl(tmp_path / "a", source_texts(400, seed=4), files=24)
+  shard_bytes = 2 * (RUN_WINDOWS * SEQ_LEN + 1) * 2  # 2 records a shard
+  go = tmp_path / "go"
+  worker = str(WORKERS / "prepare_beside_worker.py")
+  command = [sys.executable, worker, spec, str(tmp_path / "data"), str(go), str(shard_bytes)]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  runs = [
+    subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for _ in range(2)
+  ]
+  time.sleep(5)  # both have imported and wait for the same moment
+  go.touch()
+  outputs = []
+  try:
+    for run in runs:
+      outputs.append(run.communicate(timeout=120)[0])
+  finally:
+    for run in runs:
+      run.kill()
+  assert [run.returncode for run in runs] == [0, 0], "\n\n".join(outputs)
+  names = {output.strip().splitlines()[-1] for output in outputs}
+  assert len(names) == 1, outputs
+  alone = [sys.executable, worker, spec, str(tmp_path / "alone"), str(go), str(shard_bytes)]
+  subprocess.run(alone, check=True, env=env, capture_output=True)
+  config = names.pop().split("/")[1].split(":")[0]
+  shared, fresh = (
+    tmp_path / d / "packed_source" / config / source_packed.VERSION for d in ("data", "alone")
+  )
+  assert shard_bytes_of(shared) == shard_bytes_of(fresh) and len(shard_bytes_of(fresh)) > 20
+  assert not [p for p in shared.parent.iterdir() if p.name.endswith(".preparing")]

@@ -1,7 +1,8 @@
 """`spmd-launch local ... -- spmd-train --config.data.sources=...` on a JSONL and a Parquet
 source it has never seen: `configs/llama_tiny.py` trains on their 0.7 / 0.3 mixture and
 reports each source's share; and a run stopped on 2 processes resumes on 4 to the same
-weights, bit for bit, as the run that never stopped.
+weights, bit for bit, as the run that never stopped. A preparation step that outlasts
+data.prepare_timeout_s stops the run with one line naming the step and the setting.
 
 The resume is checked on the tests' tiny LM (`tests/configs/train_tiny.py`), whose step is
 the same to the last bit on 2 x 2 and 4 x 1 devices; llama_tiny's is not (its weights after
@@ -127,3 +128,35 @@ def test_a_run_stopped_on_2_processes_resumes_bit_identically_on_4(corpus, tmp_p
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   reference = json.loads((tmp_path / "straight" / "summary.json").read_text())
   assert summary["data_sources"] == reference["data_sources"]
+
+
+def test_a_preparation_step_past_its_timeout_is_one_line_naming_the_step_and_the_setting(
+  corpus, tmp_path
+):
+  """Process 0 trains the BPE for longer than data.prepare_timeout_s (the worker pauses it
+  there); process 1, waiting for it at the preparation's barrier, stops with one line and
+  exit 2 naming what was being prepared and the setting, not the runtime's DEADLINE_EXCEEDED
+  traceback. Starts its own processes and trains nothing."""
+  timeout_s = 2
+  command = [
+    *(sys.executable, "-m", "launch.launch_cli", "local"),
+    "--num-processes=2",
+    "--devices-per-process=1",
+    "--timeout=120",
+    *("--", sys.executable, "-m", "tests.workers.slow_tokenizer_train"),
+    f"--config={TINY}",
+    f"--config.data.sources={corpus['sources']}",
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.data.dir={tmp_path / 'data'}",
+    "--config.data.pack=True",
+    "--config.data.tokenizer=bpe",
+    "--config.model.vocab_size=400",
+    f"--config.data.prepare_timeout_s={timeout_s}",
+  ]
+  env = dict(os.environ, PYTHONPATH=str(ROOT), SPMD_TEST_PAUSE_S=str(20 * timeout_s))
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+  output = done.stdout + done.stderr
+  assert done.returncode == 2, output[-5000:]
+  assert "Traceback" not in output, output[-5000:]
+  (line,) = [x for x in output.splitlines() if x.startswith("[p1] spmd-train: ")]
+  assert "tokenizer" in line and f"data.prepare_timeout_s={timeout_s}" in line, line

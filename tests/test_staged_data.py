@@ -8,7 +8,9 @@ each process's staged shards stay within the cache's bytes, which the run
 says it filled and began to evict from. The records come a window of shards
 at a time (`record_order.ShardWindows`); a run stopped at step 6 resumes on
 4 processes to the same losses and weights, bit for bit, as the
-run that never stopped.
+run that never stopped. And a file that lands in a source's folder while
+process 0 prepares is in no process's data: the others take process 0's
+listing of the sources.
 
 Its own runs, not shared ones: they need a gs:// data.dir on the emulator
 and a dataset of many small shards (prepared by the worker), which no shared
@@ -107,8 +109,9 @@ def test_a_gs_data_dir_trains_through_a_bounded_cache_and_resumes_on_another_hos
   assert not [p for p in (host / "data").rglob("*") if ".array_record-" in p.name]
   staged = [d for d in (host / "staged").glob("*/process-*") if d.is_dir()]
   assert len(staged) == 2, staged
-  for folder in staged:
-    assert 0 < sum(p.stat().st_size for p in folder.iterdir()) <= CACHE_BYTES, folder
+  for folder in staged:  # each holds its cache's folder (shard_cache): copies and a lock
+    copies = [p for p in folder.glob("cache-*/*") if not p.name.startswith(".")]
+    assert 0 < sum(p.stat().st_size for p in copies) <= CACHE_BYTES, folder
 
   # Stopped at step 6 (its checkpoint and data position), resumed on 4 x 1 (the
   # tiny LM's step is bit-identical on 2 x 2 and 4 x 1 devices: tests/test_sources_train.py).
@@ -119,3 +122,44 @@ def test_a_gs_data_dir_trains_through_a_bounded_cache_and_resumes_on_another_hos
   got, expected = losses(tmp_path / "run"), losses(tmp_path / "straight")
   assert [got[s] for s in range(1, 13)] == [expected[s] for s in range(1, 13)]
   assert param_hash(resumed) == param_hash(straight)
+
+
+def test_a_file_landing_while_process_0_prepares_a_gs_data_dir_is_not_seen_by_the_others(
+  tmp_path, bucket
+):
+  """Only process 0 lists the sources: a file that lands in a source's folder after it listed
+  them (a writer still filling the bucket) is in no process's data, and 2 x 1 processes train
+  on what process 0 prepared, uploaded and every host copied. Its own run, not a shared one:
+  its data must change while it prepares."""
+  source = write_jsonl(tmp_path / "landing", source_texts(60, seed=5), files=2)
+  late = tmp_path / "landing" / "late.jsonl"
+  command = [
+    *(sys.executable, "-m", "launch.launch_cli", "local"),
+    "--num-processes=2",
+    "--devices-per-process=1",
+    "--timeout=300",
+    *("--", sys.executable, "-m", "tests.workers.file_lands_train", str(late)),
+    f"--config={TINY}",
+    f"--config.data.sources={source}",
+    f"--workdir={tmp_path / 'run'}",
+    "--config.data.dir=gs://bucket/landing",
+    "--config.data.pack=True",
+    "--config.train.steps=2",
+    "--config.sample_tokens=0",
+  ]
+  env = {
+    **os.environ,
+    **bucket["gcs"].env(),
+    "PYTHONPATH": str(ROOT),
+    "JAX_COMPILATION_CACHE_DIR": compilation_cache_dir(),
+    "SPMD_DATA_CACHE": str(tmp_path / "host_cache"),
+  }
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+  assert late.exists()  # it landed, after process 0 listed the sources
+  assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+  # The datasets process 0 prepared and uploaded are all there are: no process prepared others.
+  uploaded = {
+    p.name for p in (bucket["root"] / "gcs" / "bucket" / "landing").glob("packed_source/*")
+  }
+  local = {p.name for p in (tmp_path / "host_cache").glob("data/*/packed_source/*")}
+  assert uploaded and local == uploaded, (local, uploaded)

@@ -158,6 +158,8 @@ def check_values(config: ml_collections.ConfigDict) -> None:
       value = value[part]
     if value < 0:
       raise ValueError(f"{name}={value!r} must be >= 0")
+  if not config.data.prepare_timeout_s > 0:
+    raise ValueError(f"data.prepare_timeout_s={config.data.prepare_timeout_s!r} must be > 0")
   if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
     raise ValueError(
       f"checkpoint.every={config.checkpoint.every} must be >= 0 and "

@@ -80,6 +80,11 @@ def get_config() -> ml_collections.ConfigDict:
   # process, least recently used out, and orders the records a window of
   # shards at a time (trainers/data/shard_cache.py). Local dirs are read in place.
   config.data.cache_bytes = 0
+  # Seconds a process waits for the others at each step of preparing the data
+  # (the tokenizer, each source's tokenizing, packing and publishing; a remote
+  # data.dir's upload): past it, the run stops naming the step. A corpus that
+  # takes longer to prepare needs more.
+  config.data.prepare_timeout_s = 3600.0
 
   # The task: what model trains on what data, with which loss (trainers/tasks).
   # A built-in name ("lm", "classifier"), "package.module:function", or

@@ -8,6 +8,7 @@
   source_packed.py  `packed_source`: one split of one source, packed
   source_shards.py  a packed dataset prepared by a group of processes, each its share
   prepare_group.py  the processes that prepare data together (which, how many, how they wait)
+  preparation_lock.py  one run at a time prepares a dataset in a shared data.dir
   blobs.py          `blobs`: a generated classification dataset (the MLP config)
   datasets.py       `open_source`: any prepared TFDS dataset as a random-access source;
                     `prepare_text_corpus`: build (or reuse) the text corpus

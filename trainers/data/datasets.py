@@ -37,6 +37,7 @@ from etils import epath
 from google.protobuf.message import DecodeError
 from tensorflow_datasets.core import read_only_builder
 
+from spmd.errors import UserError
 from trainers.data import stored_lengths, text_corpus
 from trainers.data.record_order import ShardWindows
 from trainers.data.shard_cache import ShardCache
@@ -213,7 +214,7 @@ def open_source(
   except tfds.core.DatasetNotFoundError:
     raise _not_prepared(name, data_dir) from None
   info = builder.info
-  full_name = info.full_name
+  full_name = _full_name(builder)
   # A TFDS split spec: names, each maybe sliced ("train[:5%]"), joined by "+".
   if any(part.split("[")[0].strip() not in info.splits for part in split.split("+")):
     raise ValueError(
@@ -245,6 +246,19 @@ def open_source(
   return RecordSource(source, name=full_name, split=split, info=info, files=files, decode=decode)
 
 
+def _full_name(builder) -> str:
+  """NAME/CONFIG/VERSION: TFDS's full name, with the config a builder read from files leaves out.
+
+  A mixture's sources are one dataset (`packed_source`) in as many configs:
+  without it, errors about them cannot say which.
+  """
+  version = epath.Path(builder.data_dir)
+  config = version.parent.name
+  if config == builder.info.name:  # a dataset without configs
+    return builder.info.full_name
+  return f"{builder.info.name}/{config}/{version.name}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Staging:
   """Where a dataset's shards are (`remote`, the data.dir its metadata came from) and the cache."""
@@ -268,7 +282,7 @@ def _staged_source(builder, name: str, split: str, features, staging: Staging) -
   window = staging.cache.capacity // (2 * max(largest, 1) * staging.share)
   if window < 1:
     each = f" for each of the {staging.share} sources read at once" if staging.share > 1 else ""
-    raise ValueError(
+    raise UserError(
       f"data.cache_bytes={staging.cache.capacity} is less than two of {name}'s shards "
       f"({largest} bytes the largest){each}: raise it to at least {2 * largest * staging.share}"
     )

@@ -48,6 +48,7 @@ import numpy as np
 
 from spmd import layout as layout_lib
 from spmd import multihost
+from spmd.errors import UserError
 from trainers.data.mixture_rows import RowMix
 from trainers.data.pipeline import PADDING_MASK, StepBatches
 from trainers.data.record_stream import RecordStream
@@ -323,9 +324,10 @@ def open_mixture_batches(
     kept = [s for s in sources if s.dataset(split) is not None]
     left_out = [s.label for s in sources if s.dataset(split) is None]
     if not kept:
-      raise ValueError(
-        f"no source of the mixture has documents in the split {split!r} (they have "
-        f"{sorted({x for s in sources for x in s.datasets})}): with data.sources, raise "
+      raise UserError(
+        f"no source of the mixture has documents in the split {split!r}: "
+        f"{', '.join(repr(label) for label in left_out)} have only "
+        f"{sorted({x for s in sources for x in s.datasets})}; with data.sources, raise "
         "data.validation_percent so that the sources hold out documents, or name the "
         "eval data in data.eval_sources"
       )

@@ -193,7 +193,7 @@ def list_sources(specs: list[SourceSpec], setting: str = "data.sources") -> list
   seen: dict[str, tuple[SourceFile, str]] = {}
   for source in sources:
     for file in source.files:
-      same = file.path if paths.is_url(file.path) else os.path.realpath(file.path)
+      same = _same_file(file)
       if same not in seen:
         seen[same] = (file, source.spec)
         continue
@@ -210,6 +210,41 @@ def list_sources(specs: list[SourceSpec], setting: str = "data.sources") -> list
         "(narrow the glob, or give it its own source and a weight)"
       )
   return sources
+
+
+def refuse_shared_files(train: list[Source], held: list[Source]) -> None:
+  """`SourceError` naming a file that both `data.sources` and `data.eval_sources` list.
+
+  A file trained on and evaluated on makes the eval loss a train loss
+  without a word; files are compared as `list_sources` compares them.
+
+  >>> import tempfile, pathlib
+  >>> root = pathlib.Path(tempfile.mkdtemp())
+  >>> for name in ("a.jsonl", "b.jsonl"):
+  ...   _ = (root / name).write_text('{"text": "hi"}\\n')
+  >>> refuse_shared_files(list_sources(parse_sources(f"{root}/a.jsonl")),
+  ...                     list_sources(parse_sources(f"{root}/b.jsonl")))
+  >>> refuse_shared_files(list_sources(parse_sources(f"{root}/*.jsonl")),
+  ...                     list_sources(parse_sources(f"{root}/b.jsonl")))  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  trainers.data.source_files.SourceError: .../b.jsonl is in data.sources ('.../*.jsonl') and in data.eval_sources ...
+  """
+  trained = {_same_file(f): (f, s.spec) for s in train for f in s.files}
+  for source in held:
+    for file in source.files:
+      if _same_file(file) in trained:
+        first, by = trained[_same_file(file)]
+        named = file.path if first.path == file.path else f"{file.path} ({first.path})"
+        raise SourceError(
+          f"{named} is in data.sources ({by!r}) and in data.eval_sources ({source.spec!r}): "
+          "a run would evaluate on what it trains on; leave it out of one (narrow the glob)"
+        )
+
+
+def _same_file(file: SourceFile) -> str:
+  """What makes two listed files one: a URL as listed, a local path resolved (`..`, links)."""
+  return file.path if paths.is_url(file.path) else os.path.realpath(file.path)
 
 
 def _glob_root(pattern: str) -> str:

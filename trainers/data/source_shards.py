@@ -59,7 +59,7 @@ import tensorflow_datasets as tfds
 from array_record.python import array_record_module
 from tensorflow_datasets.core import example_serializer
 
-from trainers.data import packed
+from trainers.data import packed, preparation_lock
 from trainers.data.prepare_group import ALONE, PrepareGroup
 
 log = logging.getLogger(__name__)
@@ -141,12 +141,31 @@ def prepare_shards(
   same) and returns the files process 0 publishes beside the shards.
   """
   folder = pathlib.Path(folder)
-  if (folder / "dataset_info.json").exists():
-    return 0
-  work = folder.parent / _WORKSPACE.format(version=folder.name)
-  spill, out = work / "pieces", work / folder.name
   # Barriers by the dataset's own name: hosts may mount data.dir at other paths.
   dataset = f"{folder.parent.name}/{folder.name}"
+  with contextlib.ExitStack() as stack:
+    if group.chief and not (folder / "dataset_info.json").exists():
+      # Another run on this data.dir may be preparing it (preparation_lock).
+      stack.enter_context(preparation_lock.held(folder.parent / f".{folder.name}.lock", dataset))
+    # Every process decides after the lock: none returns while another prepares.
+    group.wait(f"{dataset}/claimed")
+    if (folder / "dataset_info.json").exists():
+      return 0
+    return _prepare(folder, dataset, sizes, tokenize, check, layout, group)
+
+
+def _prepare(
+  folder: pathlib.Path,
+  dataset: str,
+  sizes: Sequence[int],
+  tokenize: Tokenize,
+  check: Callable[[list[dict[str, Any]]], dict[str, str]],
+  layout: ShardLayout,
+  group: PrepareGroup,
+) -> int:
+  """`prepare_shards` once the dataset is this run's to prepare."""
+  work = folder.parent / _WORKSPACE.format(version=folder.name)
+  spill, out = work / "pieces", work / folder.name
   if group.chief:
     spill.mkdir(parents=True, exist_ok=True)
     out.mkdir(exist_ok=True)

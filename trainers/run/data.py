@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 
@@ -17,7 +18,6 @@ from trainers.data.prepare_group import PrepareGroup
 from trainers.tasks import Task, check_host_labels
 
 log = logging.getLogger(__name__)
-_PREPARE_TIMEOUT_S = 3600  # a large corpus takes its time; a failed host ends the job sooner
 
 
 def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batch_axes):
@@ -57,6 +57,7 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
   data_dir = paths.user_path(config.data.dir or paths.user_path(workdir).parent / "data")
   local = data_dir if not paths.is_url(data_dir) else paths.local_cache("data", data_dir)
   staging = None
+  timeout_s = float(config.data.get("prepare_timeout_s", 3600.0))
   cache_bytes = int(config.data.get("cache_bytes", 0))
   if cache_bytes < 0:
     raise UserError(f"config.data.cache_bytes={cache_bytes} must be 0 (copy whole) or a size")
@@ -68,14 +69,14 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
     from trainers.data.datasets import Staging  # tfds is imported only when used
     from trainers.data.shard_cache import ShardCache
 
-    name = _prepare_on_process_0_first(task, data_dir, local, staged=True)
+    name = _prepare_on_process_0_first(task, data_dir, local, timeout_s, staged=True)
     folder = paths.local_cache("staged", data_dir) / f"process-{jax.process_index()}"
     cache = ShardCache(folder, cache_bytes)
     staging = Staging(remote=str(data_dir), local=str(local), cache=cache)
   elif task.prepares_together and local == data_dir:
-    name = task.prepare_data(str(local), _group())
+    name = task.prepare_data(str(local), _group(timeout_s))
   else:
-    name = _prepare_on_process_0_first(task, data_dir, local)
+    name = _prepare_on_process_0_first(task, data_dir, local, timeout_s)
   data_dir = local
   common = dict(
     global_batch=config.global_batch,
@@ -110,17 +111,40 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
   return train, evaluation
 
 
-def _group() -> PrepareGroup:
+def _group(timeout_s: float) -> PrepareGroup:
   """Every process of the job, waiting through the distributed runtime (no device computation)."""
   return PrepareGroup(
     index=jax.process_index(),
     count=jax.process_count(),
-    barrier=lambda name: multihost.barrier(f"data/{name}", timeout_s=_PREPARE_TIMEOUT_S),
+    barrier=lambda name: _wait(name, timeout_s),
     agree=lambda name, compute: multihost.from_process_0(f"data/{name}", compute),
   )
 
 
-def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged: bool = False):
+def _wait(name: str, timeout_s: float, what: str | None = None) -> None:
+  """The barrier `data/<name>`; its expiry is a `UserError` naming the step and the setting.
+
+  `what` names what the processes were preparing; by default `name` does,
+  without its call number (`PrepareGroup.wait`'s names:
+  `packed_source/<config>/1.0.0/tokenized/3`).
+  """
+  try:
+    multihost.barrier(f"data/{name}", timeout_s=timeout_s)
+  except Exception as e:  # the runtime raises a bare JaxRuntimeError
+    if "DEADLINE_EXCEEDED" not in str(e):
+      raise
+    if what is None:
+      what = repr(name.rsplit("/", 1)[0] if name.rsplit("/", 1)[-1].isdigit() else name)
+    raise UserError(
+      f"data: the processes did not all finish preparing {what} within "
+      f"data.prepare_timeout_s={timeout_s:g} s: a process that failed says why in its own "
+      "log; if they are still at work (a large corpus), raise data.prepare_timeout_s"
+    ) from None
+
+
+def _prepare_on_process_0_first(
+  task: Task, data_dir: epath.Path, local, timeout_s: float, staged: bool = False
+):
   """The task's data prepared by process 0 (and uploaded to a remote `data.dir`), then found.
 
   A remote `data.dir` is copied to each host's `local` cache; `staged`: its
@@ -129,11 +153,14 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged:
   removes the shards it prepared once they are uploaded.
   """
   exclude = _is_shard if staged else None
+  prepare = task.prepare_data
+  if task.prepares_together:  # it lists sources: every process takes process 0's listing
+    prepare = functools.partial(task.prepare_data, group=_listed_by_process_0())
   # Process 0 builds; the others wait, then find it built (no race on files).
   if jax.process_index() == 0:
     if local != data_dir and data_dir.exists():
       paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
-    name = task.prepare_data(str(local))
+    name = prepare(str(local))
     shards = []
     if staged:
       shards = [p for p in pathlib.Path(local).rglob("*") if _is_shard(p.name) and p.is_file()]
@@ -144,12 +171,28 @@ def _prepare_on_process_0_first(task: Task, data_dir: epath.Path, local, staged:
       )
     for path in shards:  # the bucket is where they are read from
       path.unlink()
-  multihost.barrier("data_prepared", timeout_s=_PREPARE_TIMEOUT_S)
+  _wait("prepared_by_process_0", timeout_s, f"the task's data (process 0 prepares it in {local})")
   if jax.process_index() != 0:
     if local != data_dir:
       paths.copy_tree(data_dir, epath.Path(local), exclude=exclude)
-    name = task.prepare_data(str(local))
+    name = prepare(str(local))
   return name
+
+
+def _listed_by_process_0() -> PrepareGroup:
+  """A group of one that prepares alone but lists the sources as process 0 did.
+
+  Process 0 prepares first; the others, once it is done, find its datasets.
+  They must look for the datasets of its listing: a file that landed in
+  the meantime would name other datasets, which a process would prepare
+  alone, and the hosts would read different data.
+  """
+  return PrepareGroup(
+    index=0,
+    count=1,
+    barrier=lambda name: None,
+    agree=lambda name, compute: multihost.from_process_0(f"data/{name}", compute),
+  )
 
 
 def _is_shard(name: str) -> bool:

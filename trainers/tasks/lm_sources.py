@@ -40,7 +40,13 @@ from trainers.data import tokenizer as tok
 from trainers.data.holdout import TRAIN, VALIDATION, split_of
 from trainers.data.mixture import DataMixture, MixtureSource
 from trainers.data.prepare_group import ALONE, PrepareGroup
-from trainers.data.source_files import Source, SourceFile, list_sources, parse_sources
+from trainers.data.source_files import (
+  Source,
+  SourceFile,
+  list_sources,
+  parse_sources,
+  refuse_shared_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +146,7 @@ def sources_prepare(
     evals = []
     if data.eval_sources:
       evals = _listed(group, data.eval_sources, "data.eval_sources")
+      refuse_shared_files(train, evals)
     percent = 0.0 if evals else float(data.validation_percent)
     # The tokenizer (trained or copied into data_dir on first use) is made by
     # process 0; the others find it there.
