@@ -68,6 +68,7 @@ _ENCODE_DOCUMENTS = 256  # documents per tokenizer call: the libraries' threads 
 _ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
 _CUT_CHECK_CHARS = 1024  # of the lines either side of a large file's cut, tokenized to check it
 _CUT_TRIES = 64  # lines a cut may move on before the pieces are joined
+_TXT_CUTS = "cuts-see-whitespace"  # in the name of a build with .txt files: how they were cut
 FORMATS = ("text", "prompt_completion")  # config.data.format
 
 
@@ -124,6 +125,9 @@ def source_config(
   ]
   if format != "text":  # so the names of text builds prepared before stay theirs
     key.append(format)
+  if tokenizer and any(f.format == "txt" for f in source.files):
+    # .txt builds cut before blank lines were checked may differ from the file's ids whole.
+    key.append(_TXT_CUTS)
   digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
   return SourceConfig(
     name=f"{split}-{seq_len}s-{digest}",
@@ -316,20 +320,52 @@ def _pieces(
 def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> int | None:
   """The first line break of `after` (0: its start) where the tokenizer cuts cleanly, if any.
 
-  Clean: the line before the cut and the one after tokenize apart as together.
+  Clean: the text either side of the cut tokenizes apart as together, each
+  side taken to the line that holds its nearest character other than
+  whitespace (`_back_to_text`, `_on_to_text`). Whitespace that runs across
+  the cut (blank lines, a line's indent) is then all in the check: a BPE
+  that merges "\\n\\n" tokenizes ")\\n\\nclass" otherwise than ")\\n\\n" and
+  "class", though "\\n" and "class" tokenize alike apart and together.
+
+  The tests cut files of each tokenizer family (tests/test_text_pieces.py).
   """
-  last = before[before.rfind("\n", 0, len(before) - 1) + 1 :]
+  tail = before[-_CUT_CHECK_CHARS:]
   at = 0
   for _ in range(_CUT_TRIES):
-    end = after.find("\n", at) + 1 or len(after)
-    first = after[at:end][:_CUT_CHECK_CHARS]
-    last = last[-_CUT_CHECK_CHARS:]
-    if tokenizer.encode(last + first) == tokenizer.encode(last) + tokenizer.encode(first):
-      return at
-    if end == len(after):
+    left = _back_to_text((tail + after[max(0, at - _CUT_CHECK_CHARS) : at])[-_CUT_CHECK_CHARS:])
+    right = _on_to_text(after[at : at + _CUT_CHECK_CHARS])
+    if left and right:
+      if tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right):
+        return at
+    at = after.find("\n", at) + 1
+    if not at or at >= len(after):
       return None
-    last, at = after[at:end], end
   return None
+
+
+def _back_to_text(text: str) -> str:
+  """`text`'s end from the start of the line of its last character that is not whitespace.
+
+  "" when `text` is all whitespace: the check would not see where the run
+  of whitespace starts, so the cut is not taken.
+
+  >>> _back_to_text("a\\nf(x)\\n\\n \\n")
+  'f(x)\\n\\n \\n'
+  """
+  content = len(text.rstrip())
+  return text[text.rfind("\n", 0, content) + 1 :] if content else ""
+
+
+def _on_to_text(text: str) -> str:
+  """`text`'s start up to the end of the line of its first character that is not whitespace.
+
+  >>> _on_to_text("\\n\\n  class A:\\n  x\\n")
+  '\\n\\n  class A:\\n'
+  """
+  content = len(text) - len(text.lstrip())
+  if content == len(text):
+    return ""
+  return text[: text.find("\n", content) + 1 or len(text)]
 
 
 @dataclasses.dataclass(frozen=True)
