@@ -1,26 +1,33 @@
-"""Prompt/completion data (`config.data.format="prompt_completion"`, issue 45 item 4): each JSONL
-row packed as BOS + prompt + completion + EOS with a loss mask on the completion and EOS, checked
-token by token against a reference built here; a packed row's loss is the sum of its examples'
-losses alone; bad rows are named by file and line. In-process, on a BPE trained on the rows."""
+"""Prompt/completion data (`config.data.format="prompt_completion"`, issue 45 item 4; issue 59:
+defect 8): each JSONL row packed as the tokenizer's tokens of BOS + prompt + completion + EOS, with a
+loss mask on every token that holds completion text and on the EOS, checked token by token against
+a reference that finds the boundary by decoding; for each tokenizer family users bring
+(`tests/tokenizer_families.py`), prompts that end in a space and completions that start without one;
+`hypothesis` properties for any row and for the packer; a packed row's loss is the sum of its
+examples' losses alone; bad rows are named by file and line. In-process."""
 
 import json
 
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
+from tests import tokenizer_families
 from trainers.data import packed, source_packed
 from trainers.data import tokenizer as tok
 from trainers.data.datasets import open_source
+from trainers.data.documents import Document
 from trainers.data.holdout import TRAIN
-from trainers.data.source_files import SourceError, SourceSpec, list_source
+from trainers.data.source_files import SourceError, SourceFile, SourceSpec, list_source
 from trainers.models.transformer import TransformerConfig, TransformerLM
 from trainers.tasks import lm
 
 SEQ_LEN, RUN_WINDOWS = 16, 2
 # Prompts that end in a space: tokenized with their completion, the space
-# and the completion's first word merge into one BPE token, so a packer
-# that tokenized the joined text would put the boundary inside a token.
+# and the completion's first word merge into one BPE token, which holds
+# completion text and so counts in the loss.
 ROWS = [
   {"prompt": "Question: two plus two? Answer: ", "completion": "four"},
   {"prompt": "Question: the sky? Answer: ", "completion": "blue, on a clear day"},
@@ -58,29 +65,57 @@ def _prepare(tmp_path, spec: str, tokenizer, seq_len=SEQ_LEN, skip_bad_rows=0):
   return source_packed.prepare_source(tmp_path / "data", config)
 
 
-def _reference(tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Each row's ids and loss mask, built by hand: BOS, prompt (0s), completion and EOS (1s)."""
+def _prompt_ids(tokenizer, prompt: str, ids) -> int:
+  """How many of a row's ids (BOS left out) hold prompt text only, found by decoding them.
+
+  The ids before the boundary decode to a prefix of the prompt; the first
+  after it that adds any text adds completion text. Decoding, not the
+  tokenizer's offsets, so that the reference does not repeat the packer.
+  """
+  ids = [int(i) for i in ids]
+  k = 0
+  while k < len(ids):
+    decoded = tokenizer.decode(ids[: k + 1])
+    # A character split into bytes decodes to U+FFFD until its last byte.
+    if len(decoded) > len(prompt) or not prompt.startswith(decoded.rstrip("\ufffd")):
+      break
+    k += 1
+  # Ids that add no text (a dummy prefix) go with the text after them.
+  while k and tokenizer.decode(ids[: k - 1]) == tokenizer.decode(ids[:k]):
+    k -= 1
+  # The first id after them that adds text must add completion text.
+  before = tokenizer.decode(ids[:k])
+  adds = next((j for j in range(k + 1, len(ids) + 1) if tokenizer.decode(ids[:j]) != before), None)
+  assert adds is None or not prompt.startswith(tokenizer.decode(ids[:adds])), (prompt, ids, k)
+  return k
+
+
+def _reference(tokenizer, rows=ROWS) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Each row's ids and loss mask: the whole row's tokens, 0s for BOS and the prompt's, 1s after."""
   ids, masks = [], []
-  for row in ROWS:
-    prompt, completion = tokenizer.encode(row["prompt"]), tokenizer.encode(row["completion"])
-    ids.append(np.array([tokenizer.bos_id, *prompt, *completion, tokenizer.eos_id]))
-    masks.append(np.array([0] * (1 + len(prompt)) + [1] * (len(completion) + 1)))
+  for row in rows:
+    whole = tokenizer.encode(row["prompt"] + row["completion"])
+    prompt = _prompt_ids(tokenizer, row["prompt"], whole)
+    ids.append(np.array([tokenizer.bos_id, *whole, tokenizer.eos_id]))
+    masks.append(np.array([0] * (1 + prompt) + [1] * (len(whole) - prompt + 1)))
   return ids, masks
 
 
 def test_each_token_is_masked_as_the_reference_and_the_boundary_is_exact(tmp_path, tokenizer):
   apart = [tokenizer.encode(r["prompt"]) + tokenizer.encode(r["completion"]) for r in ROWS]
   together = [tokenizer.encode(r["prompt"] + r["completion"]) for r in ROWS]
-  assert apart != together  # so the test tells a packer that tokenized them joined
+  assert apart != together  # so the test tells a packer that tokenized them apart
   prepared = _prepare(tmp_path, _write(tmp_path / "a.jsonl", ROWS), tokenizer)
   assert prepared.documents == len(ROWS)
   records = open_source(prepared.name, TRAIN, str(tmp_path / "data"), None)
   records = [records[i] for i in range(len(records))]
   ids, masks = _reference(tokenizer)
   stream, stream_mask = np.concatenate(ids), np.concatenate(masks)
-  # The completion's tokens decode to the completion: the mask covers it and nothing else.
+  # The loss counts the completion's text, with the prompt's trailing space where one token
+  # holds both (" four").
   for row, example, mask in zip(ROWS, ids, masks):
-    assert tokenizer.decode(example[(mask == 1)][:-1]) == row["completion"]
+    counted = tokenizer.decode(example[(mask == 1)][:-1])
+    assert counted.endswith(row["completion"]) and len(counted) <= len(row["completion"]) + 1
   # The records' runs and loss masks are the reference stream's, token by token.
   run = RUN_WINDOWS * SEQ_LEN
   for r, record in enumerate(records):
@@ -101,6 +136,129 @@ def test_each_token_is_masked_as_the_reference_and_the_boundary_is_exact(tmp_pat
   assert rows["mask"].sum() == sum(m.sum() for m in masks)
   # Segments and positions as for pretraining data: each example its own segment.
   assert rows["segment_ids"][0][0] == 1 and rows["positions"][0][0] == 0
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, tok.Tokenizer]:
+  folder = tmp_path_factory.mktemp("families")
+  return {
+    name: tok.Tokenizer(tokenizer_families.tokenizer_file(name, folder))
+    for name in tokenizer_families.FAMILIES
+  }
+
+
+def _examples(tokenizer, rows) -> list[packed.Example]:
+  file = SourceFile("rows.jsonl", "rows.jsonl", "jsonl", 0, "")
+  read = [Document(file, n + 1, r["completion"], prompt=r["prompt"]) for n, r in enumerate(rows)]
+  return list(source_packed._example_ids(read, tokenizer))
+
+
+def _names(tokenizer, ids) -> list[str]:
+  if tokenizer.kind == "sentencepiece":
+    return [tokenizer._sp.id_to_piece(int(i)) for i in ids]
+  return [tokenizer._hf.id_to_token(int(i)) for i in ids]
+
+
+@pytest.mark.parametrize(
+  "family, prompt, completion, tokens, mask",
+  [
+    # Llama 2 / Mistral: no stray "▁" between the prompt and a completion that starts with a space.
+    ("prepend", "The capital is", " Paris.", ["▁The", "▁capital", "▁is", "▁Paris."], [0, 0, 0, 1]),
+    (
+      "metaspace",
+      "The capital is",
+      " Paris.",
+      ["▁The", "▁capital", "▁is", "▁Paris."],
+      [0, 0, 0, 1],
+    ),
+    # ... nor a doubled one after a prompt that ends in a space: "▁Paris." holds that space.
+    ("prepend", "The capital is ", "Paris.", ["▁The", "▁capital", "▁is", "▁Paris."], [0, 0, 0, 1]),
+    (
+      "metaspace",
+      "The capital is ",
+      "Paris.",
+      ["▁The", "▁capital", "▁is", "▁Paris."],
+      [0, 0, 0, 1],
+    ),
+    (
+      "sentencepiece",
+      "The capital is ",
+      "Paris.",
+      ["▁The", "▁capital", "▁is", "▁", "P", "ar", "is", "."],
+      [0, 0, 0, 0, 1, 1, 1, 1],
+    ),
+    # Llama 3 / Qwen2, and the project's BPE: " Paris" is one token, whichever side has the space.
+    (
+      "byte_level",
+      "The capital is ",
+      "Paris.",
+      ["The", "Ġcapital", "Ġis", "ĠParis", "."],
+      [0, 0, 0, 1, 1],
+    ),
+    (
+      "own_bpe",
+      "The capital is",
+      " Paris.",
+      ["The", "Ġcapital", "Ġis", "ĠParis", "."],
+      [0, 0, 0, 1, 1],
+    ),
+  ],
+)
+def test_a_row_is_the_tokenizers_tokens_of_its_whole_text(
+  families, family, prompt, completion, tokens, mask
+):
+  tokenizer = families[family]
+  [example] = _examples(tokenizer, [{"prompt": prompt, "completion": completion}])
+  assert _names(tokenizer, example.tokens[1:-1]) == tokens
+  assert [example.tokens[0], example.tokens[-1]] == [tokenizer.bos_id, tokenizer.eos_id]
+  assert example.loss_mask.tolist() == [0, *mask, 1]
+
+
+# Words, spaces, line breaks and characters a byte-level BPE splits into bytes.
+TEXTS = st.lists(
+  st.sampled_from(
+    [
+      "The",
+      " capital",
+      " is",
+      "is",
+      " ",
+      "  ",
+      "Paris",
+      ".",
+      "\n",
+      "\n\n",
+      "\t",
+      "é",
+      "東京",
+      "Ω",
+      "12345",
+    ]
+  ),
+  max_size=6,
+).map("".join)
+
+
+@pytest.mark.parametrize("family", tokenizer_families.FAMILIES)
+@settings(
+  max_examples=50,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(prompt=TEXTS, completion=TEXTS)
+def test_any_rows_tokens_are_its_whole_texts_and_the_loss_starts_at_the_completions_text(
+  families, family, prompt, completion
+):
+  tokenizer = families[family]
+  text = prompt + completion
+  assume(tokenizer.decode(tokenizer.encode(text)) == text)  # so decoding finds the boundary
+  row = {"prompt": prompt, "completion": completion}
+  [example] = _examples(tokenizer, [row])
+  ids, masks = _reference(tokenizer, [row])
+  np.testing.assert_array_equal(example.tokens, ids[0])
+  np.testing.assert_array_equal(example.loss_mask, masks[0])
 
 
 def test_a_packed_rows_loss_is_the_sum_of_its_examples_losses_alone(tmp_path, tokenizer):

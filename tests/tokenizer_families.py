@@ -13,19 +13,22 @@ boundaries hard (whitespace runs, "\\n\\n", a word with its leading space):
                 "▁" to the text's first word only (`prepend_scheme="first"`)
   own_bpe       the project's own byte-level BPE (`train_bpe`), whose vocabulary
                 holds "\\n\\n" and runs of spaces
+  sentencepiece a SentencePiece `.model` as Llama 2's is trained: BPE, byte
+                fallback, a dummy prefix, digits split, text not normalized
 
 `tokenizer_file(name, folder)` writes one as a `tokenizer.json`; the
 trained models are made once per process.
 """
 
 import functools
+import io
 import json
 import pathlib
 import textwrap
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-FAMILIES = ("byte_level", "prepend", "metaspace", "own_bpe")
+FAMILIES = ("byte_level", "prepend", "metaspace", "own_bpe", "sentencepiece")
 SPACE = "▁"
 # Llama 3's pre-tokenizer pattern (Qwen2's differs only in single digits).
 LLAMA3_PATTERN = (
@@ -162,6 +165,27 @@ def _own_bpe_json() -> str:
   return text
 
 
+@functools.cache
+def _sentencepiece_bytes() -> bytes:
+  import sentencepiece
+
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+    sentence_iterator=iter([line for line in TRAINING_TEXT.split("\n") if line]),
+    model_writer=model,
+    vocab_size=400,
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=True,
+    character_coverage=1.0,
+    minloglevel=2,
+  )
+  return model.getvalue()
+
+
 def tokenizer_json(name: str) -> str:
   """The `tokenizer.json` text of family `name` (one of `FAMILIES`)."""
   if name == "byte_level":
@@ -174,8 +198,13 @@ def tokenizer_json(name: str) -> str:
 
 
 def tokenizer_file(name: str, folder: pathlib.Path) -> pathlib.Path:
-  """Writes family `name`'s `tokenizer.json` into `folder`; returns its path."""
-  path = pathlib.Path(folder) / f"{name}-tokenizer.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
+  """Writes family `name`'s file (a `tokenizer.json`, or a SentencePiece `.model`) into `folder`."""
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  if name == "sentencepiece":
+    path = folder / "sentencepiece.model"
+    path.write_bytes(_sentencepiece_bytes())
+    return path
+  path = folder / f"{name}-tokenizer.json"
   path.write_text(tokenizer_json(name))
   return path

@@ -24,10 +24,10 @@ how many documents the split took, how many went to the other, and which
 bad rows it skipped.
 
 With `format="prompt_completion"` each JSONL row is a fine-tuning
-example: BOS + prompt + completion + EOS, the prompt and the completion
-tokenized apart so the boundary is exact, and the records carry a
-`loss_mask` that is 1 on the completion's tokens and the EOS only
-(`packed.Example`), so the LM loss counts nothing of the prompt.
+example: BOS + prompt + completion + EOS, the text tokenized whole (the
+tokens the model reads at inference), and the records carry a `loss_mask`
+that is 1 on each token that holds completion text and on the EOS
+(`packed.Example`), so the LM loss counts no token of the prompt alone.
 
 A build is shared by the processes that prepare it
 (`trainers.data.source_shards`): each tokenizes its share of the files and
@@ -69,6 +69,7 @@ _ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
 _CUT_CHECK_CHARS = 1024  # of the lines either side of a large file's cut, tokenized to check it
 _CUT_TRIES = 64  # lines a cut may move on before the pieces are joined
 _TXT_CUTS = "cuts-see-whitespace"  # in the name of a build with .txt files: how they were cut
+_ROWS_WHOLE = "rows-tokenized-whole"  # ... of prompt/completion rows (once tokenized apart)
 FORMATS = ("text", "prompt_completion")  # config.data.format
 
 
@@ -125,6 +126,8 @@ def source_config(
   ]
   if format != "text":  # so the names of text builds prepared before stay theirs
     key.append(format)
+  if format == "prompt_completion" and tokenizer:
+    key.append(_ROWS_WHOLE)
   if tokenizer and any(f.format == "txt" for f in source.files):
     # .txt builds cut before blank lines were checked may differ from the file's ids whole.
     key.append(_TXT_CUTS)
@@ -235,9 +238,9 @@ def _example_ids(
 ) -> Iterator[packed.Example]:
   """Each prompt/completion as BOS + prompt + completion + EOS, the loss on completion and EOS.
 
-  The prompt and the completion are tokenized apart, so the boundary is
-  where the row puts it whatever the tokenizer would merge across it.
-  Bytes: the texts' bytes, unframed (a byte vocabulary has no room for markers).
+  The row is tokenized whole, as the tokenizer sees the text at inference
+  (`_framed_examples`). Bytes: the texts' bytes, unframed (a byte vocabulary
+  has no room for markers).
   """
   for batch in _encode_batches(documents, lambda d: len(d.prompt) + len(d.text)):
     yield from _framed_examples(batch, tokenizer)
@@ -264,22 +267,45 @@ def _encode_batches(items: Iterable, chars_of: Callable[[Any], int]) -> Iterator
 def _framed_examples(
   batch: list[Document], tokenizer: Tokenizer | None
 ) -> Iterator[packed.Example]:
+  """The examples' tokens and loss masks: 1 on each token that holds completion text, and the EOS.
+
+  The tokens are the tokenizer's of the whole text, prompt and completion
+  joined, so a row is what the model reads at inference: no token that
+  tokenizing them apart would add (a SentencePiece-style "▁" before a
+  completion that starts with a space, or a doubled one after a prompt that
+  ends in one). A token that holds text of both (" Paris" after a prompt
+  that ends in a space) counts, since it is the first the model must emit.
+  """
   if tokenizer is None:
-    encode = [d.prompt.encode("utf-8", "surrogateescape") for d in batch]
-    prompts = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
-    encode = [d.text.encode("utf-8", "surrogateescape") for d in batch]
-    completions = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
-    bos = eos = []
-  else:
-    prompts = tokenizer.encode_batch([d.prompt for d in batch])
-    completions = tokenizer.encode_batch([d.text for d in batch])
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-  for prompt, completion in zip(prompts, completions):
-    tokens = np.concatenate([np.asarray(bos + list(prompt), np.int64), completion, eos])
-    mask = np.zeros(len(tokens), np.uint8)
-    mask[len(bos) + len(prompt) :] = 1  # the completion and the EOS
-    yield packed.Example(tokens.astype(np.int64), mask)
+    for d in batch:
+      prompt = d.prompt.encode("utf-8", "surrogateescape")
+      text = np.frombuffer(prompt + d.text.encode("utf-8", "surrogateescape"), np.uint8)
+      mask = np.zeros(len(text), np.uint8)
+      mask[len(prompt) :] = 1
+      yield packed.Example(text.astype(np.int64), mask)
+    return
+  bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+  eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  encoded = tokenizer.encode_batch_with_offsets([d.prompt + d.text for d in batch])
+  for d, (ids, spans) in zip(batch, encoded):
+    completion = _holds_text(spans, len(d.prompt), len(d.prompt) + len(d.text))
+    tokens = np.concatenate([np.asarray(bos, np.int64), ids, np.asarray(eos, np.int64)])
+    mask = np.concatenate([np.zeros(len(bos), np.uint8), completion, np.ones(len(eos), np.uint8)])
+    yield packed.Example(tokens, mask)
+
+
+def _holds_text(spans: np.ndarray, start: int, end: int) -> np.ndarray:
+  """1 for each token whose span `[a, b)` holds characters of `[start, end)`, as uint8.
+
+  A token that holds none (an empty span) goes with what follows it: it
+  counts when it stands in the text `[start, end)`.
+
+  >>> _holds_text(np.array([[0, 3], [3, 8], [8, 8], [8, 12]]), 5, 12).tolist()
+  [0, 1, 1, 1]
+  """
+  a, b = spans[:, 0], spans[:, 1]
+  inside = np.where(a == b, (a >= start) & (a < end), (b > start) & (a < end))
+  return inside.astype(np.uint8)
 
 
 def _encoded(
