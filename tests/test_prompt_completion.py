@@ -261,6 +261,68 @@ def test_any_rows_tokens_are_its_whole_texts_and_the_loss_starts_at_the_completi
   np.testing.assert_array_equal(example.loss_mask, masks[0])
 
 
+@st.composite
+def packed_examples(draw) -> tuple[list[packed.Example], int, int]:
+  """Examples of any lengths and masks, and a window and a record size to pack them in."""
+  examples = []
+  for _ in range(draw(st.integers(1, 6))):
+    length = draw(st.integers(1, 12))
+    tokens = draw(st.lists(st.integers(3, 399), min_size=length, max_size=length))
+    mask = draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
+    examples.append(packed.Example(np.array(tokens, np.int64), np.array(mask, np.uint8)))
+  return examples, draw(st.integers(2, 9)), draw(st.integers(1, 3))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(drawn=packed_examples())
+def test_a_packed_rows_tokens_and_mask_are_its_examples(drawn):
+  """Packed by the source's packer and read back: every row against the examples' own stream."""
+  import tempfile
+
+  from trainers.data import source_shards
+
+  examples, seq_len, run_windows = drawn
+  with tempfile.TemporaryDirectory() as root:
+    folder = f"{root}/{source_packed.NAME}/drawn/{source_packed.VERSION}"
+    layout = source_shards.ShardLayout(
+      seq_len=seq_len, run_windows=run_windows, vocab_size=400, split=TRAIN, loss_mask=True
+    )
+    source_shards.prepare_shards(folder, [1], lambda i: (examples, dict), lambda notes: {}, layout)
+    records = open_source(f"{source_packed.NAME}/drawn:{source_packed.VERSION}", TRAIN, root)
+    records = [records[i] for i in range(len(records))]
+  stream = np.concatenate([e.tokens for e in examples])
+  counted = np.concatenate([e.loss_mask for e in examples])
+  owner = np.concatenate([np.full(len(e.tokens), n) for n, e in enumerate(examples)])
+  windows = -(-len(stream) // seq_len)
+  which = np.arange(windows)
+  rows = packed.packed_batch(seq_len)(
+    [records[w // run_windows] for w in which], which % run_windows
+  )
+  for w in which:
+    at = np.arange(w * seq_len, (w + 1) * seq_len)  # the inputs' places in the stream
+    real, target = at < len(stream), at + 1 < len(stream)
+    inputs = np.where(real, stream[np.minimum(at, len(stream) - 1)], 0)
+    targets = np.where(target, stream[np.minimum(at + 1, len(stream) - 1)], 0)
+    # A target counts when it is its example's, the input's example's, and marked.
+    same = target & (
+      owner[np.minimum(at + 1, len(stream) - 1)] == owner[np.minimum(at, len(stream) - 1)]
+    )
+    mask = same & (counted[np.minimum(at + 1, len(stream) - 1)] == 1)
+    # Segments: the row's examples numbered from 1 in order; positions count within each.
+    mine = owner[np.minimum(at, len(stream) - 1)]
+    segments = np.where(real, mine - mine[0] + 1, 0)
+    first = np.array([np.argmax(mine == m) for m in mine])
+    positions = np.where(real, np.arange(seq_len) - first, 0)
+    for key, want in [
+      ("inputs", inputs),
+      ("targets", targets),
+      ("mask", mask),
+      ("segment_ids", segments),
+      ("positions", positions),
+    ]:
+      np.testing.assert_array_equal(rows[key][w], want, err_msg=f"{key} of window {w}")
+
+
 def test_a_packed_rows_loss_is_the_sum_of_its_examples_losses_alone(tmp_path, tokenizer):
   """One window holds every example; the tiny model is made here (no training to share)."""
   ids, masks = _reference(tokenizer)
