@@ -153,12 +153,6 @@ def _examples(tokenizer, rows) -> list[packed.Example]:
   return list(source_packed._example_ids(read, tokenizer))
 
 
-def _names(tokenizer, ids) -> list[str]:
-  if tokenizer.kind == "sentencepiece":
-    return [tokenizer._sp.id_to_piece(int(i)) for i in ids]
-  return [tokenizer._hf.id_to_token(int(i)) for i in ids]
-
-
 @pytest.mark.parametrize(
   "family, prompt, completion, tokens, mask",
   [
@@ -209,7 +203,7 @@ def test_a_row_is_the_tokenizers_tokens_of_its_whole_text(
 ):
   tokenizer = families[family]
   [example] = _examples(tokenizer, [{"prompt": prompt, "completion": completion}])
-  assert _names(tokenizer, example.tokens[1:-1]) == tokens
+  assert tokenizer_families.token_names(tokenizer, example.tokens[1:-1]) == tokens
   assert [example.tokens[0], example.tokens[-1]] == [tokenizer.bos_id, tokenizer.eos_id]
   assert example.loss_mask.tolist() == [0, *mask, 1]
 

@@ -41,8 +41,8 @@ def _whole(text: str, tokenizer: Tokenizer) -> np.ndarray:
 
 def _first_difference(got: np.ndarray, want: np.ndarray, tokenizer: Tokenizer) -> str:
   at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-  pieces = [tokenizer._hf.id_to_token(int(i)) for i in got[max(0, at - 2) : at + 2]]
-  whole = [tokenizer._hf.id_to_token(int(i)) for i in want[max(0, at - 2) : at + 2]]
+  pieces = tokenizer_families.token_names(tokenizer, got[max(0, at - 2) : at + 2])
+  whole = tokenizer_families.token_names(tokenizer, want[max(0, at - 2) : at + 2])
   return f"{len(got)} ids in pieces, {len(want)} whole; at id {at}: {pieces} vs {whole}"
 
 

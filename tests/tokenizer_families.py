@@ -208,3 +208,10 @@ def tokenizer_file(name: str, folder: pathlib.Path) -> pathlib.Path:
   path = folder / f"{name}-tokenizer.json"
   path.write_text(tokenizer_json(name))
   return path
+
+
+def token_names(tokenizer, ids) -> list[str]:
+  """The vocabulary's names of `ids` for a `trainers.data.tokenizer.Tokenizer`, for messages."""
+  if tokenizer.kind == "sentencepiece":
+    return [tokenizer._sp.id_to_piece(int(i)) for i in ids]
+  return [tokenizer._hf.id_to_token(int(i)) for i in ids]
