@@ -75,6 +75,9 @@ def test_a_text_file_read_in_pieces_gives_the_ids_of_the_whole(
   got = _stream(source_packed._token_ids(read, tokenizer))
   want = _whole(text, tokenizer)
   assert np.array_equal(got, want), _first_difference(got, want, tokenizer)
+  # Tokenized in pieces, not joined into the file: memory holds a piece, for every family.
+  pieces = [len(p.text) for p in source_packed._pieces(read, tokenizer)]
+  assert len(pieces) > len(text) // 256 and max(pieces) < 1024, (len(pieces), max(pieces))
 
 
 LINES = st.sampled_from(

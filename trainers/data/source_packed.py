@@ -9,8 +9,9 @@ file in row order, tokenized a batch at a time, framed with BOS/EOS, and
 packed as they come. Memory holds a batch of documents and one run,
 whatever the source's size. A .txt file, one document, is read, tokenized
 and packed in pieces cut at line breaks, with the ids of the whole: a cut
-moves on past lines the tokenizer would tokenize otherwise apart than
-together. They are packed in reading order, not
+moves on past lines whose ids depend on the text across it, and a piece
+is tokenized after the lines before it (`_pieces`). They are packed in
+reading order, not
 shuffled: the input pipeline shuffles the windows every epoch (records,
 then windows within blocks), so the documents' order only decides which
 share a window, and a source packs the same for any seed (its key has
@@ -229,7 +230,7 @@ def _token_ids(
       ids = np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
       yield packed.Continued(ids) if document.part else ids
     return
-  for batch in _encode_batches(_pieces(documents, tokenizer), lambda piece: len(piece[0])):
+  for batch in _encode_batches(_pieces(documents, tokenizer), lambda piece: len(piece.text)):
     yield from _encoded(batch, tokenizer)
 
 
@@ -308,50 +309,67 @@ def _holds_text(spans: np.ndarray, start: int, end: int) -> np.ndarray:
   return inside.astype(np.uint8)
 
 
-def _encoded(
-  batch: list[tuple[str, bool, bool]], tokenizer: Tokenizer
-) -> Iterator[np.ndarray | packed.Continued]:
-  for (_, start, end), ids in zip(batch, tokenizer.encode_batch([t for t, _, _ in batch])):
-    ids = packed.framed(ids, tokenizer, start, end)
-    yield ids if start else packed.Continued(ids)
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """A piece of a document, and the text before it that it is tokenized after."""
+
+  text: str
+  starts: bool  # the document's first piece
+  ends: bool  # its last
+  context: str = ""  # the lines before the cut, tokenized with the piece ...
+  context_ids: int = 0  # ... into this many ids, which are not the piece's
 
 
-def _pieces(
-  documents: Iterable[Document], tokenizer: Tokenizer
-) -> Iterator[tuple[str, bool, bool]]:
-  """`(text, starts a document, ends it)`: the documents' pieces, cut where the tokenizer can.
+def _encoded(batch: list[_Piece], tokenizer: Tokenizer) -> Iterator[np.ndarray | packed.Continued]:
+  for piece, ids in zip(batch, tokenizer.encode_batch([p.context + p.text for p in batch])):
+    ids = packed.framed(ids[piece.context_ids :], tokenizer, piece.starts, piece.ends)
+    yield ids if piece.starts else packed.Continued(ids)
 
-  A cut is moved on, a line at a time, past lines the tokenizer would
-  tokenize otherwise apart than together (whitespace that merges across the
-  line break, a dummy prefix at a text's start), so the ids are the whole
-  document's. A tokenizer that cuts cleanly nowhere gets the document whole.
+
+def _pieces(documents: Iterable[Document], tokenizer: Tokenizer) -> Iterator[_Piece]:
+  """The documents' pieces, cut where the tokenizer can (`_clean_cut`), so the ids are the whole's.
+
+  A cut is moved on, a line at a time, past lines whose ids depend on the
+  text across it (whitespace that merges across the line break). A piece
+  after a cut is tokenized after the lines before the cut, whose ids are
+  then dropped: a tokenizer that marks a text's start (SentencePiece's dummy
+  prefix) marks the context's, not the piece's. A document that cuts
+  cleanly nowhere is tokenized whole.
   """
-  held: list = []  # [text, starts a document]
+  held: _Piece | None = None
   for document in documents:
     if held and document.part:
-      at = _clean_cut(tokenizer, held[0], document.text)
-      if at is None:
-        held[0] += document.text
+      cut = _clean_cut(tokenizer, held.text, document.text)
+      if cut is None:
+        held = dataclasses.replace(held, text=held.text + document.text)
         continue
-      yield held[0] + document.text[:at], held[1], False
-      held = [document.text[at:], False]
+      yield dataclasses.replace(held, text=held.text + document.text[: cut.at], ends=False)
+      held = _Piece(document.text[cut.at :], False, True, cut.context, cut.context_ids)
       continue
     if held:
-      yield held[0], held[1], True
-    held = [document.text, not document.part]
+      yield held
+    held = _Piece(document.text, not document.part, True)
   if held:
-    yield held[0], held[1], True
+    yield held
 
 
-def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+  at: int  # where in the text after the cut
+  context: str  # the lines before it that the rest is tokenized after
+  context_ids: int  # the context's ids
+
+
+def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> _Cut | None:
   """The first line break of `after` (0: its start) where the tokenizer cuts cleanly, if any.
 
-  Clean: the text either side of the cut tokenizes apart as together, each
-  side taken to the line that holds its nearest character other than
-  whitespace (`_back_to_text`, `_on_to_text`). Whitespace that runs across
-  the cut (blank lines, a line's indent) is then all in the check: a BPE
-  that merges "\\n\\n" tokenizes ")\\n\\nclass" otherwise than ")\\n\\n" and
-  "class", though "\\n" and "class" tokenize alike apart and together.
+  Clean: the ids of the text before the cut are the same with or without
+  the text after it, each side taken to the line that holds its nearest
+  character other than whitespace (`_back_to_text`, `_on_to_text`).
+  Whitespace that runs across the cut (blank lines, a line's indent) is
+  then all in the check: a BPE that merges "\\n\\n" tokenizes ")\\n\\nclass"
+  otherwise than ")\\n\\n", though "\\n" tokenizes alike before "class".
+  The text after the cut is tokenized after that context (`_Piece`).
 
   The tests cut files of each tokenizer family (tests/test_text_pieces.py).
   """
@@ -361,8 +379,9 @@ def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> int | None:
     left = _back_to_text((tail + after[max(0, at - _CUT_CHECK_CHARS) : at])[-_CUT_CHECK_CHARS:])
     right = _on_to_text(after[at : at + _CUT_CHECK_CHARS])
     if left and right:
-      if tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right):
-        return at
+      alone = tokenizer.encode(left)
+      if tokenizer.encode(left + right)[: len(alone)] == alone:
+        return _Cut(at, left, len(alone))
     at = after.find("\n", at) + 1
     if not at or at >= len(after):
       return None
