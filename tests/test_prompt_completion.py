@@ -65,29 +65,24 @@ def _prepare(tmp_path, spec: str, tokenizer, seq_len=SEQ_LEN, skip_bad_rows=0):
   return source_packed.prepare_source(tmp_path / "data", config)
 
 
-def _prompt_ids(tokenizer, prompt: str, ids) -> int:
-  """How many of a row's ids (BOS left out) hold prompt text only, found by decoding them.
+def _prompt_ids(tokenizer, prompt: str, ids) -> tuple[int, int]:
+  """How many of a row's ids (BOS left out) hold prompt text only: at least, at most.
 
-  The ids before the boundary decode to a prefix of the prompt; the first
-  after it that adds any text adds completion text. Decoding, not the
-  tokenizer's offsets, so that the reference does not repeat the packer.
+  Found by decoding the ids' prefixes, not from the tokenizer's offsets, so
+  that the reference does not repeat the packer. Where each id adds text
+  the two are equal. Ids that add none (a dummy prefix) may go either way,
+  and a character split into bytes decodes (to U+FFFD) only when whole, so
+  the boundary is known to within the ids of the prompt's last character
+  and the completion's first.
   """
   ids = [int(i) for i in ids]
-  k = 0
-  while k < len(ids):
-    decoded = tokenizer.decode(ids[: k + 1])
-    # A character split into bytes decodes to U+FFFD until its last byte.
-    if len(decoded) > len(prompt) or not prompt.startswith(decoded.rstrip("\ufffd")):
-      break
-    k += 1
-  # Ids that add no text (a dummy prefix) go with the text after them.
-  while k and tokenizer.decode(ids[: k - 1]) == tokenizer.decode(ids[:k]):
-    k -= 1
-  # The first id after them that adds text must add completion text.
-  before = tokenizer.decode(ids[:k])
-  adds = next((j for j in range(k + 1, len(ids) + 1) if tokenizer.decode(ids[:j]) != before), None)
-  assert adds is None or not prompt.startswith(tokenizer.decode(ids[:adds])), (prompt, ids, k)
-  return k
+  texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+  clean = [i for i, text in enumerate(texts) if "\ufffd" not in text]  # rows hold no U+FFFD
+  within = [i for i in clean if len(texts[i]) <= len(prompt)]
+  assert prompt.startswith(texts[within[-1]]), (prompt, texts)
+  at_least = min(i for i in within if texts[i] == texts[within[-1]])
+  past = [i for i in clean if len(texts[i]) > len(prompt)]
+  return at_least, (past[0] - 1 if past else len(ids))
 
 
 def _reference(tokenizer, rows=ROWS) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -95,9 +90,10 @@ def _reference(tokenizer, rows=ROWS) -> tuple[list[np.ndarray], list[np.ndarray]
   ids, masks = [], []
   for row in rows:
     whole = tokenizer.encode(row["prompt"] + row["completion"])
-    prompt = _prompt_ids(tokenizer, row["prompt"], whole)
+    at_least, at_most = _prompt_ids(tokenizer, row["prompt"], whole)
+    assert at_least == at_most, row  # rows whose boundary decoding finds
     ids.append(np.array([tokenizer.bos_id, *whole, tokenizer.eos_id]))
-    masks.append(np.array([0] * (1 + prompt) + [1] * (len(whole) - prompt + 1)))
+    masks.append(np.array([0] * (1 + at_least) + [1] * (len(whole) - at_least + 1)))
   return ids, masks
 
 
@@ -248,11 +244,15 @@ def test_any_rows_tokens_are_its_whole_texts_and_the_loss_starts_at_the_completi
   tokenizer = families[family]
   text = prompt + completion
   assume(tokenizer.decode(tokenizer.encode(text)) == text)  # so decoding finds the boundary
-  row = {"prompt": prompt, "completion": completion}
-  [example] = _examples(tokenizer, [row])
-  ids, masks = _reference(tokenizer, [row])
-  np.testing.assert_array_equal(example.tokens, ids[0])
-  np.testing.assert_array_equal(example.loss_mask, masks[0])
+  [example] = _examples(tokenizer, [{"prompt": prompt, "completion": completion}])
+  whole = tokenizer.encode(text)
+  np.testing.assert_array_equal(example.tokens, [tokenizer.bos_id, *whole, tokenizer.eos_id])
+  # BOS and the prompt's ids 0, then 1 on every id to the EOS.
+  prompt_ids = len(whole) - int(example.loss_mask[1:-1].sum())
+  want = [0] * (1 + prompt_ids) + [1] * (len(whole) - prompt_ids + 1)
+  np.testing.assert_array_equal(example.loss_mask, want)
+  at_least, at_most = _prompt_ids(tokenizer, prompt, whole)
+  assert at_least <= prompt_ids <= at_most, (at_least, prompt_ids, at_most)
 
 
 @st.composite
