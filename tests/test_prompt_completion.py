@@ -177,6 +177,8 @@ def _examples(tokenizer, rows) -> list[packed.Example]:
       ["▁The", "▁capital", "▁is", "▁", "P", "ar", "is", "."],
       [0, 0, 0, 0, 1, 1, 1, 1],
     ),
+    # A space token that ends the prompt is the prompt's, though GPT-2's file trims its offsets.
+    ("gpt2", "x ", "\n", ["x", "Ġ", "Ċ"], [0, 0, 1]),
     # Llama 3 / Qwen2, and the project's BPE: " Paris" is one token, whichever side has the space.
     (
       "byte_level",

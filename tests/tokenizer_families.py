@@ -6,6 +6,9 @@ boundaries hard (whitespace runs, "\\n\\n", a word with its leading space):
 
   byte_level    Llama 3 / Qwen2: a Split on Llama 3's regex, then ByteLevel
                 without a prefix space; `<|begin_of_text|>` / `<|end_of_text|>`
+  gpt2          GPT-2 (and the models that kept its file's shape): ByteLevel
+                with its own regex, and a ByteLevel post-processor that trims
+                spaces from the tokens' offsets; `<|endoftext|>` for both
   prepend       Llama 2 / Mistral as converted from SentencePiece: a Prepend("▁")
                 and Replace(" ", "▁") normalizer, no pre-tokenizer, byte fallback
                 (`<0x0A>` for a line break); `<s>` / `</s>`
@@ -26,9 +29,18 @@ import json
 import pathlib
 import textwrap
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+  Regex,
+  Tokenizer,
+  decoders,
+  models,
+  normalizers,
+  pre_tokenizers,
+  processors,
+  trainers,
+)
 
-FAMILIES = ("byte_level", "prepend", "metaspace", "own_bpe", "sentencepiece")
+FAMILIES = ("byte_level", "gpt2", "prepend", "metaspace", "own_bpe", "sentencepiece")
 SPACE = "▁"
 # Llama 3's pre-tokenizer pattern (Qwen2's differs only in single digits).
 LLAMA3_PATTERN = (
@@ -76,18 +88,25 @@ TRAINING_TEXT = (CODE + "\n\n" + PROSE) * 8
 
 
 @functools.cache
-def _byte_level_json() -> str:
-  tok = Tokenizer(models.BPE(ignore_merges=True))
-  tok.pre_tokenizer = pre_tokenizers.Sequence(
-    [
-      pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-    ]
-  )
+def _byte_level_json(gpt2: bool) -> str:
+  if gpt2:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    specials = ["<|endoftext|>"]
+  else:
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+      ]
+    )
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
     vocab_size=VOCAB,
-    special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+    special_tokens=specials,
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     show_progress=False,
   )
@@ -188,8 +207,8 @@ def _sentencepiece_bytes() -> bytes:
 
 def tokenizer_json(name: str) -> str:
   """The `tokenizer.json` text of family `name` (one of `FAMILIES`)."""
-  if name == "byte_level":
-    return _byte_level_json()
+  if name in ("byte_level", "gpt2"):
+    return _byte_level_json(gpt2=name == "gpt2")
   if name in ("prepend", "metaspace"):
     return _sentencepiece_json(metaspace=name == "metaspace")
   if name == "own_bpe":

@@ -99,6 +99,10 @@ class Tokenizer:
       # Text that spells a special token ("<s>" in an HTML file) is text, never a
       # marker: only packing puts BOS/EOS (and nothing puts pad) in the stream.
       self._hf.encode_special_tokens = True
+      # Ids never come from the post-processor here (it adds markers only with
+      # add_special_tokens, which is never asked), and one that trims spaces from
+      # the offsets (GPT-2's ByteLevel) would take a space token's text from it.
+      self._hf.post_processor = None
       self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
       self.bos_id = _first_id(self._hf, BOS_NAMES)
       self.eos_id = _first_id(self._hf, EOS_NAMES)
