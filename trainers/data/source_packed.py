@@ -25,8 +25,8 @@ how many documents the split took, how many went to the other, and which
 bad rows it skipped.
 
 With `format="prompt_completion"` each JSONL row is a fine-tuning
-example: BOS + prompt + completion + EOS, the text tokenized whole (the
-tokens the model reads at inference), and the records carry a `loss_mask`
+example: BOS + prompt + completion + EOS, the text tokenized whole (as
+any document is), and the records carry a `loss_mask`
 that is 1 on each token that holds completion text and on the EOS
 (`packed.Example`), so the LM loss counts no token of the prompt alone.
 
@@ -239,8 +239,7 @@ def _example_ids(
 ) -> Iterator[packed.Example]:
   """Each prompt/completion as BOS + prompt + completion + EOS, the loss on completion and EOS.
 
-  The row is tokenized whole, as the tokenizer sees the text at inference
-  (`_framed_examples`). Bytes: the texts' bytes, unframed (a byte vocabulary
+  The row is tokenized whole, as any document is (`_framed_examples`). Bytes: the texts' bytes, unframed (a byte vocabulary
   has no room for markers).
   """
   for batch in _encode_batches(documents, lambda d: len(d.prompt) + len(d.text)):
@@ -271,7 +270,7 @@ def _framed_examples(
   """The examples' tokens and loss masks: 1 on each token that holds completion text, and the EOS.
 
   The tokens are the tokenizer's of the whole text, prompt and completion
-  joined, so a row is what the model reads at inference: no token that
+  joined, as any document's are: no token that
   tokenizing them apart would add (a SentencePiece-style "▁" before a
   completion that starts with a space, or a doubled one after a prompt that
   ends in one). A token that holds text of both (" Paris" after a prompt
