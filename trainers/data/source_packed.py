@@ -11,11 +11,10 @@ whatever the source's size. A .txt file, one document, is read, tokenized
 and packed in pieces cut at line breaks, with the ids of the whole: a cut
 moves on past lines whose ids depend on the text across it, and a piece
 is tokenized after the lines before it (`_pieces`). They are packed in
-reading order, not
-shuffled: the input pipeline shuffles the windows every epoch (records,
-then windows within blocks), so the documents' order only decides which
-share a window, and a source packs the same for any seed (its key has
-none).
+reading order, not shuffled: the input pipeline shuffles the windows every
+epoch (records, then windows within blocks), so the documents' order only
+decides which share a window, and a source packs the same for any seed
+(its key has none).
 
 A document belongs to a split by a hash of its key (its file's key and
 row, `trainers.data.holdout`): the build of a split keeps the documents
@@ -26,9 +25,9 @@ bad rows it skipped.
 
 With `format="prompt_completion"` each JSONL row is a fine-tuning
 example: BOS + prompt + completion + EOS, the text tokenized whole (as
-any document is), and the records carry a `loss_mask`
-that is 1 on each token that holds completion text and on the EOS
-(`packed.Example`), so the LM loss counts no token of the prompt alone.
+any document is), and the records carry a `loss_mask` that is 1 on each
+token that holds completion text and on the EOS (`packed.Example`), so the
+LM loss counts no token of the prompt alone.
 
 A build is shared by the processes that prepare it
 (`trainers.data.source_shards`): each tokenizes its share of the files and
@@ -239,8 +238,9 @@ def _example_ids(
 ) -> Iterator[packed.Example]:
   """Each prompt/completion as BOS + prompt + completion + EOS, the loss on completion and EOS.
 
-  The row is tokenized whole, as any document is (`_framed_examples`). Bytes: the texts' bytes, unframed (a byte vocabulary
-  has no room for markers).
+  The row is tokenized whole, as any document is (`_framed_examples`).
+  Bytes: the texts' bytes, unframed (a byte vocabulary has no room for
+  markers).
   """
   for batch in _encode_batches(documents, lambda d: len(d.prompt) + len(d.text)):
     yield from _framed_examples(batch, tokenizer)
@@ -270,10 +270,9 @@ def _framed_examples(
   """The examples' tokens and loss masks: 1 on each token that holds completion text, and the EOS.
 
   The tokens are the tokenizer's of the whole text, prompt and completion
-  joined, as any document's are: no token that
-  tokenizing them apart would add (a SentencePiece-style "▁" before a
-  completion that starts with a space, or a doubled one after a prompt that
-  ends in one). A token that holds text of both (" Paris" after a prompt
+  joined, as any document's are: no token that tokenizing them apart would
+  add (a SentencePiece-style "▁" before a completion that starts with a
+  space, or a doubled one after a prompt that ends in one). A token that holds text of both (" Paris" after a prompt
   that ends in a space) counts, since it is the first the model must emit.
   """
   if tokenizer is None:
@@ -354,6 +353,8 @@ def _pieces(documents: Iterable[Document], tokenizer: Tokenizer) -> Iterator[_Pi
 
 @dataclasses.dataclass(frozen=True)
 class _Cut:
+  """Where a document's next piece starts, and what it is tokenized after."""
+
   at: int  # where in the text after the cut
   context: str  # the lines before it that the rest is tokenized after
   context_ids: int  # the context's ids
