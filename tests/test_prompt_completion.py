@@ -7,6 +7,7 @@ a reference that finds the boundary by decoding; for each tokenizer family users
 examples' losses alone; bad rows are named by file and line. In-process."""
 
 import json
+import tempfile
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tests import tokenizer_families
-from trainers.data import packed, source_packed
+from trainers.data import packed, source_packed, source_shards
 from trainers.data import tokenizer as tok
 from trainers.data.datasets import open_source
 from trainers.data.documents import Document
@@ -273,10 +274,6 @@ def packed_examples(draw) -> tuple[list[packed.Example], int, int]:
 @given(drawn=packed_examples())
 def test_a_packed_rows_tokens_and_mask_are_its_examples(drawn):
   """Packed by the source's packer and read back: every row against the examples' own stream."""
-  import tempfile
-
-  from trainers.data import source_shards
-
   examples, seq_len, run_windows = drawn
   with tempfile.TemporaryDirectory() as root:
     folder = f"{root}/{source_packed.NAME}/drawn/{source_packed.VERSION}"
@@ -297,17 +294,13 @@ def test_a_packed_rows_tokens_and_mask_are_its_examples(drawn):
   for w in which:
     at = np.arange(w * seq_len, (w + 1) * seq_len)  # the inputs' places in the stream
     real, target = at < len(stream), at + 1 < len(stream)
-    inputs = np.where(real, stream[np.minimum(at, len(stream) - 1)], 0)
-    targets = np.where(target, stream[np.minimum(at + 1, len(stream) - 1)], 0)
-    # A target counts when it is its example's, the input's example's, and marked.
-    same = target & (
-      owner[np.minimum(at + 1, len(stream) - 1)] == owner[np.minimum(at, len(stream) - 1)]
-    )
-    mask = same & (counted[np.minimum(at + 1, len(stream) - 1)] == 1)
+    here, after = np.minimum(at, len(stream) - 1), np.minimum(at + 1, len(stream) - 1)
+    inputs, targets = np.where(real, stream[here], 0), np.where(target, stream[after], 0)
+    # A target counts when it is the input's example's, and marked.
+    mask = target & (owner[after] == owner[here]) & (counted[after] == 1)
     # Segments: the row's examples numbered from 1 in order; positions count within each.
-    mine = owner[np.minimum(at, len(stream) - 1)]
-    segments = np.where(real, mine - mine[0] + 1, 0)
-    first = np.array([np.argmax(mine == m) for m in mine])
+    segments = np.where(real, owner[here] - owner[here][0] + 1, 0)
+    first = np.array([np.argmax(owner[here] == m) for m in owner[here]])
     positions = np.where(real, np.arange(seq_len) - first, 0)
     for key, want in [
       ("inputs", inputs),

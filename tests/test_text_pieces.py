@@ -1,8 +1,9 @@
 """A `.txt` file read in pieces tokenizes as it would whole (issue 59, defect 2), for each tokenizer
 family users bring (`tests/tokenizer_families.py`): code with blank lines before a cut, CRLF, lines
-longer than a piece and non-ASCII text at the pieces' boundaries. In-process: the pieces come from
-the source's reader with a small piece size, and a `hypothesis` property cuts any text at any of
-its line breaks."""
+longer than a piece and non-ASCII text at the pieces' boundaries, and the file is tokenized a piece
+at a time with every family (SentencePiece's dummy prefix included). In-process: the pieces come
+from the source's reader with a small piece size, and a `hypothesis` property cuts several files
+in a row at any of their line breaks."""
 
 import itertools
 

@@ -19,16 +19,18 @@ boundaries hard (whitespace runs, "\\n\\n", a word with its leading space):
   sentencepiece a SentencePiece `.model` as Llama 2's is trained: BPE, byte
                 fallback, a dummy prefix, digits split, text not normalized
 
-`tokenizer_file(name, folder)` writes one as a `tokenizer.json`; the
-trained models are made once per process.
+`tokenizer_file(name, folder)` writes one (a `tokenizer.json`, or the
+`.model`); the trained models are made once per process.
 """
 
 import functools
 import io
 import json
 import pathlib
+import tempfile
 import textwrap
 
+import sentencepiece
 from tokenizers import (
   Regex,
   Tokenizer,
@@ -37,8 +39,10 @@ from tokenizers import (
   normalizers,
   pre_tokenizers,
   processors,
-  trainers,
 )
+from tokenizers import trainers as hf_trainers
+
+from trainers.data.tokenizer import train_bpe
 
 FAMILIES = ("byte_level", "gpt2", "prepend", "metaspace", "own_bpe", "sentencepiece")
 SPACE = "▁"
@@ -104,7 +108,7 @@ def _byte_level_json(gpt2: bool) -> str:
     )
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
+  trainer = hf_trainers.BpeTrainer(
     vocab_size=VOCAB,
     special_tokens=specials,
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -122,7 +126,7 @@ def _sentencepiece_model() -> dict:
   tok.pre_tokenizer = pre_tokenizers.Metaspace(SPACE, prepend_scheme="always", split=True)
   # Lines apart, so that a line break is no character of the vocabulary (it is `<0x0A>`).
   lines = [line for line in TRAINING_TEXT.replace("\r\n", "\n").split("\n") if line]
-  trainer = trainers.BpeTrainer(
+  trainer = hf_trainers.BpeTrainer(
     vocab_size=VOCAB,
     special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))],
     show_progress=False,
@@ -170,11 +174,6 @@ def _sentencepiece_json(metaspace: bool) -> str:
 
 @functools.cache
 def _own_bpe_json() -> str:
-  # The project's trainer, imported here so that this module's users need not build it.
-  import tempfile
-
-  from trainers.data.tokenizer import train_bpe
-
   with tempfile.TemporaryDirectory() as folder:
     path = train_bpe([TRAINING_TEXT], VOCAB, pathlib.Path(folder) / "tokenizer.json")
     text = path.read_text()
@@ -186,8 +185,6 @@ def _own_bpe_json() -> str:
 
 @functools.cache
 def _sentencepiece_bytes() -> bytes:
-  import sentencepiece
-
   model = io.BytesIO()
   sentencepiece.SentencePieceTrainer.train(
     sentence_iterator=iter([line for line in TRAINING_TEXT.split("\n") if line]),
