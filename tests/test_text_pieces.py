@@ -93,6 +93,7 @@ LINES = st.sampled_from(
     "        return x  ",
     "Naïve café — 東京",
     "Zürich,",
+    "😀 ok",
     " the capital is",
     "12345",
     "))",
