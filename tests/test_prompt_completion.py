@@ -1,26 +1,34 @@
-"""Prompt/completion data (`config.data.format="prompt_completion"`, issue 45 item 4): each JSONL
-row packed as BOS + prompt + completion + EOS with a loss mask on the completion and EOS, checked
-token by token against a reference built here; a packed row's loss is the sum of its examples'
-losses alone; bad rows are named by file and line. In-process, on a BPE trained on the rows."""
+"""Prompt/completion data (`config.data.format="prompt_completion"`, issue 45 item 4; issue 59:
+defect 8): each JSONL row packed as the tokenizer's tokens of BOS + prompt + completion + EOS, with a
+loss mask on every token that holds completion text and on the EOS, checked token by token against
+a reference that finds the boundary by decoding; for each tokenizer family users bring
+(`tests/tokenizer_families.py`), prompts that end in a space and completions that start without one;
+`hypothesis` properties for any row and for the packer; a packed row's loss is the sum of its
+examples' losses alone; bad rows are named by file and line. In-process."""
 
 import json
+import tempfile
 
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from trainers.data import packed, source_packed
+from tests import tokenizer_families
+from trainers.data import packed, source_packed, source_shards
 from trainers.data import tokenizer as tok
 from trainers.data.datasets import open_source
+from trainers.data.documents import Document
 from trainers.data.holdout import TRAIN
-from trainers.data.source_files import SourceError, SourceSpec, list_source
+from trainers.data.source_files import SourceError, SourceFile, SourceSpec, list_source
 from trainers.models.transformer import TransformerConfig, TransformerLM
 from trainers.tasks import lm
 
 SEQ_LEN, RUN_WINDOWS = 16, 2
 # Prompts that end in a space: tokenized with their completion, the space
-# and the completion's first word merge into one BPE token, so a packer
-# that tokenized the joined text would put the boundary inside a token.
+# and the completion's first word merge into one BPE token, which holds
+# completion text and so counts in the loss.
 ROWS = [
   {"prompt": "Question: two plus two? Answer: ", "completion": "four"},
   {"prompt": "Question: the sky? Answer: ", "completion": "blue, on a clear day"},
@@ -58,29 +66,53 @@ def _prepare(tmp_path, spec: str, tokenizer, seq_len=SEQ_LEN, skip_bad_rows=0):
   return source_packed.prepare_source(tmp_path / "data", config)
 
 
-def _reference(tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Each row's ids and loss mask, built by hand: BOS, prompt (0s), completion and EOS (1s)."""
+def _prompt_ids(tokenizer, prompt: str, ids) -> tuple[int, int]:
+  """How many of a row's ids (BOS left out) hold prompt text only: at least, at most.
+
+  Found by decoding the ids' prefixes, not from the tokenizer's offsets, so
+  that the reference does not repeat the packer. Where each id adds text
+  the two are equal. Ids that add none (a dummy prefix) may go either way,
+  and a character split into bytes decodes (to U+FFFD) only when whole, so
+  the boundary is known to within the ids of the prompt's last character
+  and the completion's first.
+  """
+  ids = [int(i) for i in ids]
+  texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+  clean = [i for i, text in enumerate(texts) if "\ufffd" not in text]  # rows hold no U+FFFD
+  within = [i for i in clean if len(texts[i]) <= len(prompt)]
+  assert prompt.startswith(texts[within[-1]]), (prompt, texts)
+  at_least = min(i for i in within if texts[i] == texts[within[-1]])
+  past = [i for i in clean if len(texts[i]) > len(prompt)]
+  return at_least, (past[0] - 1 if past else len(ids))
+
+
+def _reference(tokenizer, rows=ROWS) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Each row's ids and loss mask: the whole row's tokens, 0s for BOS and the prompt's, 1s after."""
   ids, masks = [], []
-  for row in ROWS:
-    prompt, completion = tokenizer.encode(row["prompt"]), tokenizer.encode(row["completion"])
-    ids.append(np.array([tokenizer.bos_id, *prompt, *completion, tokenizer.eos_id]))
-    masks.append(np.array([0] * (1 + len(prompt)) + [1] * (len(completion) + 1)))
+  for row in rows:
+    whole = tokenizer.encode(row["prompt"] + row["completion"])
+    at_least, at_most = _prompt_ids(tokenizer, row["prompt"], whole)
+    assert at_least == at_most, row  # rows whose boundary decoding finds
+    ids.append(np.array([tokenizer.bos_id, *whole, tokenizer.eos_id]))
+    masks.append(np.array([0] * (1 + at_least) + [1] * (len(whole) - at_least + 1)))
   return ids, masks
 
 
 def test_each_token_is_masked_as_the_reference_and_the_boundary_is_exact(tmp_path, tokenizer):
   apart = [tokenizer.encode(r["prompt"]) + tokenizer.encode(r["completion"]) for r in ROWS]
   together = [tokenizer.encode(r["prompt"] + r["completion"]) for r in ROWS]
-  assert apart != together  # so the test tells a packer that tokenized them joined
+  assert apart != together  # so the test tells a packer that tokenized them apart
   prepared = _prepare(tmp_path, _write(tmp_path / "a.jsonl", ROWS), tokenizer)
   assert prepared.documents == len(ROWS)
   records = open_source(prepared.name, TRAIN, str(tmp_path / "data"), None)
   records = [records[i] for i in range(len(records))]
   ids, masks = _reference(tokenizer)
   stream, stream_mask = np.concatenate(ids), np.concatenate(masks)
-  # The completion's tokens decode to the completion: the mask covers it and nothing else.
+  # The loss counts the completion's text, with the prompt's trailing space where one token
+  # holds both (" four").
   for row, example, mask in zip(ROWS, ids, masks):
-    assert tokenizer.decode(example[(mask == 1)][:-1]) == row["completion"]
+    counted = tokenizer.decode(example[(mask == 1)][:-1])
+    assert counted.endswith(row["completion"]) and len(counted) <= len(row["completion"]) + 1
   # The records' runs and loss masks are the reference stream's, token by token.
   run = RUN_WINDOWS * SEQ_LEN
   for r, record in enumerate(records):
@@ -101,6 +133,184 @@ def test_each_token_is_masked_as_the_reference_and_the_boundary_is_exact(tmp_pat
   assert rows["mask"].sum() == sum(m.sum() for m in masks)
   # Segments and positions as for pretraining data: each example its own segment.
   assert rows["segment_ids"][0][0] == 1 and rows["positions"][0][0] == 0
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, tok.Tokenizer]:
+  folder = tmp_path_factory.mktemp("families")
+  return {
+    name: tok.Tokenizer(tokenizer_families.tokenizer_file(name, folder))
+    for name in tokenizer_families.FAMILIES
+  }
+
+
+def _examples(tokenizer, rows) -> list[packed.Example]:
+  file = SourceFile("rows.jsonl", "rows.jsonl", "jsonl", 0, "")
+  read = [Document(file, n + 1, r["completion"], prompt=r["prompt"]) for n, r in enumerate(rows)]
+  return list(source_packed._example_ids(read, tokenizer))
+
+
+@pytest.mark.parametrize(
+  "family, prompt, completion, tokens, mask",
+  [
+    # Llama 2 / Mistral: no stray "▁" between the prompt and a completion that starts with a space.
+    ("prepend", "The capital is", " Paris.", ["▁The", "▁capital", "▁is", "▁Paris."], [0, 0, 0, 1]),
+    (
+      "metaspace",
+      "The capital is",
+      " Paris.",
+      ["▁The", "▁capital", "▁is", "▁Paris."],
+      [0, 0, 0, 1],
+    ),
+    # ... nor a doubled one after a prompt that ends in a space: "▁Paris." holds that space.
+    ("prepend", "The capital is ", "Paris.", ["▁The", "▁capital", "▁is", "▁Paris."], [0, 0, 0, 1]),
+    (
+      "metaspace",
+      "The capital is ",
+      "Paris.",
+      ["▁The", "▁capital", "▁is", "▁Paris."],
+      [0, 0, 0, 1],
+    ),
+    (
+      "sentencepiece",
+      "The capital is ",
+      "Paris.",
+      ["▁The", "▁capital", "▁is", "▁", "P", "ar", "is", "."],
+      [0, 0, 0, 0, 1, 1, 1, 1],
+    ),
+    # A space token that ends the prompt is the prompt's, though GPT-2's file trims its offsets.
+    ("gpt2", "x ", "\n", ["x", "Ġ", "Ċ"], [0, 0, 1]),
+    # Llama 3 / Qwen2, and the project's BPE: " Paris" is one token, whichever side has the space.
+    (
+      "byte_level",
+      "The capital is ",
+      "Paris.",
+      ["The", "Ġcapital", "Ġis", "ĠParis", "."],
+      [0, 0, 0, 1, 1],
+    ),
+    (
+      "own_bpe",
+      "The capital is",
+      " Paris.",
+      ["The", "Ġcapital", "Ġis", "ĠParis", "."],
+      [0, 0, 0, 1, 1],
+    ),
+  ],
+)
+def test_a_row_is_the_tokenizers_tokens_of_its_whole_text(
+  families, family, prompt, completion, tokens, mask
+):
+  tokenizer = families[family]
+  [example] = _examples(tokenizer, [{"prompt": prompt, "completion": completion}])
+  assert tokenizer_families.token_names(tokenizer, example.tokens[1:-1]) == tokens
+  assert [example.tokens[0], example.tokens[-1]] == [tokenizer.bos_id, tokenizer.eos_id]
+  assert example.loss_mask.tolist() == [0, *mask, 1]
+
+
+# Words, spaces, line breaks and characters a byte-level BPE splits into bytes.
+TEXTS = st.lists(
+  st.sampled_from(
+    [
+      "The",
+      " capital",
+      " is",
+      "is",
+      " ",
+      "  ",
+      "Paris",
+      ".",
+      "\n",
+      "\n\n",
+      "\t",
+      "é",
+      "東京",
+      "Ω",
+      "😀",
+      "12345",
+    ]
+  ),
+  max_size=6,
+).map("".join)
+
+
+@pytest.mark.parametrize("family", tokenizer_families.FAMILIES)
+@settings(
+  max_examples=50,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(prompt=TEXTS, completion=TEXTS)
+def test_any_rows_tokens_are_its_whole_texts_and_the_loss_starts_at_the_completions_text(
+  families, family, prompt, completion
+):
+  tokenizer = families[family]
+  text = prompt + completion
+  assume(tokenizer.decode(tokenizer.encode(text)) == text)  # so decoding finds the boundary
+  [example] = _examples(tokenizer, [{"prompt": prompt, "completion": completion}])
+  whole = tokenizer.encode(text)
+  np.testing.assert_array_equal(example.tokens, [tokenizer.bos_id, *whole, tokenizer.eos_id])
+  # BOS and the prompt's ids 0, then 1 on every id to the EOS.
+  prompt_ids = len(whole) - int(example.loss_mask[1:-1].sum())
+  want = [0] * (1 + prompt_ids) + [1] * (len(whole) - prompt_ids + 1)
+  np.testing.assert_array_equal(example.loss_mask, want)
+  at_least, at_most = _prompt_ids(tokenizer, prompt, whole)
+  assert at_least <= prompt_ids <= at_most, (at_least, prompt_ids, at_most)
+
+
+@st.composite
+def packed_examples(draw) -> tuple[list[packed.Example], int, int]:
+  """Examples of any lengths and masks, and a window and a record size to pack them in."""
+  examples = []
+  for _ in range(draw(st.integers(1, 6))):
+    length = draw(st.integers(1, 12))
+    tokens = draw(st.lists(st.integers(3, 399), min_size=length, max_size=length))
+    mask = draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
+    examples.append(packed.Example(np.array(tokens, np.int64), np.array(mask, np.uint8)))
+  return examples, draw(st.integers(2, 9)), draw(st.integers(1, 3))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(drawn=packed_examples())
+def test_a_packed_rows_tokens_and_mask_are_its_examples(drawn):
+  """Packed by the source's packer and read back: every row against the examples' own stream."""
+  examples, seq_len, run_windows = drawn
+  with tempfile.TemporaryDirectory() as root:
+    folder = f"{root}/{source_packed.NAME}/drawn/{source_packed.VERSION}"
+    layout = source_shards.ShardLayout(
+      seq_len=seq_len, run_windows=run_windows, vocab_size=400, split=TRAIN, loss_mask=True
+    )
+    source_shards.prepare_shards(folder, [1], lambda i: (examples, dict), lambda notes: {}, layout)
+    records = open_source(f"{source_packed.NAME}/drawn:{source_packed.VERSION}", TRAIN, root)
+    records = [records[i] for i in range(len(records))]
+  stream = np.concatenate([e.tokens for e in examples])
+  counted = np.concatenate([e.loss_mask for e in examples])
+  owner = np.concatenate([np.full(len(e.tokens), n) for n, e in enumerate(examples)])
+  windows = -(-len(stream) // seq_len)
+  which = np.arange(windows)
+  rows = packed.packed_batch(seq_len)(
+    [records[w // run_windows] for w in which], which % run_windows
+  )
+  for w in which:
+    at = np.arange(w * seq_len, (w + 1) * seq_len)  # the inputs' places in the stream
+    real, target = at < len(stream), at + 1 < len(stream)
+    here, after = np.minimum(at, len(stream) - 1), np.minimum(at + 1, len(stream) - 1)
+    inputs, targets = np.where(real, stream[here], 0), np.where(target, stream[after], 0)
+    # A target counts when it is the input's example's, and marked.
+    mask = target & (owner[after] == owner[here]) & (counted[after] == 1)
+    # Segments: the row's examples numbered from 1 in order; positions count within each.
+    segments = np.where(real, owner[here] - owner[here][0] + 1, 0)
+    first = np.array([np.argmax(owner[here] == m) for m in owner[here]])
+    positions = np.where(real, np.arange(seq_len) - first, 0)
+    for key, want in [
+      ("inputs", inputs),
+      ("targets", targets),
+      ("mask", mask),
+      ("segment_ids", segments),
+      ("positions", positions),
+    ]:
+      np.testing.assert_array_equal(rows[key][w], want, err_msg=f"{key} of window {w}")
 
 
 def test_a_packed_rows_loss_is_the_sum_of_its_examples_losses_alone(tmp_path, tokenizer):

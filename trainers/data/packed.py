@@ -18,7 +18,7 @@ in the split's last record), as one run of the stream:
   length    int32      real tokens in the run
   document  int64      index, in the split's order, of the document of token 0
   loss_mask uint8 [n * seq_len + 1]  (prompt/completion data only) 1 where the token
-                       counts as a target: a completion's tokens and its EOS
+                       counts as a target: one that holds completion text, or the EOS
 
 Window `w` of a record is its tokens `[w * seq_len, w * seq_len + seq_len + 1)`.
 A run rather than a record per window: the dataset is written and decoded a

@@ -9,12 +9,12 @@ file in row order, tokenized a batch at a time, framed with BOS/EOS, and
 packed as they come. Memory holds a batch of documents and one run,
 whatever the source's size. A .txt file, one document, is read, tokenized
 and packed in pieces cut at line breaks, with the ids of the whole: a cut
-moves on past lines the tokenizer would tokenize otherwise apart than
-together. They are packed in reading order, not
-shuffled: the input pipeline shuffles the windows every epoch (records,
-then windows within blocks), so the documents' order only decides which
-share a window, and a source packs the same for any seed (its key has
-none).
+moves on past lines whose ids depend on the text across it, and a piece
+is tokenized after the lines before it (`_pieces`). They are packed in
+reading order, not shuffled: the input pipeline shuffles the windows every
+epoch (records, then windows within blocks), so the documents' order only
+decides which share a window, and a source packs the same for any seed
+(its key has none).
 
 A document belongs to a split by a hash of its key (its file's key and
 row, `trainers.data.holdout`): the build of a split keeps the documents
@@ -24,10 +24,10 @@ how many documents the split took, how many went to the other, and which
 bad rows it skipped.
 
 With `format="prompt_completion"` each JSONL row is a fine-tuning
-example: BOS + prompt + completion + EOS, the prompt and the completion
-tokenized apart so the boundary is exact, and the records carry a
-`loss_mask` that is 1 on the completion's tokens and the EOS only
-(`packed.Example`), so the LM loss counts nothing of the prompt.
+example: BOS + prompt + completion + EOS, the text tokenized whole (as
+any document is), and the records carry a `loss_mask` that is 1 on each
+token that holds completion text and on the EOS (`packed.Example`), so the
+LM loss counts no token of the prompt alone.
 
 A build is shared by the processes that prepare it
 (`trainers.data.source_shards`): each tokenizes its share of the files and
@@ -68,6 +68,8 @@ _ENCODE_DOCUMENTS = 256  # documents per tokenizer call: the libraries' threads 
 _ENCODE_CHARS = 4 << 20  # ... or this much text, whichever comes first
 _CUT_CHECK_CHARS = 1024  # of the lines either side of a large file's cut, tokenized to check it
 _CUT_TRIES = 64  # lines a cut may move on before the pieces are joined
+_TXT_CUTS = "cuts-see-whitespace"  # in the name of a build with .txt files: how they were cut
+_ROWS_WHOLE = "rows-tokenized-whole"  # ... of prompt/completion rows (once tokenized apart)
 FORMATS = ("text", "prompt_completion")  # config.data.format
 
 
@@ -124,6 +126,11 @@ def source_config(
   ]
   if format != "text":  # so the names of text builds prepared before stay theirs
     key.append(format)
+  if format == "prompt_completion" and tokenizer:
+    key.append(_ROWS_WHOLE)
+  if tokenizer and any(f.format == "txt" for f in source.files):
+    # .txt builds cut before blank lines were checked may differ from the file's ids whole.
+    key.append(_TXT_CUTS)
   digest = hashlib.sha256(json.dumps(key).encode("utf-8", "surrogateescape")).hexdigest()[:12]
   return SourceConfig(
     name=f"{split}-{seq_len}s-{digest}",
@@ -222,7 +229,7 @@ def _token_ids(
       ids = np.frombuffer(document.text.encode("utf-8", "surrogateescape"), np.uint8)
       yield packed.Continued(ids) if document.part else ids
     return
-  for batch in _encode_batches(_pieces(documents, tokenizer), lambda piece: len(piece[0])):
+  for batch in _encode_batches(_pieces(documents, tokenizer), lambda piece: len(piece.text)):
     yield from _encoded(batch, tokenizer)
 
 
@@ -231,9 +238,9 @@ def _example_ids(
 ) -> Iterator[packed.Example]:
   """Each prompt/completion as BOS + prompt + completion + EOS, the loss on completion and EOS.
 
-  The prompt and the completion are tokenized apart, so the boundary is
-  where the row puts it whatever the tokenizer would merge across it.
-  Bytes: the texts' bytes, unframed (a byte vocabulary has no room for markers).
+  The row is tokenized whole, as any document is (`_framed_examples`).
+  Bytes: the texts' bytes, unframed (a byte vocabulary has no room for
+  markers).
   """
   for batch in _encode_batches(documents, lambda d: len(d.prompt) + len(d.text)):
     yield from _framed_examples(batch, tokenizer)
@@ -260,76 +267,150 @@ def _encode_batches(items: Iterable, chars_of: Callable[[Any], int]) -> Iterator
 def _framed_examples(
   batch: list[Document], tokenizer: Tokenizer | None
 ) -> Iterator[packed.Example]:
-  if tokenizer is None:
-    encode = [d.prompt.encode("utf-8", "surrogateescape") for d in batch]
-    prompts = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
-    encode = [d.text.encode("utf-8", "surrogateescape") for d in batch]
-    completions = [np.frombuffer(b, np.uint8).astype(np.int64) for b in encode]
-    bos = eos = []
-  else:
-    prompts = tokenizer.encode_batch([d.prompt for d in batch])
-    completions = tokenizer.encode_batch([d.text for d in batch])
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-  for prompt, completion in zip(prompts, completions):
-    tokens = np.concatenate([np.asarray(bos + list(prompt), np.int64), completion, eos])
-    mask = np.zeros(len(tokens), np.uint8)
-    mask[len(bos) + len(prompt) :] = 1  # the completion and the EOS
-    yield packed.Example(tokens.astype(np.int64), mask)
+  """The examples' tokens and loss masks: 1 on each token that holds completion text, and the EOS.
 
-
-def _encoded(
-  batch: list[tuple[str, bool, bool]], tokenizer: Tokenizer
-) -> Iterator[np.ndarray | packed.Continued]:
-  for (_, start, end), ids in zip(batch, tokenizer.encode_batch([t for t, _, _ in batch])):
-    ids = packed.framed(ids, tokenizer, start, end)
-    yield ids if start else packed.Continued(ids)
-
-
-def _pieces(
-  documents: Iterable[Document], tokenizer: Tokenizer
-) -> Iterator[tuple[str, bool, bool]]:
-  """`(text, starts a document, ends it)`: the documents' pieces, cut where the tokenizer can.
-
-  A cut is moved on, a line at a time, past lines the tokenizer would
-  tokenize otherwise apart than together (whitespace that merges across the
-  line break, a dummy prefix at a text's start), so the ids are the whole
-  document's. A tokenizer that cuts cleanly nowhere gets the document whole.
+  The tokens are the tokenizer's of the whole text, prompt and completion
+  joined, as any document's are: no token that tokenizing them apart would
+  add (a SentencePiece-style "▁" before a completion that starts with a
+  space, or a doubled one after a prompt that ends in one). A token that holds text of both (" Paris" after a prompt
+  that ends in a space) counts, since it is the first the model must emit.
   """
-  held: list = []  # [text, starts a document]
+  if tokenizer is None:
+    for d in batch:
+      prompt = d.prompt.encode("utf-8", "surrogateescape")
+      text = np.frombuffer(prompt + d.text.encode("utf-8", "surrogateescape"), np.uint8)
+      mask = np.zeros(len(text), np.uint8)
+      mask[len(prompt) :] = 1
+      yield packed.Example(text.astype(np.int64), mask)
+    return
+  bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+  eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  encoded = tokenizer.encode_batch_with_offsets([d.prompt + d.text for d in batch])
+  for d, (ids, spans) in zip(batch, encoded):
+    completion = _holds_text(spans, len(d.prompt), len(d.prompt) + len(d.text))
+    tokens = np.concatenate([np.asarray(bos, np.int64), ids, np.asarray(eos, np.int64)])
+    mask = np.concatenate([np.zeros(len(bos), np.uint8), completion, np.ones(len(eos), np.uint8)])
+    yield packed.Example(tokens, mask)
+
+
+def _holds_text(spans: np.ndarray, start: int, end: int) -> np.ndarray:
+  """1 for each token whose span `[a, b)` holds characters of `[start, end)`, as uint8.
+
+  A token that holds none (an empty span) goes with what follows it: it
+  counts when it stands in the text `[start, end)`.
+
+  >>> _holds_text(np.array([[0, 3], [3, 8], [8, 8], [8, 12]]), 5, 12).tolist()
+  [0, 1, 1, 1]
+  """
+  a, b = spans[:, 0], spans[:, 1]
+  inside = np.where(a == b, (a >= start) & (a < end), (b > start) & (a < end))
+  return inside.astype(np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """A piece of a document, and the text before it that it is tokenized after."""
+
+  text: str
+  starts: bool  # the document's first piece
+  ends: bool  # its last
+  context: str = ""  # the lines before the cut, tokenized with the piece ...
+  context_ids: int = 0  # ... into this many ids, which are not the piece's
+
+
+def _encoded(batch: list[_Piece], tokenizer: Tokenizer) -> Iterator[np.ndarray | packed.Continued]:
+  for piece, ids in zip(batch, tokenizer.encode_batch([p.context + p.text for p in batch])):
+    ids = packed.framed(ids[piece.context_ids :], tokenizer, piece.starts, piece.ends)
+    yield ids if piece.starts else packed.Continued(ids)
+
+
+def _pieces(documents: Iterable[Document], tokenizer: Tokenizer) -> Iterator[_Piece]:
+  """The documents' pieces, cut where the tokenizer can (`_clean_cut`), so the ids are the whole's.
+
+  A cut is moved on, a line at a time, past lines whose ids depend on the
+  text across it (whitespace that merges across the line break). A piece
+  after a cut is tokenized after the lines before the cut, whose ids are
+  then dropped: a tokenizer that marks a text's start (SentencePiece's dummy
+  prefix) marks the context's, not the piece's. A document that cuts
+  cleanly nowhere is tokenized whole.
+  """
+  held: _Piece | None = None
   for document in documents:
     if held and document.part:
-      at = _clean_cut(tokenizer, held[0], document.text)
-      if at is None:
-        held[0] += document.text
+      cut = _clean_cut(tokenizer, held.text, document.text)
+      if cut is None:
+        held = dataclasses.replace(held, text=held.text + document.text)
         continue
-      yield held[0] + document.text[:at], held[1], False
-      held = [document.text[at:], False]
+      yield dataclasses.replace(held, text=held.text + document.text[: cut.at], ends=False)
+      held = _Piece(document.text[cut.at :], False, True, cut.context, cut.context_ids)
       continue
     if held:
-      yield held[0], held[1], True
-    held = [document.text, not document.part]
+      yield held
+    held = _Piece(document.text, not document.part, True)
   if held:
-    yield held[0], held[1], True
+    yield held
 
 
-def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+  """Where a document's next piece starts, and what it is tokenized after."""
+
+  at: int  # where in the text after the cut
+  context: str  # the lines before it that the rest is tokenized after
+  context_ids: int  # the context's ids
+
+
+def _clean_cut(tokenizer: Tokenizer, before: str, after: str) -> _Cut | None:
   """The first line break of `after` (0: its start) where the tokenizer cuts cleanly, if any.
 
-  Clean: the line before the cut and the one after tokenize apart as together.
+  Clean: the ids of the text before the cut are the same with or without
+  the text after it, each side taken to the line that holds its nearest
+  character other than whitespace (`_back_to_text`, `_on_to_text`).
+  Whitespace that runs across the cut (blank lines, a line's indent) is
+  then all in the check: a BPE that merges "\\n\\n" tokenizes ")\\n\\nclass"
+  otherwise than ")\\n\\n", though "\\n" tokenizes alike before "class".
+  The text after the cut is tokenized after that context (`_Piece`).
+
+  The tests cut files of each tokenizer family (tests/test_text_pieces.py).
   """
-  last = before[before.rfind("\n", 0, len(before) - 1) + 1 :]
+  tail = before[-_CUT_CHECK_CHARS:]
   at = 0
   for _ in range(_CUT_TRIES):
-    end = after.find("\n", at) + 1 or len(after)
-    first = after[at:end][:_CUT_CHECK_CHARS]
-    last = last[-_CUT_CHECK_CHARS:]
-    if tokenizer.encode(last + first) == tokenizer.encode(last) + tokenizer.encode(first):
-      return at
-    if end == len(after):
+    left = _back_to_text((tail + after[max(0, at - _CUT_CHECK_CHARS) : at])[-_CUT_CHECK_CHARS:])
+    right = _on_to_text(after[at : at + _CUT_CHECK_CHARS])
+    if left and right:
+      alone = tokenizer.encode(left)
+      if tokenizer.encode(left + right)[: len(alone)] == alone:
+        return _Cut(at, left, len(alone))
+    at = after.find("\n", at) + 1
+    if not at or at >= len(after):
       return None
-    last, at = after[at:end], end
   return None
+
+
+def _back_to_text(text: str) -> str:
+  """`text`'s end from the start of the line of its last character that is not whitespace.
+
+  "" when `text` is all whitespace: the check would not see where the run
+  of whitespace starts, so the cut is not taken.
+
+  >>> _back_to_text("a\\nf(x)\\n\\n \\n")
+  'f(x)\\n\\n \\n'
+  """
+  content = len(text.rstrip())
+  return text[text.rfind("\n", 0, content) + 1 :] if content else ""
+
+
+def _on_to_text(text: str) -> str:
+  """`text`'s start up to the end of the line of its first character that is not whitespace.
+
+  >>> _on_to_text("\\n\\n  class A:\\n  x\\n")
+  '\\n\\n  class A:\\n'
+  """
+  content = len(text) - len(text.lstrip())
+  if content == len(text):
+    return ""
+  return text[: text.find("\n", content) + 1 or len(text)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,6 +99,10 @@ class Tokenizer:
       # Text that spells a special token ("<s>" in an HTML file) is text, never a
       # marker: only packing puts BOS/EOS (and nothing puts pad) in the stream.
       self._hf.encode_special_tokens = True
+      # Ids never come from the post-processor here (it adds markers only with
+      # add_special_tokens, which is never asked), and one that trims spaces from
+      # the offsets (GPT-2's ByteLevel) would take a space token's text from it.
+      self._hf.post_processor = None
       self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
       self.bos_id = _first_id(self._hf, BOS_NAMES)
       self.eos_id = _first_id(self._hf, EOS_NAMES)
@@ -123,6 +127,40 @@ class Tokenizer:
       return [np.asarray(ids, np.int64) for ids in self._sp.encode(list(texts), out_type=int)]
     encoded = self._hf.encode_batch(list(texts), add_special_tokens=False)
     return [np.asarray(e.ids, np.int64) for e in encoded]
+
+  def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's ids (as `encode`) and each id's span of the text: characters `[start, end)`.
+
+    A span says which characters a token holds: a token of a SentencePiece-style
+    tokenizer holds the space it shows as "▁", and a byte of a character split
+    into bytes holds that character. A token that holds no character (a dummy
+    prefix) has an empty span where it stands.
+
+    >>> import tempfile, pathlib
+    >>> path = train_bpe(["The capital is Paris."] * 20, 300,
+    ...                  pathlib.Path(tempfile.mkdtemp()) / "tokenizer.json")
+    >>> [(ids, spans)] = Tokenizer(path).encode_batch_with_offsets(["The capital is Paris."])
+    >>> spans[-2:].tolist()
+    [[14, 20], [20, 21]]
+    """
+    if self.kind == "sentencepiece":
+      out = []
+      for text, proto in zip(texts, self._sp.encode(list(texts), return_type="proto")):
+        # The library gives spans in bytes of UTF-8: characters are counted by their lead bytes.
+        raw = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+        begun = np.concatenate([[0], np.cumsum((raw & 0xC0) != 0x80)])  # chars before byte i
+        ids = np.asarray([p.id for p in proto.pieces], np.int64)
+        begins = np.asarray([p.begin for p in proto.pieces], np.int64)
+        ends = np.asarray([p.end for p in proto.pieces], np.int64)
+        # A span that begins inside a character begins at that character.
+        holding = np.append(begun[1:], begun[-1] + 1) - 1  # the character of byte i
+        spans = np.stack([holding[begins], begun[ends]], axis=-1).reshape(-1, 2)
+        out.append((ids, spans))
+      return out
+    encoded = self._hf.encode_batch(list(texts), add_special_tokens=False)
+    return [
+      (np.asarray(e.ids, np.int64), np.asarray(e.offsets, np.int64).reshape(-1, 2)) for e in encoded
+    ]
 
   def decode(self, ids: Iterable[int]) -> str:
     """The text of `ids`; special tokens are dropped."""
