@@ -239,8 +239,10 @@ class _PieceStarts:
   Records are packed in order, so each start is read once and a record costs
   its own documents, whatever the piece's count (a file of short documents
   has one every few tokens). Holds the starts from the last one at or before
-  the record to the first past it, and a block more at most; a call that goes
-  back (packing makes none) reads the file again from its start.
+  the record to the first past it, and a block more at most. A jump ahead
+  (to a process's next shard, past the others') is found by a binary search
+  of the file, not read through; a call that goes back (packing makes none)
+  starts again from the file's start.
   """
 
   def __init__(self, path: pathlib.Path, offset: int):
@@ -259,6 +261,8 @@ class _PieceStarts:
     if lo < self._lo:
       self._rewind()
     self._lo = lo
+    if not self._ended and (not len(self._held) or self._held[-1] < lo):
+      self._skip_to(lo)
     while not self._ended and (not len(self._held) or self._held[-1] < hi):
       self._drop_before(lo)  # a jump past many documents holds a block at a time
       block = np.fromfile(self.path, np.int64, _STARTS_BLOCK, offset=self._read * 8)
@@ -268,6 +272,19 @@ class _PieceStarts:
     self._drop_before(lo)
     within = np.searchsorted(self._held, [lo, hi], side="left")
     return self._first, self._held[within[0] : within[1]]
+
+  def _skip_to(self, lo: int) -> None:
+    """Goes on from the last start at or before `lo`, found by searching the file's unread part."""
+    count = os.path.getsize(self.path) // 8
+    if count - self._read <= _STARTS_BLOCK:
+      return  # read through: no longer than the search
+    # Mapped only for the search, which touches a page per step: never the whole file.
+    unread = np.memmap(self.path, np.int64, mode="r", offset=self._read * 8)
+    at_or_before = int(np.searchsorted(unread, lo - self.offset, side="right"))
+    del unread
+    if at_or_before:  # else `lo`'s document starts at or before what is held: keep it
+      self._held, self._first = np.zeros(0, np.int64), self._read + at_or_before - 1
+      self._read = self._first
 
   def _drop_before(self, lo: int) -> None:
     """Keeps the last start at or before `lo` (the document holding it) and every later one."""
