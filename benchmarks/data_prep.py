@@ -1,18 +1,24 @@
 """D1-D3: `data.sources` prepared by 4 processes, and the first step after, as the corpus grows 4x.
 
   python -m benchmarks.data_prep [--out=workdir/bench/data_prep] [--json=out.json]
+      [--files=16] [--rounds=2]
 
 The corpus is generated here: JSONL files of word salad whose sizes vary
 (from 1/2 to 2 times the mean), N files for 1x and 4N of the same sizes for
-4x. Each is prepared as `spmd-train` prepares `config.data.sources` with a
-local `data.dir` (`configs/llama_tiny.py` on bytes), by 4 processes of
-`spmd-launch local`, each its share (`trainers.data.source_shards`):
+4x, and one file of short documents (a few words each, as titles are),
+itself 4 times larger in the 4x corpus: 4x the data is then also 4x the
+documents of one file, which packing must neither hold nor pass over for
+each record. Each is prepared as `spmd-train` prepares
+`config.data.sources` with a local `data.dir` (`configs/llama_tiny.py` on
+bytes), by 4 processes of `spmd-launch local`, each its share
+(`trainers.data.source_shards`):
 
   D1  the largest share of the train split's tokens that one of the 4
       processes tokenized (the ideal is 1/4; goal <= 0.3);
   D2  peak RSS of a preparing process (the largest of the 4; the kernel's
       peak reset when preparation starts) with the 4x corpus ÷ with the 1x
-      (goal <= 1.15: memory does not follow the corpus);
+      (goal <= 1.15: memory does not follow the corpus, nor a file's
+      documents); the detail gives the seconds each preparation took;
   D3  seconds from starting `spmd-train` on 4 processes to its first step,
       on the 4x dataset prepared ÷ on the 1x (goal <= 1.2: a larger
       dataset is opened, not read). A first, untimed run fills the
@@ -28,6 +34,7 @@ import pathlib
 import shutil
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -38,24 +45,32 @@ CONFIG = "configs/llama_tiny.py"
 PROCESSES = 4
 FILES = 16  # of the 1x corpus
 MEAN_FILE_BYTES = 1 << 20
+SHORT_FILE_BYTES = 4 * MEAN_FILE_BYTES  # the 1x corpus's file of short documents
 SETTINGS = ["--config.data.tokenizer=bytes", "--config.model.vocab_size=256"]
 WORDS = tuple("the of and to in is was for on that with by as at from his her it an".split())
 
 
-def write_corpus(folder: pathlib.Path, files: int, seed: int = 0) -> str:
-  """`files` JSONL files of documents of 20-400 words, sizes from 1/2 to 2x the mean; their glob."""
+def write_corpus(folder: pathlib.Path, files: int, short_bytes: int, seed: int = 0) -> str:
+  """`files` JSONL files of documents of 20-400 words, sizes from 1/2 to 2x the mean, and one of
+  `short_bytes` of documents of 1-8 words; their glob."""
   rng = np.random.default_rng(seed)
   folder.mkdir(parents=True, exist_ok=True)
   for f in range(files):
     target = int(MEAN_FILE_BYTES * 2 ** rng.uniform(-1, 1))
-    lines, size = [], 0
-    while size < target:
-      words = rng.choice(WORDS, size=int(rng.integers(20, 400)))
-      line = json.dumps({"text": " ".join(words)}) + "\n"
-      lines.append(line)
-      size += len(line)
-    (folder / f"part-{f:04d}.jsonl").write_text("".join(lines))
+    _write_jsonl(folder / f"part-{f:04d}.jsonl", target, rng, 20, 400)
+  _write_jsonl(folder / "short.jsonl", short_bytes, rng, 1, 8)
   return str(folder / "*.jsonl")
+
+
+def _write_jsonl(path: pathlib.Path, size: int, rng: np.random.Generator, low: int, high: int):
+  """About `size` bytes of JSONL rows, each a document of `low` to `high` words."""
+  lines, written = [], 0
+  while written < size:
+    words = rng.choice(WORDS, size=int(rng.integers(low, high)))
+    line = json.dumps({"text": " ".join(words)}) + "\n"
+    lines.append(line)
+    written += len(line)
+  path.write_text("".join(lines))
 
 
 def _status_kib(field: str) -> int:
@@ -135,6 +150,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="workdir/bench/data_prep")
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--files", type=int, default=FILES, help="of the 1x corpus")
   parser.add_argument("--json")
   parser.add_argument("--worker", nargs=3, metavar=("SOURCES", "DATA_DIR", "OUT"))
   args = parser.parse_args()
@@ -143,8 +159,14 @@ def main() -> None:
     return
   root = pathlib.Path(args.out).resolve()
   shutil.rmtree(root, ignore_errors=True)
-  corpora = {1: write_corpus(root / "corpus1", FILES), 4: write_corpus(root / "corpus4", 4 * FILES)}
-  facts = {n: prepare(root, corpora[n], root / f"data{n}") for n in (1, 4)}
+  corpora = {
+    n: write_corpus(root / f"corpus{n}", n * args.files, n * SHORT_FILE_BYTES) for n in (1, 4)
+  }
+  facts, prepared_s = {}, {}
+  for n in (1, 4):
+    started = time.monotonic()
+    facts[n] = prepare(root, corpora[n], root / f"data{n}")
+    prepared_s[n] = time.monotonic() - started
   tokens = {n: sum(p["tokenized"] for p in facts[n]) for n in (1, 4)}
   d1 = max(p["tokenized"] for p in facts[4]) / tokens[4]
   peak = {n: max(p["peak_kib"] for p in facts[n]) for n in (1, 4)}
@@ -183,7 +205,7 @@ def main() -> None:
         d1,
         0.3,
         True,
-        f"{4 * FILES} JSONL files, {tokens[4] / 1e6:.1f}M tokens (bytes); shares "
+        f"{4 * args.files + 1} JSONL files, {tokens[4] / 1e6:.1f}M tokens (bytes); shares "
         + ", ".join(f"{p['tokenized'] / tokens[4]:.3f}" for p in facts[4]),
         machine,
       ),
@@ -193,9 +215,11 @@ def main() -> None:
         peak[4] / peak[1],
         1.15,
         True,
-        f"{tokens[1] / 1e6:.1f}M vs {tokens[4] / 1e6:.1f}M tokens on {PROCESSES} processes: "
-        f"{peak[1] / mib:.0f} vs {peak[4] / mib:.0f} MiB, of which preparing added "
-        f"{growth[1] / mib:.1f} vs {growth[4] / mib:.1f} MiB",
+        f"{tokens[1] / 1e6:.1f}M vs {tokens[4] / 1e6:.1f}M tokens on {PROCESSES} processes, "
+        f"a file of {SHORT_FILE_BYTES >> 20} vs {4 * SHORT_FILE_BYTES >> 20} MiB of short "
+        f"documents among them: {peak[1] / mib:.0f} vs {peak[4] / mib:.0f} MiB, of which "
+        f"preparing added {growth[1] / mib:.1f} vs {growth[4] / mib:.1f} MiB; prepared in "
+        f"{prepared_s[1]:.0f} vs {prepared_s[4]:.0f} s",
         machine,
       ),
       common.row(

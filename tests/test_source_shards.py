@@ -116,16 +116,22 @@ def test_bad_rows_over_the_whole_source_are_held_to_the_limit_naming_the_row(tmp
 
 @pytest.mark.multiprocess
 def test_2_processes_prepare_the_bytes_1_does_each_in_memory_below_the_corpus(tmp_path):
-  """2 real processes prepare a corpus of text files, each tokenizing its share and writing its
-  shards; the shards and index equal those 1 process writes, and each process's peak memory
-  while preparing stays below a limit smaller than its share of the tokens (held whole, it
-  would exceed it)."""
+  """2 real processes prepare a corpus of JSONL files, of many short documents and of a few long
+  ones, each tokenizing its share and writing its shards; the shards and index equal those 1
+  process writes, and each process's peak memory while preparing stays below a limit smaller
+  than its share of the tokens (held whole, it would exceed it), whatever the documents a file
+  holds."""
   corpus, limit_mib = tmp_path / "corpus", 24
   corpus.mkdir()
-  line = "".join(chr(ord("a") + i % 26) for i in range(79)) + "\n"
-  for i in range(8):  # 8 files of 4 MiB: 64 MiB of uint16 ids, 32 MiB a process
-    (corpus / f"{i:02d}.txt").write_text(f"file {i}\n" + line * (4 * 2**20 // 80))
-  options = ("seq_len=64", f"shard_bytes={8 << 20}", f"text_piece={1 << 20}")
+  letters = "".join(chr(ord("a") + i % 26) for i in range(1 << 18))
+  for i in range(8):  # 8 files of 4 MiB of text: 64 MiB of uint16 ids, 32 MiB a process
+    rows, size, d = [], 0, 0
+    while size < 4 * 2**20:  # the first 4 of ~48k short documents, the others of 16 long ones
+      text = f"{i} {d} {letters[: 20 + d * 37 % 120 if i < 4 else (1 << 18) - 8]}"
+      rows.append(f'{{"text": "{text}"}}\n')
+      size, d = size + len(text), d + 1
+    (corpus / f"{i:02d}.jsonl").write_text("".join(rows))
+  options = ("seq_len=64", f"shard_bytes={8 << 20}")
   facts = {}
   for n in (1, 2):
     out = tmp_path / f"out{n}"

@@ -249,6 +249,69 @@ def _spill(
   return length
 
 
+_STARTS_BLOCK = 1024  # document starts read from a spill file at a time (8 KiB)
+
+
+class _PieceStarts:
+  """One piece's document starts, as stream positions, read forward a block at a time.
+
+  Records are packed in order, so each start is read once and a record costs
+  its own documents, whatever the piece's count (a file of short documents
+  has one every few tokens). Holds the starts from the last one at or before
+  the record to the first past it, and a block more at most. A jump ahead
+  (to a process's next shard, past the others') is found by a binary search
+  of the file, not read through; a call that goes back (packing makes none)
+  starts again from the file's start.
+  """
+
+  def __init__(self, path: pathlib.Path, offset: int):
+    self.path, self.offset = path, offset
+    self._rewind()
+
+  def _rewind(self) -> None:
+    self._held = np.zeros(0, np.int64)  # starts read and kept, in order
+    self._first = 0  # the index in the piece of `_held[0]`
+    self._read = 0  # starts read from the file
+    self._ended = False
+    self._lo = 0
+
+  def span(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
+    """(the index in the piece of the document that holds token `lo`, the starts in `[lo, hi)`)."""
+    if lo < self._lo:
+      self._rewind()
+    self._lo = lo
+    if not self._ended and (not len(self._held) or self._held[-1] < lo):
+      self._skip_to(lo)
+    while not self._ended and (not len(self._held) or self._held[-1] < hi):
+      self._drop_before(lo)  # a jump past many documents holds a block at a time
+      block = np.fromfile(self.path, np.int64, _STARTS_BLOCK, offset=self._read * 8)
+      self._ended = len(block) < _STARTS_BLOCK
+      self._read += len(block)
+      self._held = np.concatenate([self._held, block + self.offset])
+    self._drop_before(lo)
+    within = np.searchsorted(self._held, [lo, hi], side="left")
+    return self._first, self._held[within[0] : within[1]]
+
+  def _skip_to(self, lo: int) -> None:
+    """Goes on from the last start at or before `lo`, found by searching the file's unread part."""
+    count = os.path.getsize(self.path) // 8
+    if count - self._read <= _STARTS_BLOCK:
+      return  # read through: no longer than the search
+    # Mapped only for the search, which touches a page per step: never the whole file.
+    unread = np.memmap(self.path, np.int64, mode="r", offset=self._read * 8)
+    at_or_before = int(np.searchsorted(unread, lo - self.offset, side="right"))
+    del unread
+    if at_or_before:  # else `lo`'s document starts at or before what is held: keep it
+      self._held, self._first = np.zeros(0, np.int64), self._read + at_or_before - 1
+      self._read = self._first
+
+  def _drop_before(self, lo: int) -> None:
+    """Keeps the last start at or before `lo` (the document holding it) and every later one."""
+    keep = max(0, int(np.searchsorted(self._held, lo, side="right")) - 1)
+    self._first += keep
+    self._held = self._held[keep:]
+
+
 class _Stream:
   """The pieces' spill files read as one stream of tokens and document starts."""
 
@@ -259,17 +322,11 @@ class _Stream:
     self.offsets = np.concatenate([[0], np.cumsum([n["tokens"] for n in notes])]).astype(np.int64)
     self.documents_before = np.concatenate([[0], np.cumsum([n["documents"] for n in notes])])
     self.length = int(self.offsets[-1])
-    self._starts: tuple[int, np.ndarray] | None = None
+    self._starts: dict[int, _PieceStarts] = {}
 
   def _piece_at(self, at: int) -> int:
     # The last piece that starts at or before `at`: empty pieces share an offset with the next.
     return int(np.searchsorted(self.offsets, at, side="right")) - 1
-
-  def _piece_starts(self, piece: int) -> np.ndarray:
-    if self._starts is None or self._starts[0] != piece:  # records read a piece in turn
-      starts = np.fromfile(self.spill / f"{piece:06d}.starts", np.int64)
-      self._starts = (piece, starts + self.offsets[piece])
-    return self._starts[1]
 
   def tokens(self, lo: int, hi: int) -> np.ndarray:
     return self._read("tokens", self.dtype, lo, hi)
@@ -288,19 +345,24 @@ class _Stream:
       lo, piece = end, piece + 1
     return np.concatenate(parts)
 
-  def starts(self, lo: int, hi: int) -> np.ndarray:
-    found, piece = [], self._piece_at(lo)
+  def documents(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
+    """(the index of the document that token `lo` belongs to, where documents start in `[lo, hi)`)."""
+    first = piece = self._piece_at(lo)
+    document, found = 0, []
     while piece < len(self.offsets) - 1 and self.offsets[piece] < hi:
-      starts = self._piece_starts(piece)
-      found.append(starts[(starts >= lo) & (starts < hi)])
+      within, starts = self._starts_of(piece).span(lo, hi)
+      if piece == first:
+        document = int(self.documents_before[piece]) + within
+      found.append(starts)
       piece += 1
-    return np.concatenate(found) if found else np.zeros(0, np.int64)
+    return document, np.concatenate(found)
 
-  def document(self, at: int) -> int:
-    """The index of the document that token `at` belongs to."""
-    piece = self._piece_at(at)
-    within = int(np.searchsorted(self._piece_starts(piece), at, side="right")) - 1
-    return int(self.documents_before[piece]) + within
+  def _starts_of(self, piece: int) -> _PieceStarts:
+    # Only the latest piece's reader is kept: the next record goes on from where this one ends.
+    if piece not in self._starts:
+      path = self.spill / f"{piece:06d}.starts"
+      self._starts = {piece: _PieceStarts(path, int(self.offsets[piece]))}
+    return self._starts[piece]
 
 
 def _record(stream: _Stream, r: int, layout: ShardLayout) -> dict[str, Any]:
@@ -309,11 +371,12 @@ def _record(stream: _Stream, r: int, layout: ShardLayout) -> dict[str, Any]:
   length = min(layout.run + 1, stream.length - base)
   tokens = np.zeros(layout.run + 1, layout.dtype)
   tokens[:length] = stream.tokens(base, base + length)
+  document, starts = stream.documents(base, base + length)
   record = {
     "tokens": tokens,
-    "starts": (stream.starts(base, base + length) - base).astype(np.int32),
+    "starts": (starts - base).astype(np.int32),
     "length": np.int32(length),
-    "document": np.int64(stream.document(base)),
+    "document": np.int64(document),
   }
   if layout.loss_mask:
     record["loss_mask"] = np.zeros(layout.run + 1, np.uint8)
