@@ -1,10 +1,13 @@
-"""The code's layers, read from its imports: no module or package imports in a circle.
+"""The code's layers, read from its imports: no circle, and the data path's two rooms apart.
 
 Every `.py` file of the repository is parsed (nothing is imported), and
 every import counts: at the top, inside a function, under `TYPE_CHECKING`.
 A circle between modules anywhere, or between the folders and files that
 sit side by side in one folder of the code (packages), is a failure naming
-its members and the imports that close it.
+its members and the imports that close it. `trainers/data/` has two
+rooms, `prepare/` (sources to records on disk) and `read/` (records on disk
+to step-indexed batches): they meet only in `records/`, the record format,
+which imports neither.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ _NOT_CODE = {"build", "dist", "workdir", "node_modules", "__pycache__"}
 # they test, not by layer (a config in tests/configs/ adds the fault section
 # of tests/faults/injection.py, and a fault test reads that config).
 LAYERED = ("spmd", "trainers", "launch", "configs", "benchmarks", "examples")
+
+DATA = "trainers.data"
+DATA_ROOMS = (f"{DATA}.prepare", f"{DATA}.read")
+RECORD_FORMAT = f"{DATA}.records"
 
 
 def _module_files(root: Path) -> dict[str, Path]:
@@ -174,6 +181,30 @@ def test_no_package_imports_in_a_circle():
   }
   found = package_circles(code)
   assert not found, f"packages side by side that import each other in a circle: {found}"
+
+
+def test_the_data_paths_two_rooms_meet_only_in_the_record_format():
+  graph = import_graph()
+  data = sorted(m for m in graph if m.startswith(DATA + "."))
+
+  def room(module: str) -> str | None:
+    rooms = (*DATA_ROOMS, RECORD_FORMAT)
+    return next((r for r in rooms if module == r or module.startswith(r + ".")), None)
+
+  homeless = [m for m in data if room(m) is None]
+  assert not homeless, (
+    f"modules of {DATA} in none of {DATA_ROOMS} nor the record format {RECORD_FORMAT}: {homeless}"
+  )
+  crossings = _ties(graph, DATA_ROOMS, owner=room)
+  assert not crossings, f"the two rooms import each other, not only {RECORD_FORMAT}: {crossings}"
+  upward = sorted(
+    f"{m} -> {t}"
+    for m in data
+    if room(m) == RECORD_FORMAT
+    for t in graph[m]
+    if room(t) in DATA_ROOMS
+  )
+  assert not upward, f"the record format imports a room above it: {upward}"
 
 
 def test_the_reader_sees_every_kind_of_import(tmp_path):

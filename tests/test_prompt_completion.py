@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers.data import packed, source_packed
-from trainers.data import tokenizer as tok
-from trainers.data.datasets import open_source
-from trainers.data.holdout import TRAIN
-from trainers.data.source_files import SourceError, SourceSpec, list_source
+from trainers.data.prepare import packed, source_packed
+from trainers.data.prepare import tokenizer as tok
+from trainers.data.prepare.holdout import TRAIN
+from trainers.data.prepare.source_files import SourceError, SourceSpec, list_source
+from trainers.data.records.datasets import open_source
 from trainers.models.transformer import TransformerConfig, TransformerLM
 from trainers.tasks import lm
 

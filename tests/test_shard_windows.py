@@ -13,8 +13,8 @@ import pytest
 from array_record.python import array_record_module
 from etils import epath
 
-from trainers.data.record_order import ShardWindows, order_digest, record_in_order
-from trainers.data.shard_cache import ShardCache
+from trainers.data.records.record_order import ShardWindows, order_digest, record_in_order
+from trainers.data.records.shard_cache import ShardCache
 
 
 def _epoch(sizes, window, seed, epoch, short_last=False):
