@@ -13,6 +13,8 @@ which imports neither.
 from __future__ import annotations
 
 import ast
+import functools
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,18 +36,31 @@ RECORD_FORMAT = f"{DATA}.records"
 def _module_files(root: Path) -> dict[str, Path]:
   """Dotted name -> file, for every Python file under `root` outside hidden and build folders."""
   found = {}
-  for path in sorted(root.rglob("*.py")):
-    parts = path.relative_to(root).parts
-    if any(p.startswith(".") or p in _NOT_CODE or p.endswith(".egg-info") for p in parts[:-1]):
-      continue
-    names = list(parts[:-1]) + ([] if parts[-1] == "__init__.py" else [parts[-1][:-3]])
-    if names:
-      found[".".join(names)] = path
+  for folder, subfolders, names in os.walk(root):
+    # Pruned here, not filtered after: a venv holds far more files than the code.
+    subfolders[:] = sorted(
+      d for d in subfolders if not (d.startswith(".") or d in _NOT_CODE or d.endswith(".egg-info"))
+    )
+    parts = Path(folder).relative_to(root).parts
+    for name in sorted(n for n in names if n.endswith(".py")):
+      dotted = list(parts) + ([] if name == "__init__.py" else [name[:-3]])
+      if dotted:
+        found[".".join(dotted)] = Path(folder) / name
   return found
 
 
 def _is_package(name: str, files: dict[str, Path]) -> bool:
   return files[name].name == "__init__.py"
+
+
+def _statements(tree: ast.Module):
+  """Every statement of `tree`, however deeply nested (an import is a statement, never an expression)."""
+  stack = list(tree.body)
+  while stack:
+    node = stack.pop()
+    yield node
+    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+      stack.extend(getattr(node, field, ()))
 
 
 def _imported(tree: ast.Module, name: str, files: dict[str, Path]) -> set[str]:
@@ -58,7 +73,7 @@ def _imported(tree: ast.Module, name: str, files: dict[str, Path]) -> set[str]:
       dotted = dotted.rpartition(".")[0]
     return dotted or None
 
-  for node in ast.walk(tree):
+  for node in _statements(tree):
     if isinstance(node, ast.Import):
       targets.update(filter(None, (known(a.name) for a in node.names)))
     elif isinstance(node, ast.ImportFrom):
@@ -75,6 +90,7 @@ def _imported(tree: ast.Module, name: str, files: dict[str, Path]) -> set[str]:
   return targets
 
 
+@functools.cache  # read once for the module's tests; they only read it
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
   """Module -> the repository's modules it imports (a package is its `__init__.py`)."""
   files = _module_files(root)
