@@ -39,7 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import common, tpu_step  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.tpu_check_config import check_config  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from trainers.models import attention  # noqa: E402
 from trainers.models.layers import CHECKPOINT_POLICIES  # noqa: E402
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (its test)")
   args = parser.parse_args(argv)
-  result = compare(tpu_step.check_config(args.rows, args.tiny), args.rounds, args.steps)
+  result = compare(check_config(args.rows, args.tiny), args.rounds, args.steps)
   print(result)
   return 0 if result["losses_agree"] else 1
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks import common, run, tpu_profile, tpu_tuning
+from benchmarks import common, run, tpu_tuning
 from spmd.topology import libtpu_available
 from tests.multiprocess import ROOT
 from tests.session_settings import default_pipeline_env
@@ -129,7 +129,7 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
   # devices when imported. This module sets up nothing, so its examples run here.
-  for module in (common, run, tpu_profile, tpu_tuning):
+  for module in (common, run, tpu_tuning):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -29,7 +29,7 @@ the hand-written variants share one state, ours has its own (the chip holds
 two). Rounds of `--steps` steps, the variants in turn and in reverse order
 every other round; each variant's median step time and its median per-round
 ratio to `hand`. With `--trace_steps`, the top ops of `hand`, `all` and
-`ours` by device time (`tpu_profile.profile`). Writes `$OUT/p11_extras.json`.
+`ours` by device time (`tpu_tuning.profile`). Writes `$OUT/p11_extras.json`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import tpu_llama, tpu_profile, tpu_step, tpu_tuning  # noqa: E402
+from benchmarks import tpu_check, tpu_llama, tpu_tuning  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from trainers.models import llama  # noqa: E402
 from trainers.models.layers import dense  # noqa: E402
@@ -216,7 +216,7 @@ def measure(config, rounds: int, steps: int, trace_steps: int, names: list[str])
       if name not in compiled:
         continue
       kind = "ours" if name in OURS else "hand"
-      out["profiles"][name], states[kind] = tpu_profile.profile(
+      out["profiles"][name], states[kind] = tpu_tuning.profile(
         compiled[name], states[kind], batch, trace_steps, compiled[name].as_text(), top=40
       )
   return out
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   setting = json.loads(Path(args.tuning).read_text()) if args.tuning else {}
   tpu_tuning.apply(setting)
-  config = tpu_tuning.configure(tpu_step.check_config(args.rows, args.tiny), setting)
+  config = tpu_tuning.configure(tpu_check.check_config(args.rows, args.tiny), setting)
   config.global_batch = args.rows
   names = args.variants.split(",")
   unknown = set(names) - {*variants(), *OURS}
