@@ -49,13 +49,13 @@ setup(
     # etils.epath reaches gs:// through fsspec and gcsfs: workdirs, checkpoints'
     # metadata, metrics and data on cloud storage (trainers/paths.py).
     "gcsfs>=2025.1.0",
-    # The LM task's subword tokenizers (trainers/data/tokenizer.py): a BPE trained
+    # The LM task's subword tokenizers (trainers/data/prepare/tokenizer.py): a BPE trained
     # on the corpus with HF tokenizers, or a user's tokenizer.json / SentencePiece model.
     "tokenizers>=0.20",
     # Each piece's span of the text (prompt/completion loss masks) comes from
     # encode(return_type="proto"), which replaced the "immutable_proto" output.
     "sentencepiece>=0.2.3",
-    # config.data.sources (trainers/data/documents.py): Parquet files and HF
+    # config.data.sources (trainers/data/prepare/documents.py): Parquet files and HF
     # `datasets` folders' Arrow files are read with pyarrow, column by column and
     # a batch of rows at a time; .jsonl.zst with zstandard, the reference binding
     # of the zstd library.

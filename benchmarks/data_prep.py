@@ -11,7 +11,7 @@ documents of one file, which packing must neither hold nor pass over for
 each record. Each is prepared as `spmd-train` prepares
 `config.data.sources` with a local `data.dir` (`configs/llama_tiny.py` on
 bytes), by 4 processes of `spmd-launch local`, each its share
-(`trainers.data.source_shards`):
+(`trainers.data.prepare.source_shards`):
 
   D1  the largest share of the train split's tokens that one of the 4
       processes tokenized (the ideal is 1/4; goal <= 0.3);
@@ -88,10 +88,10 @@ def worker(sources: str, data_dir: str, out: str) -> None:
   import jax
 
   from spmd import multihost
-  from trainers.data import source_packed
-  from trainers.data.holdout import TRAIN, VALIDATION
-  from trainers.data.prepare_group import PrepareGroup
-  from trainers.data.source_files import list_sources, parse_sources
+  from trainers.data.prepare import source_packed
+  from trainers.data.prepare.holdout import TRAIN, VALIDATION
+  from trainers.data.prepare.prepare_group import PrepareGroup
+  from trainers.data.prepare.source_files import list_sources, parse_sources
 
   config = common.load_config(CONFIG)
   config.data.tokenizer, config.model.vocab_size = "bytes", 256

@@ -19,8 +19,8 @@ import time
 
 from absl import logging as absl_logging
 
-from trainers.data import packed, text_corpus
-from trainers.data import tokenizer as tok
+from trainers.data.prepare import packed, text_corpus
+from trainers.data.prepare import tokenizer as tok
 
 
 def du(path: str) -> int:
@@ -53,7 +53,7 @@ def main() -> None:
       name = packed.prepare_packed(data_dir, config)
       packing = time.perf_counter() - started
       where = os.path.join(data_dir, packed.NAME, config.name)
-      from trainers.data.datasets import open_source
+      from trainers.data.records.datasets import open_source
 
       records = open_source(name, "train", data_dir)
       plan = packed.packed_plan(seq_len)(records)

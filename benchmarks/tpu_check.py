@@ -46,9 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import tpu_llama, tpu_tuning  # noqa: E402
-from configs import llama_tpu_check  # noqa: E402
+from benchmarks.tpu_check_config import check_config  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
-from trainers.config import resolve  # noqa: E402
 from trainers.planning import plan as plan_lib  # noqa: E402
 from trainers.planning.targets import tpu_target  # noqa: E402
 from trainers.reporting import chips  # noqa: E402
@@ -59,25 +58,6 @@ from trainers.step.train_step import make_train_step  # noqa: E402
 from trainers.tasks import make_task  # noqa: E402
 
 GiB = 2**30
-# `--tiny`: the same check at a size a CPU compiles in seconds (its own test).
-TINY = {
-  "num_layers": 2,
-  "d_model": 128,
-  "num_heads": 4,
-  "num_kv_heads": 2,
-  "d_ff": 256,
-  "vocab_size": 512,
-  "seq_len": 256,
-}
-
-
-def check_config(rows: int, tiny: bool = False):
-  """`configs/llama_tpu_check.py` with `rows` rows a step (`--tiny`: CPU-sized)."""
-  config = llama_tpu_check.get_config()
-  if tiny:
-    config.model.update(TINY)
-  config.global_batch = rows
-  return resolve(config, ROOT / "configs" / "llama_tpu_check.py")
 
 
 def planned(config, topology: str) -> dict:

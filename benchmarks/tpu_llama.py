@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.tpu_check_config import check_config  # noqa: E402
 from spmd.layout import batch_sharding  # noqa: E402
 from trainers.models import attention  # noqa: E402
 from trainers.models.layers import CHECKPOINT_POLICIES  # noqa: E402
@@ -240,15 +241,13 @@ def compare(config, rounds: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from benchmarks import tpu_check  # the check's config
-
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=6)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (its test)")
   args = parser.parse_args(argv)
-  result = compare(tpu_check.check_config(args.rows, args.tiny), args.rounds, args.steps)
+  result = compare(check_config(args.rows, args.tiny), args.rounds, args.steps)
   print(result)
   return 0 if result["losses_agree"] else 1
 

@@ -23,7 +23,7 @@ def write_text_files(root: pathlib.Path, count: int = 40, seed: int = 0) -> path
 
 def build_corpus(root: pathlib.Path) -> tuple[str, str]:
   """(dataset name, data dir) of a corpus with SEQ_LEN + 1 byte records."""
-  from trainers.data.datasets import prepare_text_corpus
+  from trainers.data.prepare.text_corpus import prepare_text_corpus
 
   src = write_text_files(root)
   data_dir = root / "data"

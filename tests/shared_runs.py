@@ -60,7 +60,7 @@ def prepared_training_data() -> dict[str, str]:
   def build(folder: Path) -> dict:
     # Imported here: TFDS takes seconds to import, and most test modules never prepare data.
     from tests.configs import train_tiny
-    from trainers.data.datasets import prepare_text_corpus
+    from trainers.data.prepare.text_corpus import prepare_text_corpus
     from trainers.tasks.lm_data import CORPUS_RECORD_BYTES
 
     data = training_data(folder)

@@ -16,10 +16,10 @@ from spmd.errors import UserError
 from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from tests.data_fixtures import WORDS, source_texts, write_jsonl, write_parquet
-from trainers.data import mixture, pipeline
-from trainers.data.mixture_rows import RowMix, apportion
-from trainers.data.source_files import SourceError
-from trainers.data.tokenizer import Tokenizer
+from trainers.data.prepare.source_files import SourceError
+from trainers.data.prepare.tokenizer import Tokenizer
+from trainers.data.read import mixture, pipeline
+from trainers.data.read.mixture_rows import RowMix, apportion
 from trainers.tasks import make_task
 
 SEQ_LEN = 16

@@ -14,10 +14,11 @@ from tests.configs import train_tiny
 from tests.data_fixtures import write_text_files, write_training_text
 from tests.multiprocess import assert_ok, run_worker
 from tests.test_pretokenized_lm import VOCAB, PretokenizedLm
-from trainers.data import lm_examples, packed, pipeline, text_corpus
-from trainers.data.datasets import open_source
-from trainers.data.records import RecordPlan
-from trainers.data.tokenizer import Tokenizer, read_text
+from trainers.data.prepare import packed, text_corpus
+from trainers.data.prepare.tokenizer import Tokenizer, read_text
+from trainers.data.read import lm_examples, pipeline
+from trainers.data.records.datasets import open_source
+from trainers.data.records.plan import RecordPlan
 from trainers.tasks import make_task
 
 SEQ_LEN = 16
@@ -142,7 +143,7 @@ def test_every_token_of_every_document_once_per_epoch_in_order(corpus, caplog):
 
 def _tokenizer_file(config):
   """The run's BPE, as the task cached it in the data dir."""
-  from trainers.data.tokenizer import CACHE_DIR
+  from trainers.data.prepare.tokenizer import CACHE_DIR
 
   (found,) = sorted((pathlib.Path(config.data.dir) / CACHE_DIR).glob("bpe-*/tokenizer.json"))
   return found
@@ -207,7 +208,7 @@ def test_train_on_bpe_then_resume_with_another_tokenizer_is_refused(tmp_path):
   assert kept.read_bytes() == _tokenizer_file(config).read_bytes()
 
   # Tokenizer B: another BPE file of the same size (trained on other text).
-  from trainers.data.tokenizer import train_bpe
+  from trainers.data.prepare.tokenizer import train_bpe
 
   other = train_bpe(["completely different text " * 50], 300, tmp_path / "b" / "tokenizer.json")
   config.data.tokenizer = str(other)

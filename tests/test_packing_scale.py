@@ -1,4 +1,4 @@
-"""Packing a prepared source's records (`trainers.data.source_shards`) from files of many short
+"""Packing a prepared source's records (`trainers.data.prepare.source_shards`) from files of many short
 documents: a record's memory and time stay the same when a file holds 4x the documents, and the
 records are those `pack_documents` cuts from the whole stream, read in any order.
 
@@ -21,8 +21,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainers.data import packed, source_shards
-from trainers.data.datasets import open_source
+from trainers.data.prepare import packed, source_shards
+from trainers.data.records.datasets import open_source
 
 FEATURES = ["tokens", "starts", "length", "document"]
 # A record of 4,096 tokens, as `packed.RECORD_TOKENS` makes them: a few thousand short documents.

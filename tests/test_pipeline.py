@@ -8,9 +8,10 @@ import pytest
 
 from spmd.mesh import create_mesh
 from tests.data_fixtures import SEQ_LEN, build_corpus
-from trainers.data import lm_examples, pipeline, record_order
-from trainers.data.datasets import open_source
-from trainers.data.records import RecordPlan
+from trainers.data.read import lm_examples, pipeline
+from trainers.data.records import record_order
+from trainers.data.records.datasets import open_source
+from trainers.data.records.plan import RecordPlan
 
 
 @pytest.fixture(scope="module")

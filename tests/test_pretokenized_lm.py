@@ -13,8 +13,9 @@ import tensorflow_datasets as tfds
 from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from tests.session_settings import compilation_cache_dir
-from trainers.data import pipeline, text_corpus
-from trainers.data.datasets import open_source
+from trainers.data.prepare import text_corpus
+from trainers.data.read import pipeline
+from trainers.data.records.datasets import open_source
 from trainers.run.train import train_and_evaluate
 from trainers.tasks import make_task
 

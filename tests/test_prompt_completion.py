@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tests import tokenizer_families
-from trainers.data import packed, source_packed, source_shards
-from trainers.data import tokenizer as tok
-from trainers.data.datasets import open_source
-from trainers.data.documents import Document
-from trainers.data.holdout import TRAIN
-from trainers.data.source_files import SourceError, SourceFile, SourceSpec, list_source
+from trainers.data.prepare import packed, source_packed, source_shards
+from trainers.data.prepare import tokenizer as tok
+from trainers.data.prepare.documents import Document
+from trainers.data.prepare.holdout import TRAIN
+from trainers.data.prepare.source_files import SourceError, SourceFile, SourceSpec, list_source
+from trainers.data.records.datasets import open_source
 from trainers.models.transformer import TransformerConfig, TransformerLM
 from trainers.tasks import lm
 

@@ -19,12 +19,12 @@ from etils import epath
 
 from spmd.errors import UserError
 from tests.data_fixtures import source_texts, write_jsonl
-from trainers.data import source_packed, source_shards
-from trainers.data.datasets import Staging, open_source
-from trainers.data.holdout import TRAIN
-from trainers.data.record_order import ShardWindows, order_digest, record_in_order
-from trainers.data.shard_cache import ShardCache
-from trainers.data.source_files import SourceSpec, list_source
+from trainers.data.prepare import source_packed, source_shards
+from trainers.data.prepare.holdout import TRAIN
+from trainers.data.prepare.source_files import SourceSpec, list_source
+from trainers.data.records.datasets import Staging, open_source
+from trainers.data.records.record_order import ShardWindows, order_digest, record_in_order
+from trainers.data.records.shard_cache import ShardCache
 
 
 def _epoch(sizes, window, seed, epoch, short_last=False):

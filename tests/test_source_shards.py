@@ -1,4 +1,4 @@
-"""A `data.sources` source prepared by a group of processes (`trainers.data.source_shards`): the
+"""A `data.sources` source prepared by a group of processes (`trainers.data.prepare.source_shards`): the
 records of the whole stream packed at once, the same bytes on 1 and 2 real processes, memory
 bounded below the corpus's size, and a preparation stopped part-way that resumes and never
 publishes half a dataset."""
@@ -15,11 +15,11 @@ import pytest
 
 from tests.data_fixtures import source_texts, write_jsonl
 from tests.multiprocess import ROOT, WORKERS, assert_ok, run_worker
-from trainers.data import packed, source_packed, source_shards
-from trainers.data.datasets import open_source
-from trainers.data.documents import SourceDocuments
-from trainers.data.holdout import TRAIN
-from trainers.data.source_files import SourceError, SourceSpec, list_source
+from trainers.data.prepare import packed, source_packed, source_shards
+from trainers.data.prepare.documents import SourceDocuments
+from trainers.data.prepare.holdout import TRAIN
+from trainers.data.prepare.source_files import SourceError, SourceSpec, list_source
+from trainers.data.records.datasets import open_source
 
 SEQ_LEN, RUN_WINDOWS = 16, 4
 FEATURES = ["tokens", "starts", "length", "document"]

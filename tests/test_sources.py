@@ -15,8 +15,8 @@ from tests.data_fixtures import (
   write_jsonl,
   write_parquet,
 )
-from trainers.data import documents as docs
-from trainers.data.source_files import (
+from trainers.data.prepare import documents as docs
+from trainers.data.prepare.source_files import (
   SourceError,
   SourceSpec,
   list_source,
@@ -292,7 +292,7 @@ def _lines_of_text(count: int) -> str:
 
 
 def _packed_records(path, tokenizer):
-  from trainers.data import packed, source_packed
+  from trainers.data.prepare import packed, source_packed
 
   documents = docs.SourceDocuments(list_source(SourceSpec(str(path))))
   ids = source_packed._token_ids(documents, tokenizer)
@@ -305,8 +305,8 @@ def test_a_large_text_file_packs_in_pieces_as_read_whole_in_bounded_memory(
 ):
   import tracemalloc
 
-  from trainers.data import source_packed
-  from trainers.data.tokenizer import Tokenizer, train_bpe
+  from trainers.data.prepare import source_packed
+  from trainers.data.prepare.tokenizer import Tokenizer, train_bpe
 
   if tokenizer == "bpe":
     tokenizer = Tokenizer(train_bpe([_lines_of_text(300)], 320, tmp_path / "tok.json"))

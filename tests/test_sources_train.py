@@ -97,7 +97,7 @@ def test_llama_tiny_trains_on_a_mixture_of_jsonl_and_parquet_it_has_never_seen(c
     "--config.eval_every=0",
   )
   # Both sources prepared (a BPE from a sample of both), then their mixture, logged.
-  # Each prepared by both processes at once, each its share (trainers/data/source_shards.py).
+  # Each prepared by both processes at once, each its share (trainers/data/prepare/source_shards.py).
   assert "preparing '" in out and "DIR_A/*.jsonl' (train split, 3 files) on 2 processes" in out
   assert "DIR_B/*.parquet' (train split, 2 files) on 2 processes" in out
   assert re.search(r"train split: mixture 2 sources: '.*DIR_A/\*.jsonl': .* 70.0% of rows", out)

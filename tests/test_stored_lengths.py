@@ -16,7 +16,10 @@ from spmd.mesh import create_mesh
 from tests.configs import train_tiny
 from tests.data_fixtures import write_text_files
 from tests.test_pretokenized_lm import PretokenizedLm
-from trainers.data import datasets, pipeline, records, stored_lengths, text_corpus
+from trainers.data.prepare import text_corpus
+from trainers.data.read import pipeline
+from trainers.data.records import datasets, stored_lengths
+from trainers.data.records import plan as records
 from trainers.tasks import make_task
 
 

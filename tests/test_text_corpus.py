@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from trainers.data import datasets, text_corpus
+from trainers.data.prepare import text_corpus
+from trainers.data.records import datasets
 
 CHUNK = 64
 
@@ -57,7 +58,7 @@ def _expected(src: pathlib.Path) -> dict[str, bytes]:
 def built(src, tmp_path_factory) -> tuple[str, str]:
   """The corpus of `src` with half the files in validation, so both splits have some."""
   data_dir = str(tmp_path_factory.mktemp("data"))
-  name = datasets.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
+  name = text_corpus.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
   return name, data_dir
 
 
@@ -118,14 +119,14 @@ def test_second_prepare_reuses_the_data(built, src, monkeypatch):
     raise AssertionError("the corpus was generated again")
 
   monkeypatch.setattr(text_corpus.TextCorpus, "_generate_examples", fail)
-  again = datasets.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
+  again = text_corpus.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
   assert again == name
   assert {p: p.stat().st_mtime_ns for p in files} == mtimes
 
 
 def test_glob_selects_only_matching_files(src, tmp_path):
-  md = datasets.prepare_text_corpus(tmp_path, src / "**" / "*.md", validation_percent=0)
-  py = datasets.prepare_text_corpus(tmp_path, src / "**" / "*.py", validation_percent=0)
+  md = text_corpus.prepare_text_corpus(tmp_path, src / "**" / "*.md", validation_percent=0)
+  py = text_corpus.prepare_text_corpus(tmp_path, src / "**" / "*.py", validation_percent=0)
   assert md != py
   expected = _expected(src)
   for name, suffix, count in [(md, ".md", 3), (py, ".py", 3)]:
@@ -136,7 +137,7 @@ def test_glob_selects_only_matching_files(src, tmp_path):
 def test_build_is_deterministic(src, tmp_path):
   shards = []
   for data_dir in (tmp_path / "one", tmp_path / "two"):
-    datasets.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
+    text_corpus.prepare_text_corpus(data_dir, src, chunk_bytes=CHUNK, validation_percent=50)
     shards.append({p.name: p.read_bytes() for p in data_dir.rglob("*.array_record-*")})
   assert len(shards[0]) == 2 and shards[0] == shards[1]
 
@@ -145,7 +146,9 @@ def test_data_dir_inside_the_source_is_not_read(tmp_path):
   (tmp_path / "a.txt").write_text("some text\n" * 20)
   data_dir = tmp_path / "tfds"
   for chunk in (16, 32):  # The second build must not read the first one's shards.
-    name = datasets.prepare_text_corpus(data_dir, tmp_path, chunk_bytes=chunk, validation_percent=0)
+    name = text_corpus.prepare_text_corpus(
+      data_dir, tmp_path, chunk_bytes=chunk, validation_percent=0
+    )
     assert set(_files_of(_read_all(name, "train", str(data_dir)))) == {str(tmp_path / "a.txt")}
 
 
@@ -278,7 +281,7 @@ def test_corrupt_record_is_an_error_not_garbage(built, src, tmp_path, features):
 @pytest.mark.slow
 def test_default_stdlib_corpus_has_over_10_mb(tmp_path):
   start = time.perf_counter()
-  name = datasets.prepare_text_corpus(tmp_path)
+  name = text_corpus.prepare_text_corpus(tmp_path)
   built_s = time.perf_counter() - start
   tokens = 0
   sources = set()
@@ -301,7 +304,7 @@ def test_changed_or_added_files_build_a_new_corpus(tmp_path):
   (src / "a.txt").write_text("first version\n")
 
   def prepare():
-    name = datasets.prepare_text_corpus(data_dir, src, validation_percent=0)
+    name = text_corpus.prepare_text_corpus(data_dir, src, validation_percent=0)
     return name, _files_of(_read_all(name, "train", str(data_dir)))
 
   first, files = prepare()
@@ -322,9 +325,9 @@ def test_changed_or_added_files_build_a_new_corpus(tmp_path):
 
 def test_a_data_dir_inside_the_source_keeps_the_corpus_name(tmp_path):
   (tmp_path / "a.txt").write_text("some text\n" * 20)
-  name = datasets.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0)
+  name = text_corpus.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0)
   # The build wrote files under the source: they are not the corpus's files.
-  assert datasets.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0) == name
+  assert text_corpus.prepare_text_corpus(tmp_path / "tfds", tmp_path, validation_percent=0) == name
 
 
 def test_the_stdlib_corpus_name_is_fixed_by_the_python_version():

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import tokenizer_families
-from trainers.data import documents as docs
-from trainers.data import packed, source_packed
-from trainers.data.source_files import SourceFile, SourceSpec, list_source
-from trainers.data.tokenizer import Tokenizer
+from trainers.data.prepare import documents as docs
+from trainers.data.prepare import packed, source_packed
+from trainers.data.prepare.source_files import SourceFile, SourceSpec, list_source
+from trainers.data.prepare.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

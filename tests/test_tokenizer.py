@@ -9,7 +9,7 @@ import pytest
 
 from configs import lm_tiny
 from trainers import config as config_lib
-from trainers.data import tokenizer as tok
+from trainers.data.prepare import tokenizer as tok
 from trainers.tasks import lm, lm_data
 
 TEXT = "def f(x):\n  return x + 1  # ünïcödé, tabs\tand emoji 🙂\n"

@@ -42,7 +42,7 @@ from tokenizers import (
 )
 from tokenizers import trainers as hf_trainers
 
-from trainers.data.tokenizer import train_bpe
+from trainers.data.prepare.tokenizer import train_bpe
 
 FAMILIES = ("byte_level", "gpt2", "prepend", "metaspace", "own_bpe", "sentencepiece")
 SPACE = "▁"
@@ -227,7 +227,7 @@ def tokenizer_file(name: str, folder: pathlib.Path) -> pathlib.Path:
 
 
 def token_names(tokenizer, ids) -> list[str]:
-  """The vocabulary's names of `ids` for a `trainers.data.tokenizer.Tokenizer`, for messages."""
+  """The vocabulary's names of `ids` for a `trainers.data.prepare.tokenizer.Tokenizer`, for messages."""
   if tokenizer.kind == "sentencepiece":
     return [tokenizer._sp.id_to_piece(int(i)) for i in ids]
   return [tokenizer._hf.id_to_token(int(i)) for i in ids]

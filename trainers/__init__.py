@@ -3,7 +3,7 @@
   tasks/        the Task API (`trainers.tasks.Task`) and the built-in tasks
   hooks/        periodic work on a schedule (`trainers.hooks.Hook`), the built-in hooks
   config/       the defaults, and the checks every config passes up front
-  data/         datasets, tokenizers, packing, step-indexed global batches
+  data/         prepare/ (sources to records), read/ (records to batches), records/ (the format)
   models/       the built-in NNX models
   step/         the mesh, the sharded state, the optimizer, the compiled steps
   checkpoints/  saving, restoring, warm starts, step folders, export

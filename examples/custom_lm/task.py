@@ -3,7 +3,7 @@
 `spmd-train` calls `make_task(config)` (named by `config.task` in config.py).
 The model is `model.DecoderLM`; the data is the built-in LM task's (the
 embedded `text_corpus` by default, or any prepared TFDS dataset with a
-`tokens` feature, cut into next-token windows by `trainers.data.pipeline`),
+`tokens` feature, cut into next-token windows by `trainers.data.read.pipeline`),
 so nothing here reads files. What this task adds of its own:
 
   loss       cross-entropy plus z-loss, `z_loss_weight * logsumexp(logits)**2`,
@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from trainers.data import lm_examples
+from trainers.data.read import lm_examples
 from trainers.hooks import Hook, StepInfo
 from trainers.step import optim
 from trainers.tasks import Task, config_section, lm_data

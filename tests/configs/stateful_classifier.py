@@ -32,7 +32,12 @@ from flax import nnx
 
 from configs import default
 from tests.faults import injection
-from trainers.data.blobs import NUM_CLASSES, NUM_FEATURES, classification_example, prepare_blobs
+from trainers.data.prepare.blobs import (
+  NUM_CLASSES,
+  NUM_FEATURES,
+  classification_example,
+  prepare_blobs,
+)
 from trainers.tasks import Task, config_section, cross_entropy_sums
 
 

@@ -1,7 +1,7 @@
 """Fault 7: data that does not divide across hosts, an empty shard, a tiny eval split.
 
 Promise: identical step counts on every host, the documented policy
-(trainers/data/pipeline.py: train drops each epoch's `len % global_batch`
+(trainers/data/read/pipeline.py: train drops each epoch's `len % global_batch`
 tail, a different one each epoch; eval is one pass padded with mask 0 so
 every example counts once), no hang; data that cannot work (a batch that
 does not divide over the data-parallel size, less than one batch of data,

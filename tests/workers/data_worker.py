@@ -26,7 +26,7 @@ import jax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.data import lm_examples, pipeline  # noqa: E402
+from trainers.data.read import lm_examples, pipeline  # noqa: E402
 
 mode, dataset, data_dir, out_dir = sys.argv[1:5]
 opts = dict(a.split("=", 1) for a in sys.argv[5:])
@@ -39,8 +39,8 @@ seq_len = int(opts.get("seq_len", 16))
 mesh = create_mesh(opts.get("mesh", "data=-1"))
 
 packing = {}
-if opts.get("packed"):  # one packed window a record (trainers/data/packed.py)
-  from trainers.data import packed
+if opts.get("packed"):  # one packed window a record (trainers/data/prepare/packed.py)
+  from trainers.data.prepare import packed
 
   packing = dict(
     to_batch=packed.packed_batch(seq_len),
@@ -51,7 +51,7 @@ if opts.get("packed"):  # one packed window a record (trainers/data/packed.py)
 def open_mixture():
   """The LM task's mixture of `opts["sources"]`, opened as spmd-train opens it."""
   from tests.configs import train_tiny
-  from trainers.data import mixture
+  from trainers.data.read import mixture
   from trainers.tasks import make_task
 
   config = train_tiny.get_config()

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from trainers.checkpoints import export, saved_run
-from trainers.data import lm_examples
-from trainers.data.datasets import open_source
+from trainers.data.read import lm_examples
+from trainers.data.records.datasets import open_source
 from trainers.tasks import lm, make_task
 from trainers.tasks.lm_data import CORPUS_RECORD_BYTES
 

@@ -12,8 +12,8 @@ import pathlib
 import sys
 import time
 
-from trainers.data import source_packed, source_shards
-from trainers.data.source_files import SourceSpec, list_source
+from trainers.data.prepare import source_packed, source_shards
+from trainers.data.prepare.source_files import SourceSpec, list_source
 
 source_spec, data_dir, go, shard_bytes = sys.argv[1:5]
 source_shards.SHARD_BYTES = int(shard_bytes)  # many shards: many files both runs write

@@ -4,7 +4,7 @@ Usage: prepare_worker.py SOURCE DATA_DIR OUT_DIR [options as key=value]
 Options: seq_len, vocab_size, shard_bytes, text_piece (bytes of a .txt read at a time).
 
 Prepares the source's train split as spmd-train does with a local data.dir
-(every process its share, `trainers.data.source_shards`), and writes
+(every process its share, `trainers.data.prepare.source_shards`), and writes
 OUT_DIR/p<N>.json: the dataset's name, and this process's peak memory
 while preparing over its memory before (`VmHWM` after the kernel's peak is
 reset through /proc/self/clear_refs, minus `VmRSS`).
@@ -21,9 +21,9 @@ spmd.initialize()
 import jax  # noqa: E402
 
 from spmd import multihost  # noqa: E402
-from trainers.data import documents, source_packed, source_shards  # noqa: E402
-from trainers.data.prepare_group import PrepareGroup  # noqa: E402
-from trainers.data.source_files import SourceSpec, list_source  # noqa: E402
+from trainers.data.prepare import documents, source_packed, source_shards  # noqa: E402
+from trainers.data.prepare.prepare_group import PrepareGroup  # noqa: E402
+from trainers.data.prepare.source_files import SourceSpec, list_source  # noqa: E402
 
 source_spec, data_dir, out_dir = sys.argv[1:4]
 opts = dict(a.split("=", 1) for a in sys.argv[4:])

@@ -12,7 +12,7 @@ import os
 import time
 
 from spmd import env_names
-from trainers.data import tokenizer
+from trainers.data.prepare import tokenizer
 from trainers.run import train_cli
 
 bpe_tokenizer = tokenizer.bpe_tokenizer

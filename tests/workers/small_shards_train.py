@@ -9,7 +9,7 @@ real entry point.
 
 import os
 
-from trainers.data import packed, source_shards
+from trainers.data.prepare import packed, source_shards
 from trainers.run import train_cli
 
 source_shards.SHARD_BYTES = int(os.environ["SPMD_TEST_SHARD_BYTES"])

@@ -17,7 +17,7 @@ spmd.initialize()
 import jax  # noqa: E402
 
 from spmd.mesh import create_mesh  # noqa: E402
-from trainers.data import lm_examples, pipeline  # noqa: E402
+from trainers.data.read import lm_examples, pipeline  # noqa: E402
 
 SEQ_LEN = 16
 n_train, n_eval, global_batch = (int(a) for a in sys.argv[1:4])

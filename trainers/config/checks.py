@@ -36,7 +36,7 @@ import ml_collections
 
 from spmd import rules
 from trainers.config import defaults
-from trainers.data import tokenizer
+from trainers.data.prepare import tokenizer
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.reporting import tracking
 from trainers.step import optim

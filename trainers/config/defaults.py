@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.tokenizer = "bytes"
   # Pack documents (files, or a pre-tokenized dataset's records) framed with
   # BOS/EOS into windows of model.seq_len + 1 tokens, one record each: every
-  # token used, batches with segment_ids/positions (trainers/data/packed.py).
+  # token used, batches with segment_ids/positions (trainers/data/prepare/packed.py).
   config.data.pack = False
   # Records per shuffle block when records hold several examples (LM windows):
   # a batch draws from this many records, each read about once per block.
@@ -78,7 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   # A gs:// data.dir: 0 copies the whole folder to every host before step 0;
   # N > 0 stages shards on demand into a local cache of at most N bytes a
   # process, least recently used out, and orders the records a window of
-  # shards at a time (trainers/data/shard_cache.py). Local dirs are read in place.
+  # shards at a time (trainers/data/records/shard_cache.py). Local dirs are read in place.
   config.data.cache_bytes = 0
   # Seconds a process waits for the others at each step of preparing the data
   # (the tokenizer, each source's tokenizing, packing and publishing; a remote

@@ -13,8 +13,8 @@ from etils import epath
 from spmd import multihost
 from spmd.errors import UserError
 from trainers import paths
-from trainers.data import mixture, pipeline
-from trainers.data.prepare_group import PrepareGroup
+from trainers.data.prepare.prepare_group import PrepareGroup
+from trainers.data.read import mixture, pipeline
 from trainers.tasks import Task, check_host_labels
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
 
   A local or mounted `data.dir` and a task that `prepares_together` (the
   LM tasks' `data.sources`): every process prepares its share at once, in
-  place (`trainers.data.source_shards`). Otherwise process 0 prepares first
+  place (`trainers.data.prepare.source_shards`). Otherwise process 0 prepares first
   and the others then find it prepared.
 
   A remote `data.dir` (`gs://...`): process 0 prepares the dataset in its
@@ -66,8 +66,8 @@ def _open_streams(config: ml_collections.ConfigDict, task: Task, workdir, mesh, 
       "spmd-train: data.cache_bytes applies to a gs:// data.dir; %s is read in place", data_dir
     )
   if local != data_dir and cache_bytes:
-    from trainers.data.datasets import Staging  # tfds is imported only when used
-    from trainers.data.shard_cache import ShardCache
+    from trainers.data.records.datasets import Staging  # tfds is imported only when used
+    from trainers.data.records.shard_cache import ShardCache
 
     name = _prepare_on_process_0_first(task, data_dir, local, timeout_s, staged=True)
     folder = paths.local_cache("staged", data_dir) / f"process-{jax.process_index()}"

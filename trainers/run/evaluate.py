@@ -43,7 +43,7 @@ import spmd
 from spmd import multihost
 from trainers import paths
 from trainers.checkpoints import saved_run
-from trainers.data import pipeline
+from trainers.data.read import pipeline
 from trainers.run.data import open_data
 from trainers.run.startup import config_hash
 from trainers.run.watchdog import ProgressWatchdog

@@ -33,7 +33,7 @@ from trainers import paths
 from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.restore import restore_or_init
 from trainers.checkpoints.saver import Saver
-from trainers.data import pipeline
+from trainers.data.read import pipeline
 from trainers.hooks import Hook, StepContext, Wrapper, load_hooks
 from trainers.hooks.builtin import CheckpointSaves, Evaluations, MetricsHook, Profile
 from trainers.hooks.wrapper import wrap_batches, wrap_train_step

@@ -29,8 +29,8 @@ import numpy as np
 
 from trainers import paths
 from trainers.checkpoints import export, saved_run
-from trainers.data import tokenizer as tok
-from trainers.data.token_codec import TokenCodec, token_codec, tokenizer_codec
+from trainers.data.prepare import tokenizer as tok
+from trainers.data.prepare.token_codec import TokenCodec, token_codec, tokenizer_codec
 from trainers.models import decode
 
 DEFAULT_TOKENS = 64

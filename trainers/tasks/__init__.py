@@ -113,11 +113,11 @@ class Task:
     prepare_data: `data_dir -> name`: builds the TFDS dataset in `data_dir`
       unless it is there (process 0 runs it first, the others after) and
       returns the name to open with `tfds.data_source`; or, for several
-      weighted sources, a `trainers.data.mixture.DataMixture` naming each
+      weighted sources, a `trainers.data.read.mixture.DataMixture` naming each
       source's prepared splits (the LM tasks' `config.data.sources`).
     prepares_together: when True, `prepare_data(data_dir, group)` is called
       on every process at once (a local or mounted `data.dir`), `group` a
-      `trainers.data.prepare_group.PrepareGroup`: the processes share the
+      `trainers.data.prepare.prepare_group.PrepareGroup`: the processes share the
       work and wait for each other through it.
     record_template: one record's features as zeros (shapes and dtypes, no
       data). Its keys are the features `to_example` reads and the only ones
@@ -132,7 +132,7 @@ class Task:
       `to_example` but cheaper.
     examples_per_record: how many examples (windows) each record holds,
       when the task knows it without seeing the data.
-    plan_records: optional `records -> trainers.data.records.RecordPlan`,
+    plan_records: optional `records -> trainers.data.records.plan.RecordPlan`,
       called once per split on every host with the opened records: how many
       examples each record holds, derived from the data (it replaces
       `examples_per_record`), and what they use of it, in the task's units,

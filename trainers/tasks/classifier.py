@@ -19,7 +19,7 @@ import itertools
 import ml_collections
 import numpy as np
 
-from trainers.data.blobs import classification_example, prepare_blobs
+from trainers.data.prepare.blobs import classification_example, prepare_blobs
 from trainers.models import mlp
 from trainers.tasks import Task, cross_entropy_sums, model_section
 

@@ -12,7 +12,7 @@ shared with the Llama task, is `lm_data.py`. Its section, `config.model`, is
 With `config.data.pack` the documents (the corpus's files, or a
 pre-tokenized dataset's records) are tokenized by `config.data.tokenizer`
 ("bytes", "bpe" trained on the corpus, or a tokenizer file), framed with
-BOS/EOS and packed into windows, stored in runs (`trainers.data.packed`);
+BOS/EOS and packed into windows, stored in runs (`trainers.data.prepare.packed`);
 batches then also carry `segment_ids` and `positions`, and throughput counts
 real input tokens (`segment_ids != 0`), not padding.
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec
+from trainers.data.prepare.token_codec import TokenCodec, prompt_ids, token_codec
 from trainers.models import decode
 from trainers.models import transformer as lm
 from trainers.tasks import Task, model_section

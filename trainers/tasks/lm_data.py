@@ -3,7 +3,7 @@
 Bytes or a pre-tokenized dataset in windows of its records, or, with
 `config.data.pack`, documents tokenized by `config.data.tokenizer` ("bytes",
 "bpe" trained on the corpus, or a tokenizer file), framed with BOS/EOS and
-packed into windows (`trainers.data.packed`); batches then also carry
+packed into windows (`trainers.data.prepare.packed`); batches then also carry
 `segment_ids` and `positions`, and throughput counts real input tokens.
 With `config.data.sources`, the documents are the sources' (JSONL, Parquet,
 text, HF datasets; weighted), each packed on its own (`lm_sources`).
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from trainers.data import lm_examples
-from trainers.data import tokenizer as tok
-from trainers.data.token_codec import TokenCodec, prompt_ids, token_codec, tokenizer_codec
+from trainers.data.prepare import tokenizer as tok
+from trainers.data.prepare.token_codec import TokenCodec, prompt_ids, token_codec, tokenizer_codec
+from trainers.data.read import lm_examples
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def check_held_out(config: ml_collections.ConfigDict, data_dir: str) -> None:
   files at a small `data.validation_percent` may hold out none; the error
   says how many files there are and the least percentage that holds one out.
   """
-  from trainers.data import text_corpus  # TFDS: see the top
+  from trainers.data.prepare import text_corpus  # TFDS: see the top
 
   parts = [part.split("[")[0].strip() for part in config.data.eval_split.split("+")]
   if text_corpus.VALIDATION not in parts:
@@ -83,7 +83,7 @@ class PreparedData:
   (on every process: process 0 first, then the others).
   """
 
-  tokenizer: object = None  # trainers.data.tokenizer.Tokenizer, or None for bytes
+  tokenizer: object = None  # trainers.data.prepare.tokenizer.Tokenizer, or None for bytes
   identity: str = ""  # what the packed data was made with, saved with its position
 
 
@@ -147,7 +147,7 @@ def check_data(config: ml_collections.ConfigDict, vocab_size: int) -> None:
 
 def _tokenizer(config: ml_collections.ConfigDict, data_dir: str, vocab_size: int):
   """The run's tokenizer in `data_dir` (trained or copied on first use), None for bytes."""
-  from trainers.data import text_corpus  # TFDS: see the top
+  from trainers.data.prepare import text_corpus  # TFDS: see the top
 
   spec = tok.tokenizer_spec(config)
   if spec == tok.BYTES:
@@ -177,7 +177,7 @@ def packed_prepare(
   `check()` runs once the tokenizer is known, before any step (the sample's
   prompt must encode).
   """
-  from trainers.data import packed  # TFDS: see the top
+  from trainers.data.prepare import packed  # TFDS: see the top
 
   def prepare(data_dir: str) -> str:
     name = config.data.name
@@ -214,12 +214,13 @@ def prepare_data(config: ml_collections.ConfigDict) -> Callable[[str], str]:
   name = config.data.name
 
   def prepare(data_dir: str) -> str:
-    from trainers.data import datasets  # TFDS: see the top
+    from trainers.data.prepare import text_corpus  # TFDS: see the top
+    from trainers.data.records import datasets
 
     found = name
     if name == "text_corpus":
       check_held_out(config, data_dir)  # before a build that could not be evaluated
-      found = datasets.prepare_text_corpus(
+      found = text_corpus.prepare_text_corpus(
         data_dir,
         config.data.source or None,
         chunk_bytes=CORPUS_RECORD_BYTES,
@@ -301,7 +302,7 @@ def lm_data(
     )
     return LmData(fields=fields, codec=lambda: fixed)
 
-  from trainers.data import packed  # TFDS: see the top
+  from trainers.data.prepare import packed  # TFDS: see the top
 
   prepared = PreparedData()
 

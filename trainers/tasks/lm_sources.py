@@ -1,9 +1,9 @@
 """The LM tasks' data from `config.data.sources`: the tokenizer, each source packed, the mixture.
 
-`config.data.sources` (see `trainers.data.source_files`) names the sources
+`config.data.sources` (see `trainers.data.prepare.source_files`) names the sources
 and their weights; `prepare(data_dir, group)` lists them, finds or trains the
 tokenizer, packs each source's train documents and, when it holds some
-out, its validation documents (`trainers.data.source_packed`), and returns
+out, its validation documents (`trainers.data.prepare.source_packed`), and returns
 the `DataMixture` the trainer opens. Every process of `group` calls it
 at once and packs its share of each source. With `data.eval_sources`, those
 sources are the eval data and the train sources hold nothing out.
@@ -35,22 +35,22 @@ from collections.abc import Callable
 import ml_collections
 
 from spmd.errors import UserError
-from trainers.data import documents as docs
-from trainers.data import tokenizer as tok
-from trainers.data.holdout import TRAIN, VALIDATION, split_of
-from trainers.data.mixture import DataMixture, MixtureSource
-from trainers.data.prepare_group import ALONE, PrepareGroup
-from trainers.data.source_files import (
+from trainers.data.prepare import documents as docs
+from trainers.data.prepare import tokenizer as tok
+from trainers.data.prepare.holdout import TRAIN, VALIDATION, split_of
+from trainers.data.prepare.prepare_group import ALONE, PrepareGroup
+from trainers.data.prepare.source_files import (
   Source,
   SourceFile,
   list_sources,
   parse_sources,
   refuse_shared_files,
 )
+from trainers.data.read.mixture import DataMixture, MixtureSource
 
 log = logging.getLogger(__name__)
 
-# The source builds (trainers.data.source_packed) import TFDS; they are
+# The source builds (trainers.data.prepare.source_packed) import TFDS; they are
 # imported where data is prepared, as lm_data's (see there).
 
 
@@ -137,7 +137,7 @@ def sources_prepare(
   identity; `check()` runs once the tokenizer is known, before any source is
   packed.
   """
-  from trainers.data import source_packed  # TFDS: see the top
+  from trainers.data.prepare import source_packed  # TFDS: see the top
 
   data = config.data
 

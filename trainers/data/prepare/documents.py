@@ -30,7 +30,7 @@ is a `SourceError` naming the file and the row it reached.
 
 Example:
   >>> import tempfile, pathlib
-  >>> from trainers.data.source_files import SourceSpec, list_source
+  >>> from trainers.data.prepare.source_files import SourceSpec, list_source
   >>> root = pathlib.Path(tempfile.mkdtemp())
   >>> _ = (root / "a.jsonl").write_text('{"text": "one"}\\n{"body": "two"}\\n{"text": "three"}\\n')
   >>> docs = SourceDocuments(list_source(SourceSpec(str(root / "*.jsonl"))), skip_bad_rows=1)
@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 import zstandard
 from etils import epath
 
-from trainers.data.source_files import Source, SourceError, SourceFile
+from trainers.data.prepare.source_files import Source, SourceError, SourceFile
 
 ARROW_BATCH_ROWS = 1024  # Parquet rows per read: memory is a batch, not a file
 TEXT_PIECE = 4 << 20  # bytes of a .txt file read at a time: memory is a piece, not a file
@@ -81,7 +81,7 @@ class Document:
 
   @property
   def key(self) -> str:
-    """Its split key: the file's key and the row (`trainers.data.holdout.split_of`)."""
+    """Its split key: the file's key and the row (`trainers.data.prepare.holdout.split_of`)."""
     return f"{self.file.key}#{self.row}"
 
 
@@ -357,7 +357,7 @@ def sample_texts(
   train split's).
 
   >>> import tempfile, pathlib
-  >>> from trainers.data.source_files import SourceSpec, list_source
+  >>> from trainers.data.prepare.source_files import SourceSpec, list_source
   >>> root = pathlib.Path(tempfile.mkdtemp())
   >>> _ = (root / "a.txt").write_text("x" * 100)
   >>> [len(t) for t in sample_texts([list_source(SourceSpec(str(root)))], budget=30)]

@@ -14,7 +14,7 @@ one of:
 
 Each file has a split key (its path relative to the folder, or to the
 glob's fixed prefix), which decides each of its documents' split
-(`trainers.data.holdout`), and an identity: its size and its modification
+(`trainers.data.prepare.holdout`), and an identity: its size and its modification
 time (local, in nanoseconds, with a digest of its first and last
 `ENDS_BLOCK` bytes, so a same-size copy that kept its mtime is seen) or
 generation (object stores). Prepared data is keyed by the identities, so a
@@ -187,7 +187,7 @@ def list_sources(specs: list[SourceSpec], setting: str = "data.sources") -> list
   >>> list_sources(parse_sources(f"{root}/a.jsonl,{root}/*.jsonl"))  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...
-  trainers.data.source_files.SourceError: data.sources: .../a.jsonl is listed by '.../a.jsonl' and by '.../*.jsonl'; ...
+  trainers.data.prepare.source_files.SourceError: data.sources: .../a.jsonl is listed by '.../a.jsonl' and by '.../*.jsonl'; ...
   """
   sources = [list_source(spec, setting) for spec in specs]
   seen: dict[str, tuple[SourceFile, str]] = {}
@@ -228,7 +228,7 @@ def refuse_shared_files(train: list[Source], held: list[Source]) -> None:
   ...                     list_sources(parse_sources(f"{root}/b.jsonl")))  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...
-  trainers.data.source_files.SourceError: .../b.jsonl is in data.sources ('.../*.jsonl') and in data.eval_sources ...
+  trainers.data.prepare.source_files.SourceError: .../b.jsonl is in data.sources ('.../*.jsonl') and in data.eval_sources ...
   """
   trained = {_same_file(f): (f, s.spec) for s in train for f in s.files}
   for source in held:

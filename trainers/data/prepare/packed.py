@@ -57,10 +57,11 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainers.data import datasets, text_corpus
-from trainers.data.datasets import open_source
-from trainers.data.records import RecordPlan
-from trainers.data.tokenizer import Tokenizer, read_text
+from trainers.data.prepare import text_corpus
+from trainers.data.prepare.tokenizer import Tokenizer, read_text
+from trainers.data.records import datasets
+from trainers.data.records.datasets import open_source
+from trainers.data.records.plan import RecordPlan
 
 NAME = "packed_lm"
 _READ_BATCH = 1024  # source records per batched read

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from trainers.data.records import Example, RecordPlan, record_lengths
+from trainers.data.records.plan import Example, RecordPlan, record_lengths
 
 
 def lm_example(seq_len: int) -> Callable[..., Example]:

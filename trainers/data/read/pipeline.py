@@ -29,7 +29,7 @@ run can resume on any number of processes.
 Example:
   >>> import numpy as np, jax
   >>> from spmd.mesh import create_mesh
-  >>> from trainers.data.lm_examples import lm_example
+  >>> from trainers.data.read.lm_examples import lm_example
   >>> records = [{"tokens": np.arange(i, i + 5, dtype=np.uint8)} for i in range(10)]
   >>> batches = GlobalBatches(records, lm_example(seq_len=4), global_batch=8,
   ...                         mesh=create_mesh("data=-1"), seed=0)
@@ -53,11 +53,11 @@ import numpy as np
 
 from spmd import layout as layout_lib
 from spmd import multihost
-from trainers.data.record_stream import RecordStream
-from trainers.data.records import Example, RecordPlan
+from trainers.data.read.record_stream import RecordStream
+from trainers.data.records.plan import Example, RecordPlan
 
 if TYPE_CHECKING:
-  from trainers.data.datasets import Staging  # tfds is imported only when used
+  from trainers.data.records.datasets import Staging  # tfds is imported only when used
 
 log = logging.getLogger(__name__)
 # One row's mask in eval batches of examples that have none: padding rows get 0.
@@ -92,7 +92,7 @@ class StepBatches:
   `_example_spec`, and builds this host's rows in `host_batch(step)`; the
   rest (placement, the per-step shape check, prefetching, the saved
   position and its checks) is this class's. `GlobalBatches` is one split's
-  stream; `trainers.data.mixture.MixtureBatches` draws rows from several.
+  stream; `trainers.data.read.mixture.MixtureBatches` draws rows from several.
   """
 
   layout: layout_lib.DataLayout
@@ -250,7 +250,7 @@ class GlobalBatches(StepBatches):
   about once per block, not once per window. A batch then draws its rows
   from `shuffle_block` records (the role of a shuffle buffer in a streaming
   pipeline), and positions stay a pure function of the step
-  (`trainers.data.record_stream`).
+  (`trainers.data.read.record_stream`).
   """
 
   def __init__(
@@ -350,7 +350,7 @@ class GlobalBatches(StepBatches):
 
     Example:
       >>> from spmd.mesh import create_mesh
-      >>> from trainers.data.lm_examples import lm_example, lm_windows
+      >>> from trainers.data.read.lm_examples import lm_example, lm_windows
       >>> records = [{"tokens": np.arange(20, dtype=np.int32)}] * 10
       >>> batches = GlobalBatches(records, lm_example(4), 8, create_mesh("data=-1"),
       ...                         plan=lm_windows(4)(records))
@@ -424,7 +424,7 @@ def open_global_batches(
   corrupt files), makes every host raise the same clear error instead of
   some hosts running on while others stop.
   """
-  from trainers.data.datasets import open_source  # tfds is imported only when used
+  from trainers.data.records.datasets import open_source  # tfds is imported only when used
 
   what = f"input pipeline {name}[{split}]"
   try:

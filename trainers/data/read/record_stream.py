@@ -1,12 +1,12 @@
 """One split's examples as an endless seeded stream: position -> example, and examples -> rows.
 
 A stream's positions run epoch after epoch; each epoch is a permutation of
-the split's examples (`trainers.data.record_order`), so position `p` is
+the split's examples (`trainers.data.records.record_order`), so position `p` is
 example `example_at(p)` on any host without state, and every example comes
 exactly once in each epoch. `rows(examples)` reads the records that hold
 them (cached: a block's windows come from the same records) and builds the
 rows. `GlobalBatches` cuts one stream into global batches;
-`trainers.data.mixture` draws a batch's rows from several.
+`trainers.data.read.mixture` draws a batch's rows from several.
 
 Records that hold several examples (windows) are shuffled, that order is cut
 into blocks of `shuffle_block` records, and the windows within each block
@@ -15,7 +15,7 @@ read and decoded about once per block rather than once per window.
 
 Example:
   >>> import numpy as np
-  >>> from trainers.data.lm_examples import lm_example
+  >>> from trainers.data.read.lm_examples import lm_example
   >>> records = [{"tokens": np.arange(i, i + 5, dtype=np.uint8)} for i in range(4)]
   >>> stream = RecordStream(records, lm_example(seq_len=4), seed=0)
   >>> sorted(stream.example_at(p) for p in range(4)), stream.num_examples
@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from trainers.data.record_order import (
+from trainers.data.records.plan import Example, RecordPlan
+from trainers.data.records.record_order import (
   ShardWindows,
   order_digest,
   record_in_order,
   window_in_block,
 )
-from trainers.data.records import Example, RecordPlan
 
 
 class RecordStream:

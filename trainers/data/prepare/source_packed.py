@@ -1,10 +1,10 @@
 """`packed_source`: one split of one source of `config.data.sources`, tokenized and packed.
 
-The records are `packed_lm`'s (`trainers.data.packed`: runs of windows of
+The records are `packed_lm`'s (`trainers.data.prepare.packed`: runs of windows of
 `seq_len + 1` tokens with the documents' starts), so the LM task's batch
 builder, plan and template read them unchanged.
 
-The documents are streamed (`trainers.data.documents`): read file after
+The documents are streamed (`trainers.data.prepare.documents`): read file after
 file in row order, tokenized a batch at a time, framed with BOS/EOS, and
 packed as they come. Memory holds a batch of documents and one run,
 whatever the source's size. A .txt file, one document, is read, tokenized
@@ -17,7 +17,7 @@ decides which share a window, and a source packs the same for any seed
 (its key has none).
 
 A document belongs to a split by a hash of its key (its file's key and
-row, `trainers.data.holdout`): the build of a split keeps the documents
+row, `trainers.data.prepare.holdout`): the build of a split keeps the documents
 that fall in it. Each split is its own dataset, built only when it holds
 documents; the build's report, kept with it as `source_report.json`, says
 how many documents the split took, how many went to the other, and which
@@ -30,7 +30,7 @@ token that holds completion text and on the EOS (`packed.Example`), so the
 LM loss counts no token of the prompt alone.
 
 A build is shared by the processes that prepare it
-(`trainers.data.source_shards`): each tokenizes its share of the files and
+(`trainers.data.prepare.source_shards`): each tokenizes its share of the files and
 writes its share of the shards, and the records are those of the files'
 documents packed in file order, whatever the number of processes.
 
@@ -54,12 +54,17 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from trainers.data import packed, source_shards
-from trainers.data.documents import BAD_ROWS_SHOWN, PROMPT_COMPLETION, Document, SourceDocuments
-from trainers.data.holdout import TRAIN, VALIDATION, split_of
-from trainers.data.prepare_group import ALONE, PrepareGroup
-from trainers.data.source_files import Source, SourceError, SourceFile
-from trainers.data.tokenizer import Tokenizer
+from trainers.data.prepare import packed, source_shards
+from trainers.data.prepare.documents import (
+  BAD_ROWS_SHOWN,
+  PROMPT_COMPLETION,
+  Document,
+  SourceDocuments,
+)
+from trainers.data.prepare.holdout import TRAIN, VALIDATION, split_of
+from trainers.data.prepare.prepare_group import ALONE, PrepareGroup
+from trainers.data.prepare.source_files import Source, SourceError, SourceFile
+from trainers.data.prepare.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 NAME = "packed_source"
@@ -443,7 +448,7 @@ def prepare_source(
   """Builds the split in `data_dir` unless it is there; returns its name and report.
 
   Every process of `group` calls it: each tokenizes its share of the files
-  and writes its share of the shards (`trainers.data.source_shards`), and
+  and writes its share of the shards (`trainers.data.prepare.source_shards`), and
   the dataset is the same for any group. A build reused from a run that
   let more bad rows be skipped than this one (`data.skip_bad_rows`) is
   refused, naming the row past this run's limit.

@@ -7,10 +7,11 @@ reads ArrayRecord files without TensorFlow, and checks the files when it
 opens them, so a truncated or corrupt shard is an error naming the file
 rather than garbage.
 
-`prepare_text_corpus(data_dir, source)` builds the byte-level text corpus
-(`trainers.data.text_corpus`) the first time and reuses it afterwards:
+Here the byte-level text corpus, prepared by
+`trainers.data.prepare.text_corpus.prepare_text_corpus`, is opened:
 
   >>> import tempfile, pathlib
+  >>> from trainers.data.prepare.text_corpus import prepare_text_corpus
   >>> root = pathlib.Path(tempfile.mkdtemp())
   >>> _ = (root / "a.txt").write_text("hello world")
   >>> name = prepare_text_corpus(root / "data", source=root / "*.txt")  # doctest: +ELLIPSIS
@@ -38,9 +39,9 @@ from google.protobuf.message import DecodeError
 from tensorflow_datasets.core import read_only_builder
 
 from spmd.errors import UserError
-from trainers.data import stored_lengths, text_corpus
-from trainers.data.record_order import ShardWindows
-from trainers.data.shard_cache import ShardCache
+from trainers.data.records import stored_lengths
+from trainers.data.records.record_order import ShardWindows
+from trainers.data.records.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,10 @@ def _not_prepared(name: str, data_dir: str) -> FileNotFoundError:
   where = f"{data_dir=}" + ("" if os.path.isdir(data_dir) else " (which does not exist)")
   configs = _prepared_configs(data_dir, dataset)
   found = f" Prepared there: {dataset}/{configs}." if configs else ""
-  if dataset == text_corpus.TextCorpus.name:
+  # The name of `trainers.data.prepare.text_corpus.TextCorpus`: the record format imports no room.
+  if dataset == "text_corpus":
     how = (
-      'Build it (no network needed) with: python -c "from trainers.data.datasets import '
+      'Build it (no network needed) with: python -c "from trainers.data.prepare.text_corpus import '
       f'prepare_text_corpus; print(prepare_text_corpus({data_dir!r}))" (add source=... for '
       "your own files; that call returns the name to open)."
     )
@@ -360,48 +362,3 @@ def keep_record_lengths(name: str, data_dir: str | os.PathLike, feature: str) ->
       written,
     )
   return written
-
-
-def prepare_text_corpus(
-  data_dir: str | os.PathLike,
-  source: text_corpus.SourceSpec = None,
-  *,
-  chunk_bytes: int = text_corpus.DEFAULT_CHUNK_BYTES,
-  validation_percent: float = text_corpus.DEFAULT_VALIDATION_PERCENT,
-  rebuild: bool = False,
-) -> str:
-  """Builds the text corpus in `data_dir` unless it is there already.
-
-  Args:
-    data_dir: the TFDS data directory to build into.
-    source: None for the Python standard library's `.py` files, or a
-      directory, glob pattern or list of files (see `trainers.data.text_corpus`).
-    chunk_bytes: the most bytes (tokens) in one record.
-    validation_percent: the share of files that go to "validation".
-    rebuild: build again even if prepared. Rarely needed: the cache is keyed
-      by the source spec and its files' names, sizes and modification times
-      (`text_corpus.text_corpus_config`), so changed files build anew.
-
-  Returns:
-    The name to pass to `open_source`: "text_corpus/<config>:<version>".
-
-  >>> import tempfile
-  >>> data_dir = tempfile.mkdtemp()
-  >>> name = prepare_text_corpus(data_dir, source=[__file__])  # doctest: +ELLIPSIS
-  Downloading and preparing dataset ...
-  >>> prepare_text_corpus(data_dir, source=[__file__]) == name  # Reused: prints nothing.
-  True
-  """
-  config = text_corpus.text_corpus_config(
-    source, chunk_bytes=chunk_bytes, validation_percent=validation_percent, exclude=data_dir
-  )
-  # TFDS wants the class's own object for a config the class lists (the default).
-  config = text_corpus.TextCorpus.builder_configs.get(config.name, config)
-  builder = text_corpus.TextCorpus(data_dir=os.fspath(data_dir), config=config)
-  mode = tfds.download.GenerateMode
-  download_config = tfds.download.DownloadConfig(
-    try_download_gcs=False,
-    download_mode=mode.REUSE_CACHE_IF_EXISTS if rebuild else mode.REUSE_DATASET_IF_EXISTS,
-  )
-  builder.download_and_prepare(download_config=download_config)
-  return f"{builder.name}/{config.name}:{builder.version}"

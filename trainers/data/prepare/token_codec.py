@@ -81,7 +81,7 @@ def tokenizer_codec(tokenizer) -> TokenCodec:
 
   Example:
     >>> import tempfile, pathlib
-    >>> from trainers.data.tokenizer import Tokenizer, train_bpe
+    >>> from trainers.data.prepare.tokenizer import Tokenizer, train_bpe
     >>> path = train_bpe(["def f(): pass"] * 9, 300, pathlib.Path(tempfile.mkdtemp()) / "t.json")
     >>> codec = tokenizer_codec(Tokenizer(path))
     >>> codec.encode("def")[0], codec.decode(codec.encode("def g"))

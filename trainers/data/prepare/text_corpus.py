@@ -8,7 +8,7 @@ Each example is one chunk of one file:
 
 Concatenating a file's chunks in `offset` order gives back the file, byte for
 byte. Empty files give no chunks. Each split's chunk lengths are kept beside
-the index (`trainers.data.stored_lengths`), so opening it reads no chunk.
+the index (`trainers.data.records.stored_lengths`), so opening it reads no chunk.
 
 The source is part of the config (for your own files, also each file's size
 and modification time), so each source, and each state of its files, has its
@@ -29,7 +29,7 @@ file never changes when other files are added.
 
 The data is written as ArrayRecord and read back with `tfds.data_source`
 (random access, no TensorFlow). Build it with
-`trainers.data.datasets.prepare_text_corpus(data_dir)`, or directly:
+`prepare_text_corpus(data_dir)` (below), or directly:
 
   >>> import tempfile, pathlib
   >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -61,16 +61,15 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainers.data import stored_lengths
-
 # The split rule is shared with `config.data.sources` (which holds out documents).
-from trainers.data.holdout import (  # noqa: F401  (re-exported: text_corpus.split_of, ...)
+from trainers.data.prepare.holdout import (  # noqa: F401  (re-exported: text_corpus.split_of, ...)
   DEFAULT_VALIDATION_PERCENT,
   TRAIN,
   VALIDATION,
   split_of,
   validation_percent_to_hold_out,
 )
+from trainers.data.records import stored_lengths
 
 DEFAULT_CHUNK_BYTES = 4096
 
@@ -343,3 +342,48 @@ class TextCorpus(tfds.core.GeneratorBasedBuilder):
           f"{f.key}@{offset}",
           {"tokens": piece, "source": os.fsencode(f.path), "offset": offset},
         )
+
+
+def prepare_text_corpus(
+  data_dir: str | os.PathLike,
+  source: SourceSpec = None,
+  *,
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+  validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+  rebuild: bool = False,
+) -> str:
+  """Builds the text corpus in `data_dir` unless it is there already.
+
+  Args:
+    data_dir: the TFDS data directory to build into.
+    source: None for the Python standard library's `.py` files, or a
+      directory, glob pattern or list of files (see this module's docstring).
+    chunk_bytes: the most bytes (tokens) in one record.
+    validation_percent: the share of files that go to "validation".
+    rebuild: build again even if prepared. Rarely needed: the cache is keyed
+      by the source spec and its files' names, sizes and modification times
+      (`text_corpus_config`), so changed files build anew.
+
+  Returns:
+    The name to pass to `trainers.data.records.datasets.open_source`: "text_corpus/<config>:<version>".
+
+  >>> import tempfile
+  >>> data_dir = tempfile.mkdtemp()
+  >>> name = prepare_text_corpus(data_dir, source=[__file__])  # doctest: +ELLIPSIS
+  Downloading and preparing dataset ...
+  >>> prepare_text_corpus(data_dir, source=[__file__]) == name  # Reused: prints nothing.
+  True
+  """
+  config = text_corpus_config(
+    source, chunk_bytes=chunk_bytes, validation_percent=validation_percent, exclude=data_dir
+  )
+  # TFDS wants the class's own object for a config the class lists (the default).
+  config = TextCorpus.builder_configs.get(config.name, config)
+  builder = TextCorpus(data_dir=os.fspath(data_dir), config=config)
+  mode = tfds.download.GenerateMode
+  download_config = tfds.download.DownloadConfig(
+    try_download_gcs=False,
+    download_mode=mode.REUSE_CACHE_IF_EXISTS if rebuild else mode.REUSE_DATASET_IF_EXISTS,
+  )
+  builder.download_and_prepare(download_config=download_config)
+  return f"{builder.name}/{config.name}:{builder.version}"

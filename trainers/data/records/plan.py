@@ -87,7 +87,7 @@ def record_lengths(records: Sequence[Any], feature: str) -> np.ndarray:
   A feature whose shape the dataset fixes (`records.info.features`, as a
   `RecordSource` has) is not read at all, nor is one whose lengths were kept
   when the dataset was prepared (`records.stored_lengths(feature)`, see
-  `trainers.data.stored_lengths`). Otherwise every record is read once, in
+  `trainers.data.records.stored_lengths`). Otherwise every record is read once, in
   order, in batches: the same files give every host the same lengths, and
   the hosts compare what they derive from them (the stream's fingerprint)
   before any step.

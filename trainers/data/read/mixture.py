@@ -4,9 +4,9 @@ A task whose data is several sources (the LM tasks with `config.data.sources`)
 returns a `DataMixture` from `prepare_data`: each source's prepared dataset
 and weight. `MixtureBatches` then feeds, at step `s`, the global rows
 `s * global_batch ...`: each row's source and its place in that source's
-stream come from `trainers.data.mixture_rows` (arithmetic on the row, the
+stream come from `trainers.data.read.mixture_rows` (arithmetic on the row, the
 seed fixed), and each source's stream is its own seeded order epoch after
-epoch (`trainers.data.record_stream`). So:
+epoch (`trainers.data.read.record_stream`). So:
 
   * every global batch holds each source's share of rows to within a row or
     two (weights are shares of rows; packed, every row is a full window);
@@ -22,8 +22,8 @@ rows to whole global batches: every held-out example counts once.
 
 Example:
   >>> from spmd.mesh import create_mesh
-  >>> from trainers.data.lm_examples import lm_example
-  >>> from trainers.data.record_stream import RecordStream
+  >>> from trainers.data.read.lm_examples import lm_example
+  >>> from trainers.data.read.record_stream import RecordStream
   >>> def stream(n, first):
   ...   records = [{"tokens": np.full(5, first + i, np.uint8)} for i in range(n)]
   ...   return RecordStream(records, lm_example(4), name=f"s{first}", last_record_last=True)
@@ -49,13 +49,13 @@ import numpy as np
 from spmd import layout as layout_lib
 from spmd import multihost
 from spmd.errors import UserError
-from trainers.data.mixture_rows import RowMix
-from trainers.data.pipeline import PADDING_MASK, StepBatches
-from trainers.data.record_stream import RecordStream
-from trainers.data.records import Example, RecordPlan
+from trainers.data.read.mixture_rows import RowMix
+from trainers.data.read.pipeline import PADDING_MASK, StepBatches
+from trainers.data.read.record_stream import RecordStream
+from trainers.data.records.plan import Example, RecordPlan
 
 if TYPE_CHECKING:
-  from trainers.data.datasets import Staging  # tfds is imported only when used
+  from trainers.data.records.datasets import Staging  # tfds is imported only when used
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def open_mixture_batches(
   `staging`: the shards are remote, read through a bounded cache
   (`datasets.Staging`), which the sources share.
   """
-  from trainers.data.datasets import open_source  # tfds is imported only when used
+  from trainers.data.records.datasets import open_source  # tfds is imported only when used
 
   sources = mixture.train if train or not mixture.eval else mixture.eval
   what = f"input pipeline mixture[{split}]"

@@ -2,11 +2,11 @@
 
 The input is a list of pieces (a source's files, in their canonical order),
 each a stream of token ids (`tokenize(i)`). The dataset is `packed_lm`'s
-records (`trainers.data.packed`) of the pieces' streams concatenated in
+records (`trainers.data.prepare.packed`) of the pieces' streams concatenated in
 that order: the same records `pack_documents` makes of the whole stream,
 whatever the number of processes that prepared it. Three steps, each
 process doing its share, the group waiting between them
-(`trainers.data.prepare_group`):
+(`trainers.data.prepare.prepare_group`):
 
   1. tokenize: each piece is given to one process (the largest first, each
      to the least loaded: a deterministic share of the tokens), which
@@ -59,8 +59,8 @@ import tensorflow_datasets as tfds
 from array_record.python import array_record_module
 from tensorflow_datasets.core import example_serializer
 
-from trainers.data import packed, preparation_lock
-from trainers.data.prepare_group import ALONE, PrepareGroup
+from trainers.data.prepare import packed, preparation_lock
+from trainers.data.prepare.prepare_group import ALONE, PrepareGroup
 
 log = logging.getLogger(__name__)
 
