@@ -159,3 +159,28 @@ def test_spmd_plan_for_v5e_1_on_a_tpu_vm_plans_and_a_bad_slice_is_one_line():
   assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
   lines = [line for line in bad.stderr.splitlines() if line.startswith("spmd-plan: ")]
   assert len(lines) == 1 and "libtpu cannot describe TPU slice 'v5e:3x3'" in lines[0], bad.stderr
+
+
+# What libtpu prints when it loads on a machine that is no TPU VM and is told
+# nothing about a slice.
+LIBTPU_ALARMS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "INVALID_ARGUMENT")
+
+
+@needs_libtpu
+@pytest.mark.multiprocess
+def test_spmd_plan_on_a_machine_without_tpus_prints_its_report_and_no_libtpu_alarm():
+  """A laptop or CI runner: no TPU variables, libtpu loaded only to describe the slice."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "MEGASCALE_"))}
+  command = [sys.executable, "-m", "trainers.planning.plan_cli", "--config=configs/llama_tiny.py"]
+  done = subprocess.run(
+    [*command, "--topology=v5p-64", "--compile=never"],
+    env={**env, "PYTHONPATH": ROOT},
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  assert done.stdout.startswith("spmd-plan: llama_tiny.py on v5p-64: 32 x TPU v5"), done.stdout
+  alarms = [line for line in done.stderr.splitlines() if any(a in line for a in LIBTPU_ALARMS)]
+  assert alarms == [], done.stderr
