@@ -176,3 +176,48 @@ def out_of_memory(error: BaseException | str) -> OutOfMemory | None:
       return OutOfMemory(_size(*match.group(1, 2)), _size(*match.group(3, 4)))
   return None
 
+
+def step_does_not_fit(
+  error: BaseException | str,
+  plan_memory: Memory,
+  mesh: dict[str, int],
+  rules: str,
+  num_devices: int,
+  rows_per_device: int,
+  micro_batches: int = 1,
+) -> str:
+  """One line for a step its devices refused for memory: the rows, the bytes, what would fit.
+
+  `plan_memory` holds the state's and batch's bytes per device and the
+  device's HBM (`total_bytes` is ignored: the refusal's figure replaces it).
+
+  Example:
+    >>> gib = 2**30
+    >>> memory = Memory(2 * gib, 4 * gib, 2**20, None, None, None, int(15.75 * gib), 0.1)
+    >>> print(step_does_not_fit(
+    ...   "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    ...   "temporaries (19.14G) exceeds available HBM (15.75G).",
+    ...   memory, {"data": 1}, "dp", 1, rows_per_device=12))  # doctest: +ELLIPSIS
+    the step does not fit in device memory: 12 rows per device need 19.14 GiB of the 15.75 GiB \
+a device has (the compiler's figures); ... --config.train.micro_batches=2 ...
+  """
+  first_line = " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else ""
+  oom = out_of_memory(error)
+  if oom is None:
+    return (
+      f"the step does not fit in device memory at {rows_per_device} rows per device "
+      f"({first_line}); spmd-plan with this config and the slice's --topology says what would fit"
+    )
+  memory = dataclasses.replace(
+    plan_memory, total_bytes=oom.required_bytes, device_bytes=oom.available_bytes
+  )
+  advice = suggestions_to_fit(memory, mesh, rules, num_devices, rows_per_device, micro_batches)
+  gib = 2**30
+  return "; ".join(
+    [
+      f"the step does not fit in device memory: {rows_per_device} rows per device need "
+      f"{oom.required_bytes / gib:.2f} GiB of the {oom.available_bytes / gib:.2f} GiB a device "
+      "has (the compiler's figures)",
+      *advice,
+    ]
+  )
