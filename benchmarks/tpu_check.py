@@ -1,19 +1,26 @@
 """The TPU check: the plan of the 501M Llama against what the chip's compiler and clock say.
 
   python -m benchmarks.tpu_check [--rows=7,8,12] [--steps=10] [--tuning=FILE] [--out=FILE]   # one TPU chip
-  python -m benchmarks.tpu_check --tiny                                   # its test, on a CPU
+  python -m benchmarks.tpu_check --tiny --sweep=2                         # its test, on a CPU
 
-For each row count of `configs/llama_tpu_check.py` it
+First it plans `configs/llama_tpu_check.py`'s step for `--topology` at every
+row count from 1 to the first the compiler refuses (`--sweep`, at most 16)
+and prints each one's figure beside its verdict: the compiler's peak, at
+most the chip's HBM where the step fits, above it where it is refused.
+Then for each row count of `--rows` it
   1. plans the train step for `--topology` (default v5e-1) as `spmd-plan`
      does: compiled by libtpu for the slice's description, nothing allocated;
   2. compiles the same step for this machine's device and reads the
-     compiled program's `memory_analysis()`; the compiler's refusal
-     (RESOURCE_EXHAUSTED) is the device's verdict;
+     compiled program's `memory_analysis()` (on a TPU its peak, the figure
+     `spmd-plan` reports); the compiler's refusal (RESOURCE_EXHAUSTED) is
+     the device's verdict;
   3. where it compiled, runs it on synthetic batches and times the steps.
 
-It reports PL1 = the plan's bytes per device / the device's compiled bytes
-(goal 0.97-1.03), whether the plan's verdict is the device's at each row
-count, PL2: whether the measured step time lies in the plan's range, and P9:
+It reports PL1 = the plan's peak for a described v5e-1 / the chip's own
+compiled peak (goal 0.97-1.03): that the slice's description is the real
+chip, not a check of how memory is counted; whether the plan's verdict is
+the device's at each row count, PL2: whether the measured step time lies
+in the plan's range, and P9:
 the MFU of the first row count's step (splash on a TPU). With
 `--train_steps=N` (0: skip) it then trains the same Llama for N steps with
 `train_and_evaluate`, what `spmd-train` runs, on the packed byte corpus
@@ -89,6 +96,25 @@ def _synthetic_batch(task, rows: int, vocab: int, sharding) -> dict:
   return out
 
 
+def compiled_memory(compiled) -> dict:
+  """The compiled step's memory analysis; `total_bytes` is what `spmd-plan` reports for it.
+
+  On a TPU that is the compiler's peak; the sum of the other fields (which
+  counts the state twice there) is kept beside it for comparison.
+  """
+  stats = compiled.memory_analysis()
+  return {
+    "total_bytes": plan_lib.step_bytes(stats, on_tpu=jax.devices()[0].platform == "tpu"),
+    "peak_bytes": stats.peak_memory_in_bytes,
+    "sum_bytes": plan_lib.step_bytes(stats, on_tpu=False),
+    "temp_bytes": stats.temp_size_in_bytes,
+    "argument_bytes": stats.argument_size_in_bytes,
+    "output_bytes": stats.output_size_in_bytes,
+    "alias_bytes": stats.alias_size_in_bytes,
+    "code_bytes": stats.generated_code_size_in_bytes,
+  }
+
+
 def on_device(config, steps: int, warmup: int, trace_steps: int = 0) -> dict:
   """The step compiled for this machine's device: its memory analysis, then its time.
 
@@ -113,17 +139,7 @@ def on_device(config, steps: int, warmup: int, trace_steps: int = 0) -> dict:
       raise
     return {"compiled": False, "refusal": " ".join(str(e).split())[:400]}
   compile_s = time.perf_counter() - started
-  stats = compiled.memory_analysis()
-  out = {
-    "compiled": True,
-    "compile_s": compile_s,
-    "total_bytes": plan_lib._total_bytes(stats),
-    "temp_bytes": stats.temp_size_in_bytes,
-    "argument_bytes": stats.argument_size_in_bytes,
-    "output_bytes": stats.output_size_in_bytes,
-    "alias_bytes": stats.alias_size_in_bytes,
-    "code_bytes": stats.generated_code_size_in_bytes,
-  }
+  out = {"compiled": True, "compile_s": compile_s, **compiled_memory(compiled)}
   batch = _synthetic_batch(task, config.global_batch, config.model.vocab_size, sharding)
   state = setup.init()
   for _ in range(warmup):
@@ -176,6 +192,48 @@ def through_the_trainer(
   }
 
 
+def sweep(max_rows: int, topology: str, tiny: bool = False, setting: dict | None = None) -> dict:
+  """The plan at every row count from 1 to the first it refuses (at most `max_rows`), by rows.
+
+  Each row count's printed figure must agree with its verdict: at most the
+  chip's HBM where the step fits, above it where the compiler refuses it.
+  """
+  plans = {}
+  for rows in range(1, max_rows + 1):
+    config = tpu_tuning.configure(check_config(rows, tiny), setting or {})
+    config.global_batch = rows
+    started = time.perf_counter()
+    plans[rows] = planned(config, topology)
+    print(f"{rows} rows, plan ({time.perf_counter() - started:.0f} s): {plans[rows]}", flush=True)
+    if plans[rows]["fits"] is False:
+      break
+  return plans
+
+
+def agrees_with_hbm(plan: dict) -> bool | None:
+  """The plan's figure is at most the HBM where it fits and above it where it does not."""
+  if plan["total_bytes"] is None or plan["device_bytes"] is None or plan["fits"] is None:
+    return None
+  return plan["fits"] == (plan["total_bytes"] <= plan["device_bytes"])
+
+
+def sweep_table(plans: dict, topology: str) -> list[str]:
+  """The sweep as lines: each row count's figure beside its verdict."""
+  hbm = next(iter(plans.values()))["device_bytes"] if plans else None
+  lines = [
+    f"  the plan at each row count, {topology}"
+    + (f" ({hbm / GiB:.2f} GiB HBM)" if hbm else "")
+    + ": the compiler's peak, or its refusal's figure",
+    f"  {'rows':>4}  {'plan':>10}  {'verdict':>14}  within HBM as the verdict says",
+  ]
+  for rows, p in plans.items():
+    figure = f"{p['total_bytes'] / GiB:.2f} GiB" if p["total_bytes"] is not None else "-"
+    verdict = {True: "fits", False: "does not fit"}.get(p["fits"], "unknown")
+    agree = {True: "yes", False: "NO", None: "-"}[agrees_with_hbm(p)]
+    lines.append(f"  {rows:>4}  {figure:>10}  {verdict:>14}  {agree}")
+  return lines
+
+
 def judge(plan: dict, device: dict) -> dict:
   """PL1, whether the verdicts agree, and PL2, from one row count's plan and device figures."""
   out = {"verdicts_agree": plan["fits"] == device["compiled"]}
@@ -193,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
   # chip without recomputing a matmul to fit (at 8 it rematerializes one).
   parser.add_argument("--rows", default="7,8,12", help="row counts a step, comma separated")
   parser.add_argument("--topology", default="v5e-1", help="the slice the plan is for")
+  parser.add_argument(
+    "--sweep",
+    type=int,
+    default=16,
+    help="plan every row count from 1 to the first refused, at most this many (0: skip)",
+  )
   parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out", default=os.environ.get("OUT", ".") + "/tpu_check.json")
@@ -227,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
   row_counts = [int(r) for r in args.rows.split(",")]
   if "rows" in setting and int(setting["rows"]) not in row_counts:
     row_counts.insert(0, int(setting["rows"]))  # P9 at the tuned batch
+  swept = sweep(args.sweep, args.topology, args.tiny, setting)
+  report["sweep"] = {
+    rows: {**plan, "agrees_with_hbm": agrees_with_hbm(plan)} for rows, plan in swept.items()
+  }
   for rows in row_counts:
     config = tpu_tuning.configure(check_config(rows, args.tiny), setting)
     config.global_batch = rows
     started = time.perf_counter()
-    plan = planned(config, args.topology)
+    plan = swept.get(rows) or planned(config, args.topology)
     print(f"{rows} rows, plan ({time.perf_counter() - started:.0f} s): {plan}", flush=True)
     trace = args.trace_steps if rows == row_counts[0] else 0
     measured = on_device(config, args.steps, args.warmup, trace_steps=trace)
@@ -279,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
       f"  {rows:>4}  {plan_word:>22}  {device_word:>22}  {pl1:>6}  {step:>9}  {span:>17}  {pl2}{agree}"
     )
+  for line in sweep_table(swept, args.topology):
+    print(line)
   if report["p9_mfu"] is not None:
     print(f"  P9  MFU of the step, splash: {report['p9_mfu']:.1%} (goal >= 60%)")
   if "p4" in report:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import glob
 import importlib.util
 import logging
 import os
@@ -34,7 +33,7 @@ import socket
 
 import jax
 
-from spmd import compat, tpu_env
+from spmd import compat, topology, tpu_env
 from spmd.env_names import (
   ENV_BIND,
   ENV_COORDINATOR,
@@ -109,11 +108,6 @@ def _gpu_plugin_installed() -> bool:
   )
 
 
-def _tpu_chips_present() -> bool:
-  # TPU VMs expose their chips as /dev/accel* (v2-v4) or VFIO groups (v5 on).
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-
-
 def skip_absent_tpu() -> bool:
   """Keeps JAX on the CPU where libtpu is installed but there is no TPU; True if it did.
 
@@ -130,7 +124,7 @@ def skip_absent_tpu() -> bool:
     or jax.config.jax_platforms
     or compat.backends_are_initialized()
     or importlib.util.find_spec("libtpu") is None
-    or _tpu_chips_present()
+    or topology.tpu_chips_present()
     or _gpu_plugin_installed()
   ):
     return False

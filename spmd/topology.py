@@ -15,9 +15,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import math
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # JAX is imported where devices are made: `spmd-launch` reads names only.
@@ -142,6 +145,55 @@ def point_libtpu_logs(folder: str) -> None:
   os.environ["TPU_LOG_DIR"] = folder
 
 
+def tpu_chips_present() -> bool:
+  """True on a machine with TPU chips: a Cloud TPU VM exposes them as /dev/accel* (v2-v4) or VFIO groups (v5 on)."""
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def accelerator_type(name: str) -> str:
+  """A slice's name as Cloud TPU spells it in `TPU_ACCELERATOR_TYPE`.
+
+  Example:
+    >>> accelerator_type("v5e-16"), accelerator_type("v5p:2x2x1"), accelerator_type("v6e-8")
+    ('v5litepod-16', 'v5p-8', 'v6e-8')
+  """
+  generation, grid = topology_name(name).split(":", 1)
+  chips = math.prod(int(x) for x in grid.split("x"))
+  prefix = {"v5e": "v5litepod"}.get(generation, generation)
+  return f"{prefix}-{chips * _CORES_PER_CHIP[generation]}"
+
+
+# What libtpu asks the GCE metadata server for when it loads, unless the
+# environment says it (`spmd.tpu_env` lists what a TPU VM sets).
+_SLICE_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
+
+
+@contextlib.contextmanager
+def _slice_named_for_libtpu(name: str) -> Iterator[None]:
+  """Names a slice and this host to libtpu while it loads, off a TPU VM; then unsets them.
+
+  Off a TPU VM the metadata server has no slice to give, and libtpu prints a
+  block of alarms before anything else (`could not determine TPU accelerator
+  type`, `INVALID_ARGUMENT: unexpected worker hostname`). A planner only
+  describes slices, which reads neither variable, so naming the slice it
+  describes and `localhost` changes no plan and silences them. Variables the
+  user set are kept; the ones added here are removed once libtpu has read
+  them, so processes this one starts do not take this machine for a TPU host.
+  On a TPU VM nothing changes: its libtpu describes the host it runs on.
+  """
+  if tpu_chips_present():
+    yield
+    return
+  values = dict(zip(_SLICE_VARIABLES, (accelerator_type(name), "localhost"), strict=True))
+  added = [key for key in _SLICE_VARIABLES if key not in os.environ]
+  os.environ.update({key: values[key] for key in added})
+  try:
+    yield
+  finally:
+    for key in added:
+      os.environ.pop(key, None)
+
+
 def libtpu_available() -> bool:
   """True when libtpu (the `tpu` extra) is installed."""
   try:
@@ -171,20 +223,23 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
   import jax
   from jax.experimental import topologies
 
+  full = topology_name(name)
+  # libtpu reads its environment once, when the first description loads it.
+  loading = contextlib.nullcontext() if _loaded_log_dir else _slice_named_for_libtpu(full)
   if not _loaded_log_dir:
     _loaded_log_dir.append(_configured_log_dir())
-  full = topology_name(name)
   extra = {}
   if _CORES_PER_CHIP.get(full.split(":")[0]) == 2:
     extra["chip_config_name"] = "megacore"  # one JAX device per chip, as on real pods
   try:
-    desc = topologies.get_topology_desc(
-      platform="tpu",
-      topology_name=full,
-      num_slices=num_slices,
-      chips_per_host_bounds=chips_per_host(full),
-      **extra,
-    )
+    with loading:
+      desc = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=full,
+        num_slices=num_slices,
+        chips_per_host_bounds=chips_per_host(full),
+        **extra,
+      )
   except jax.errors.JaxRuntimeError as e:
     # libtpu's refusal of a shape it does not know is about the input.
     raise ValueError(

@@ -275,3 +275,28 @@ def test_the_accelerator_check_runs_end_to_end_at_a_cpu_size(tmp_path):
   low, high = report["plan"]["mfu_range"]
   assert 0 < low < high < 1 and report["plan"]["fits"], report["plan"]
   assert "MFU planned" in done.stdout and "accelerator check" in done.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
+def test_the_tpu_check_gives_the_plans_figure_beside_its_verdict_at_each_row_count(tmp_path):
+  """The chip's per-row report, on its CPU path: the tiny Llama planned for v5e-1 at 1 and 2 rows."""
+  out = tmp_path / "tpu_check.json"
+  command = [sys.executable, "-m", "benchmarks.tpu_check", "--tiny", "--sweep=2", "--rows=2"]
+  quick = ["--steps=1", "--warmup=1", "--p11_rows=0", f"--out={out}"]
+  done = subprocess.run(
+    ["timeout", "-k", "5", "300", *command, *quick],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+  )
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  sweep = json.loads(out.read_text())["sweep"]
+  assert list(sweep) == ["1", "2"], sweep
+  for plan in sweep.values():
+    assert plan["fits"] and plan["agrees_with_hbm"], plan
+    assert 0 < plan["total_bytes"] <= plan["device_bytes"], plan
+  table = done.stdout[done.stdout.index("the plan at each row count, v5e-1") :]
+  assert [line.split()[0] for line in table.splitlines()[2:4]] == ["1", "2"], table
+  assert all(line.rstrip().endswith("yes") for line in table.splitlines()[2:4]), table

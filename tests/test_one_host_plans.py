@@ -26,6 +26,7 @@ from spmd.topology import chips_per_host, libtpu_available, topology_devices
 from trainers.planning import plan as plan_lib
 from trainers.planning import targets
 from trainers.planning.figures import Memory
+from trainers.planning.report import _bytes, format_plan
 from trainers.reporting import chips
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,3 +160,76 @@ def test_spmd_plan_for_v5e_1_on_a_tpu_vm_plans_and_a_bad_slice_is_one_line():
   assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
   lines = [line for line in bad.stderr.splitlines() if line.startswith("spmd-plan: ")]
   assert len(lines) == 1 and "libtpu cannot describe TPU slice 'v5e:3x3'" in lines[0], bad.stderr
+
+
+# What libtpu prints when it loads on a machine that is no TPU VM and is told
+# nothing about a slice.
+LIBTPU_ALARMS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "INVALID_ARGUMENT")
+
+
+@needs_libtpu
+@pytest.mark.multiprocess
+def test_spmd_plan_on_a_machine_without_tpus_prints_its_report_and_no_libtpu_alarm():
+  """A laptop or CI runner: no TPU variables, libtpu loaded only to describe the slice."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "MEGASCALE_"))}
+  command = [sys.executable, "-m", "trainers.planning.plan_cli", "--config=configs/llama_tiny.py"]
+  done = subprocess.run(
+    [*command, "--topology=v5p-64", "--compile=never"],
+    env={**env, "PYTHONPATH": ROOT},
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  assert done.stdout.startswith("spmd-plan: llama_tiny.py on v5p-64: 32 x TPU v5"), done.stdout
+  alarms = [line for line in done.stderr.splitlines() if any(a in line for a in LIBTPU_ALARMS)]
+  assert alarms == [], done.stderr
+
+
+def _llama_near_a_v5e_chips_hbm(rows: int):
+  """A Llama whose state and activations meet a v5e chip's HBM between 1 and 2 rows.
+
+  Two layers of the check Llama's width doubled (d_model 3072), a 96,400-id
+  vocabulary: about 8.9 GiB of float32 parameters and Adam moments per chip;
+  XLA's attention at 4096 tokens writes each layer's scores out, about 2.8
+  GiB a row. At 1 row the arguments plus the temporaries libtpu reports
+  exceed the chip's HBM, though its temporaries already hold the state.
+  """
+  from configs import llama_tpu_check
+
+  config = llama_tpu_check.get_config()
+  config.model.update(
+    num_layers=2,
+    d_model=3072,
+    num_heads=24,
+    num_kv_heads=8,
+    d_ff=8192,
+    seq_len=4096,
+    attention="xla",
+    vocab_size=96400,
+  )
+  config.global_batch = rows
+  return config
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_printed_total_agrees_with_the_verdict_at_every_row_count_to_the_first_refused():
+  """At most the chip's HBM where the step fits, above it where the compiler refuses it.
+
+  Compiles its own steps: no shared run holds a plan, and the claim is about
+  the row counts on each side of this chip's line.
+  """
+  target = targets.tpu_target("v5e-1")
+  for rows in range(1, 5):
+    plan = plan_lib.make_plan(_llama_near_a_v5e_chips_hbm(rows), target, verify_suggestions=False)
+    total, hbm = plan.memory.total_bytes, plan.memory.device_bytes
+    if not plan.fits:
+      break
+    assert total <= hbm, f"{rows} rows: FITS, but {total / GiB:.2f} of {hbm / GiB:.2f} GiB"
+  assert rows > 1 and not plan.fits, "the line moved: the test no longer has a row on each side"
+  # The refused step's figure is the compiler's, so is what it is short by.
+  assert total > hbm, f"{rows} rows: refused, but {total / GiB:.2f} of {hbm / GiB:.2f} GiB"
+  verdict = format_plan(plan).split("verdict", 1)[1].splitlines()[0]
+  assert f"short by {_bytes(total - hbm)} of {_bytes(hbm)}" in verdict, verdict

@@ -40,8 +40,8 @@ def test_sharded_matmul_bytes_match_hand_computed():
   x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
   w = jax.ShapeDtypeStruct((1024, 4096), jnp.float32, sharding=w_sharding)
   x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16, sharding=x_sharding)
-  assert plan_lib._per_device_bytes(w) == 1024 * (4096 // 4) * 4
-  assert plan_lib._per_device_bytes(x) == (64 // 2) * 1024 * 2
+  assert plan_lib.per_device_bytes(w) == 1024 * (4096 // 4) * 4
+  assert plan_lib.per_device_bytes(x) == (64 // 2) * 1024 * 2
   matmul = spmd.sharded_jit(
     lambda x, w: x.astype(jnp.float32) @ w,
     in_parts=(P("data", None), P(None, "tensor")),

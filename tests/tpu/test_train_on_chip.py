@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from configs import llama_tiny
+from configs import llama_tiny, llama_tpu_check
+from spmd import errors
 from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.saver import Saver
 from trainers.run.train import train_and_evaluate
@@ -85,3 +86,25 @@ def test_spmd_train_of_llama_tiny_resumes_bit_identically_on_the_chip(tmp_path):
   assert sorted(first) == list(range(1, 11))
   resumed = _train(tmp_path / "resumed", data)
   assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]
+
+
+def test_spmd_train_of_a_batch_the_chip_cannot_hold_is_one_line_and_exit_2(tmp_path, capsys):
+  """The check Llama at 12 rows: libtpu refuses the step, and the run says so in one line.
+
+  Through `spmd.errors.run`, as `spmd-train`'s main runs its body (in this
+  process: one program at a time can hold the chip).
+  """
+  config = llama_tpu_check.get_config()
+  config.global_batch = 12
+  config.data.dir = str(tmp_path / "data")
+  config.train.steps = 2
+  config.eval_every = 0
+  config.checkpoint.every = 0
+  code = errors.run("spmd-train", lambda: train_and_evaluate(config, str(tmp_path / "run")))
+  err = capsys.readouterr().err
+  assert code == errors.EXIT_USER_ERROR, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  line = err.strip().splitlines()[-1]  # the run's own log lines come before it
+  assert line.startswith("spmd-train: the step does not fit in device memory: "), err[-3000:]
+  assert "12 rows per device need" in line and "GiB a device has" in line, line
+  assert "--config.train.micro_batches=" in line, line

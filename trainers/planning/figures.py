@@ -20,7 +20,9 @@ class Memory:
   batch_bytes: int | None
   temp_bytes: int | None  # activations and other temporaries
   code_bytes: int | None
-  total_bytes: int | None  # arguments + outputs - donated + temporaries + code
+  # TPU: the compiler's peak (`plan.step_bytes`), or the requirement its refusal
+  # names; CPU stand-ins: arguments + outputs - donated + temporaries + code.
+  total_bytes: int | None
   device_bytes: (
     int | None
   )  # the HBM a program may use, as the device reports it (None: not in the table)

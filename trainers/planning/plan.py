@@ -58,8 +58,17 @@ from trainers.tasks import make_task
 log = logging.getLogger(__name__)
 
 
-def _total_bytes(stats) -> int:
-  """Arguments + outputs - donated + temporaries + code, from `memory_analysis()`."""
+def step_bytes(stats: Any, on_tpu: bool) -> int:
+  """Bytes per device a compiled step needs, from its `memory_analysis()`.
+
+  On a TPU the compiler's own peak (`peak_memory_in_bytes`): libtpu's
+  temporaries already hold the state, so adding arguments and outputs to them
+  would count the state twice. XLA:CPU's peak leaves the temporaries out, so
+  a program compiled for CPU stand-ins is the sum: arguments + outputs -
+  donated + temporaries + code.
+  """
+  if on_tpu:
+    return stats.peak_memory_in_bytes
   return (
     stats.argument_size_in_bytes
     + stats.output_size_in_bytes
@@ -69,7 +78,7 @@ def _total_bytes(stats) -> int:
   )
 
 
-def _per_device_bytes(tree: Any) -> int:
+def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
   total = 0
   for leaf in jax.tree.leaves(tree):
@@ -113,13 +122,13 @@ def make_plan(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )
   layout = data_layout(mesh, config.global_batch, batch_axes)
-  params_bytes = _per_device_bytes(state["params"])
-  optimizer_bytes = _per_device_bytes({k: v for k, v in state.items() if k != "params"})
+  params_bytes = per_device_bytes(state["params"])
+  optimizer_bytes = per_device_bytes({k: v for k, v in state.items() if k != "params"})
   device_bytes = chips.device_memory_bytes(target.device_kind)
   if compile_step is None:
     compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
   batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
-  batch_bytes = _per_device_bytes(batch)
+  batch_bytes = per_device_bytes(batch)
 
   def step_for(changed: ml_collections.ConfigDict) -> Any:
     return make_train_step(setup, task, changed, mesh, batch_axes)
@@ -134,9 +143,7 @@ def make_plan(
       fallbacks = log.fallbacks
     if keep_compiled is not None and compiled is not None:
       keep_compiled.append(compiled)
-  step = _read_step(
-    compiled, refusal, mesh, params_bytes + optimizer_bytes + batch_bytes, config.train.precision
-  )
+  step = _read_step(compiled, refusal, mesh, config.train.precision)
   memory = Memory(
     params_bytes,
     optimizer_bytes,
@@ -150,7 +157,7 @@ def make_plan(
   fits, verdict_by = _fits(memory, step.compile_error, compiled is not None, target.estimated)
   compile_total = None
   if compile_step and verify_suggestions:
-    compile_total = _micro_batch_totals(config, step_for, state, batch)
+    compile_total = _micro_batch_totals(config, step_for, state, batch, _on_tpu(mesh))
   suggestions = _advice(fits, memory, config, mesh, layout, compile_total)
   return Plan(
     target=target.name,
@@ -220,16 +227,14 @@ def _read_step(
   compiled: Any,
   refusal: Exception | None,
   mesh: jax.sharding.Mesh,
-  state_and_batch_bytes: int,
   precision: str = "float32",
 ) -> _StepReading:
   """Memory, matmul FLOPs and collectives of the compiled step, or what its refusal tells."""
   if refusal is not None:
-    temp = advice.out_of_memory_temps(refusal)
+    oom = advice.out_of_memory(refusal)
     return _StepReading(
-      temp_bytes=temp,
-      # Code size unknown: counted as none.
-      total_bytes=None if temp is None else state_and_batch_bytes + temp,
+      # The refusal's figure is the compiler's whole requirement, state included.
+      total_bytes=None if oom is None else oom.required_bytes,
       compile_error=str(refusal).strip().splitlines()[0],
     )
   if compiled is None:
@@ -240,17 +245,20 @@ def _read_step(
   return _StepReading(
     temp_bytes=stats.temp_size_in_bytes,
     code_bytes=stats.generated_code_size_in_bytes,
-    total_bytes=_total_bytes(stats),
+    total_bytes=step_bytes(stats, on_tpu=_on_tpu(mesh)),
     # Not XLA's cost analysis: it counts a loop body once, so with the layers
     # in a scan it would report about one layer's worth.
     flops=hlo.matmul_flops(text) or None,
     collectives=hlo.collectives(text, slices),
     # A program compiled for CPU stand-ins (a GPU plan) is widened by XLA:CPU:
     # only a program for the real chips tells what they multiply in.
-    computes_in=(
-      step_compute_dtype(precision, text) if mesh.devices.flat[0].platform != "cpu" else None
-    ),
+    computes_in=step_compute_dtype(precision, text) if _on_tpu(mesh) else None,
   )
+
+
+def _on_tpu(mesh: jax.sharding.Mesh) -> bool:
+  """The mesh's devices are TPUs (real ones or libtpu's descriptions), not CPU stand-ins."""
+  return mesh.devices.flat[0].platform != "cpu"
 
 
 def _compute(
@@ -330,6 +338,7 @@ def _micro_batch_totals(
   step_for: Callable[[ml_collections.ConfigDict], Any],
   state: Any,
   batch: Any,
+  on_tpu: bool,
 ) -> Callable[[int], int | None]:
   """Bytes per device of the step with N micro-batches; None when the compiler refuses it."""
 
@@ -337,7 +346,7 @@ def _micro_batch_totals(
     changed = config.copy_and_resolve_references()
     changed.train.micro_batches = micro_batches
     compiled, _ = _compile_or_refusal(step_for(changed), state, batch)
-    return None if compiled is None else _total_bytes(compiled.memory_analysis())
+    return None if compiled is None else step_bytes(compiled.memory_analysis(), on_tpu)
 
   return compile_total
 

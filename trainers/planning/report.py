@@ -36,6 +36,13 @@ def _kv_cache_rows(plan: Plan) -> list[str]:
   ]
 
 
+def _total_source(plan: Plan) -> str:
+  """Where a TPU plan's total comes from: the compiler's peak, or the figure in its refusal."""
+  if plan.estimated or plan.memory.total_bytes is None:
+    return ""
+  return " (the compiler's peak)" if plan.compiled else " (the compiler's, in its refusal)"
+
+
 def _verdict(plan: Plan) -> str:
   """The verdict line: the target compiler's word where it has one, then the margin's warning."""
   m = plan.memory
@@ -97,7 +104,7 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     f"  code             {_bytes(m.code_bytes)}",
     *_kv_cache_rows(plan),
     f"  total            {_bytes(m.total_bytes if m.total_bytes is not None else m.state_bytes)}"
-    f" of {_bytes(m.device_bytes)} HBM",
+    f" of {_bytes(m.device_bytes)} HBM{_total_source(plan)}",
   ]
   verdict = _verdict(plan)
   fallbacks = getattr(plan, "fallbacks", [])

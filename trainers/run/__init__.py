@@ -6,4 +6,5 @@ startup.py     what a run sets up once: its files, the compilation cache, the pl
 evaluate.py    `spmd-train --mode=eval`: a saved checkpoint evaluated on any number of hosts
 watchdog.py    a job whose steps stop advancing ends, naming who stopped
 preemption.py  SIGTERM means "save at a step every host agrees on, then exit 0"
+out_of_memory.py  a step the devices cannot hold ends in one line, with the plan's advice
 """

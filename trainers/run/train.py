@@ -43,6 +43,7 @@ from trainers.run import startup
 from trainers.run.data import open_data
 from trainers.run.evaluate import evaluate_batches
 from trainers.run.loop import LoopState, Preempted, train_loop
+from trainers.run.out_of_memory import step_must_fit
 from trainers.run.preemption import PreemptionWatch
 from trainers.run.startup import save_run_files
 from trainers.run.watchdog import ProgressWatchdog
@@ -127,8 +128,11 @@ def _train_and_evaluate(
   _check_hosts_agree(config, setup, train_batches, restored.step)
 
   # 5. The steps, the hooks and the loop; a preemption saves and stops cleanly.
+  # A step too big for the devices fails where it compiles or first runs: in
+  # measure_throughput or the loop's first step. It is said in one line.
   steps = _make_steps(setup, task, config, mesh, batch_axes)
-  throughput = measure_throughput(steps.train, setup, task, config, mesh, batch_axes, cache_dir)
+  with step_must_fit(config, task, setup, mesh, batch_axes):
+    throughput = measure_throughput(steps.train, setup, task, config, mesh, batch_axes, cache_dir)
   run = _make_hooks(
     config,
     task,
@@ -148,7 +152,10 @@ def _train_and_evaluate(
   train_step, batches = _step_and_batches(
     config, task, steps, restored, train_batches, run.wrappers
   )
-  first_step = _run_loop(config, loop, train_step, batches, run, watch, watchdog, workdir, started)
+  with step_must_fit(config, task, setup, mesh, batch_axes):
+    first_step = _run_loop(
+      config, loop, train_step, batches, run, watch, watchdog, workdir, started
+    )
 
   # 6. Final eval, summary, loss curve, then the sample: the results are on
   # disk before the task's report runs, whatever it does.
