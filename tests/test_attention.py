@@ -12,6 +12,8 @@ about as much as each differs from the float32 result: normwise <= 1e-2,
 forward and gradients, and element-wise within 1e-2 of the largest gradient.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,19 @@ def test_float32_splash_only_under_the_precisions_mosaic_compiles_for_it():
       assert f"jax_default_matmul_precision={precision!r}" in picked.describe()
       with pytest.raises(ValueError, match=rf"model.attention='splash' .*'{precision}'"):
         choose("splash")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_every_precision_the_splash_error_offers_is_one_jax_accepts(dtype):
+  """The error's list of precisions is advice a user copies: each must be a value JAX takes."""
+  with jax.default_matmul_precision("tensorfloat32"), pytest.raises(ValueError) as raised:
+    attention.choose_kernel("splash", platform="tpu", length=1024, dtype=dtype, segments=False)
+  offered = re.search(r"matmuls in \(([^)]*)\)", str(raised.value)).group(1).split(", ")
+  refused = []
+  for precision in offered:
+    try:
+      with jax.default_matmul_precision(precision):
+        pass
+    except ValueError:
+      refused.append(precision)
+  assert offered and not refused, f"{str(raised.value)!r} offers {refused}, which JAX refuses"

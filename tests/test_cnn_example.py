@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import harness, injection
+from tests import injection
+from tests.faults import harness
 from tests.multiprocess import ROOT
 from tests.session_settings import compilation_cache_dir
 
@@ -39,7 +40,7 @@ OVERRIDES = (
 
 
 # The example's own config plus the test-only fault hooks, for the param hash
-# in the summary (tests/faults/injection.py, named by its path: the copy has no
+# in the summary (tests/injection.py, named by its path: the copy has no
 # PYTHONPATH); beside config.py, so the task's relative path and the run's copy
 # of its folder are the same.
 DEBUG_CONFIG = """

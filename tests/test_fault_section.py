@@ -1,4 +1,4 @@
-"""Fault injection lives in the tests (tests/faults/injection.py), reached through the public
+"""Fault injection lives in the tests (tests/injection.py), reached through the public
 `Wrapper` and `Hook` API: the product carries no fault switch, and the test section's keys are
 checked up front like any other, by the factory that owns them."""
 
@@ -9,8 +9,8 @@ import ml_collections
 import pytest
 
 from configs import default
+from tests import injection
 from tests.configs import train_tiny
-from tests.faults import injection
 from tests.multiprocess import ROOT
 from trainers.config import resolve
 

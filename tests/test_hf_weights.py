@@ -172,9 +172,9 @@ def _family_config(family: str) -> dict:
 # What transformers 5.25 fills in for a field config.json leaves out
 # (LlamaConfig(), MistralConfig(), Qwen2Config()); None: num_attention_heads.
 TRANSFORMERS_DEFAULTS = {
-  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None},
-  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8},
-  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32},
+  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None, "vocab_size": 32000},
+  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8, "vocab_size": 32000},
+  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32, "vocab_size": 151936},
 }
 
 
@@ -182,10 +182,11 @@ TRANSFORMERS_DEFAULTS = {
 def test_fields_left_out_take_the_defaults_transformers_gives_them(family):
   hf = _family_config("llama3" if family == "llama" else family)
   defaults = TRANSFORMERS_DEFAULTS[family]
-  left_out = {k: v for k, v in hf.items() if k not in ("rms_norm_eps", "num_key_value_heads")}
+  left_out = {k: v for k, v in hf.items() if k not in defaults}
   fields = model_config.llama_fields(left_out)
   kv_heads = defaults["num_key_value_heads"] or hf["num_attention_heads"]
   assert (fields["norm_eps"], fields["num_kv_heads"]) == (defaults["rms_norm_eps"], kv_heads)
+  assert fields["vocab_size"] == defaults["vocab_size"]
 
 
 def test_a_mistral_config_without_sliding_window_has_transformers_window_of_4096():

@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Folders that hold no code of the repository's own (a venv, build outputs, runs).
 _NOT_CODE = {"build", "dist", "workdir", "node_modules", "__pycache__"}
 
-# The folders whose packages are layered (CONTRIBUTING.md, "Layers"). tests/ is
-# held to no circle between modules only: its folders group tests by what
-# they test, not by layer (a config in tests/configs/ adds the fault section
-# of tests/faults/injection.py, and a fault test reads that config).
-LAYERED = ("spmd", "trainers", "launch", "configs", "benchmarks", "examples")
+# The folders whose packages are layered (CONTRIBUTING.md, "Layers"); tests/
+# too, whose folders group tests by what they test: what several of them
+# use (tests/injection.py, the fault section the test configs add) sits in
+# tests/ itself, below them all.
+LAYERED = ("spmd", "trainers", "launch", "configs", "benchmarks", "examples", "tests")
 
 DATA = "trainers.data"
 DATA_ROOMS = (f"{DATA}.prepare", f"{DATA}.read")

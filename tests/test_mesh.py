@@ -195,3 +195,19 @@ def test_help_prints_the_usage_and_the_flags_and_exits_0(module, capsys):
   out = capsys.readouterr().out
   assert out.startswith(cli.__doc__.strip().splitlines()[0])
   assert "--topology" in out and "--config" in out
+
+
+def test_a_batch_axis_the_mesh_lacks_is_an_error_naming_it_and_the_axes():
+  """A misspelt batch axis was dropped, so the batch went unsplit along fsdp without a word."""
+  from configs import mlp
+  from trainers.config.checks import resolve
+
+  config = mlp.get_config()
+  config.mesh.ici = "data=2,fsdp=4"
+  config.mesh.batch_axes = ("data", "fsdb")
+  with pytest.raises(ValueError) as e:
+    resolve(config)
+  assert str(e.value) == (
+    "config.mesh.batch_axes=('data', 'fsdb'): 'fsdb' is not a mesh axis of the trainer; "
+    "its axes: data, fsdp, tensor"
+  )

@@ -11,7 +11,7 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from tests.faults import injection
+from tests import injection
 from trainers.config import check_values
 from trainers.step import optim
 from trainers.step.state import make_state
@@ -47,7 +47,7 @@ def _train(config, steps, poison_at=()):
   task = make_task(config)
   setup = make_state(task.model, config, mesh, AXES, task.optimizer)
   step = make_train_step(setup, task, config, mesh, AXES)
-  if poison_at:  # NaN gradients at these steps (tests/faults/injection.py)
+  if poison_at:  # NaN gradients at these steps (tests/injection.py)
     poisoned = make_train_step(
       setup, injection.nonfinite_gradients(task, "nan"), config, mesh, AXES
     )

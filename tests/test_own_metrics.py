@@ -26,7 +26,8 @@ import pytest
 from flax import nnx
 
 from spmd.mesh import create_mesh
-from tests.faults import harness, injection
+from tests import injection
+from tests.faults import harness
 from tests.session_settings import compilation_cache_dir
 from tests.shared_runs import copy_of
 from trainers.step import task_metrics
@@ -168,7 +169,7 @@ def get_config():
   config.eval_batches = 0  # the whole test split: 4 batches
   config.sample_tokens = 0
   config.transfer_guard = "disallow"
-  config.hooks = (HOOK_SPEC,)  # the param hash (tests/faults/injection.py)
+  config.hooks = (HOOK_SPEC,)  # the param hash (tests/injection.py)
   config.hook_settings.faults = ml_collections.ConfigDict({"report_param_hash": True})
   return config
 """.replace("HOOK_SPEC", repr(injection.HOOK_SPEC))

@@ -13,6 +13,7 @@ import struct
 import numpy as np
 import pytest
 import safetensors
+from etils import epath
 
 from trainers.hf.safetensors_files import TensorFile, write_file
 
@@ -58,6 +59,38 @@ def test_a_file_cut_short_is_an_error_naming_it(tmp_path):
   os.truncate(path, os.path.getsize(path) - 4)
   with pytest.raises(ValueError, match=rf"{path}.*'w'.*ends"):
     TensorFile(path).read("w")
+
+
+@pytest.mark.parametrize(
+  "shape",
+  [
+    (2, 3, 4),  # over 2 dimensions: read as a remote file is, by rows
+    (),  # 0-d: one value
+  ],
+)
+def test_a_file_cut_short_is_an_error_naming_it_whatever_the_tensor(tmp_path, shape):
+  path = tmp_path / "cut.safetensors"
+  write_file(path, {"w": np.ones(shape, np.float32)})
+  os.truncate(path, os.path.getsize(path) - 2)
+  with pytest.raises(ValueError, match=rf"^{path}: tensor 'w' ends 2 bytes before its data does"):
+    TensorFile(path).read("w")
+
+
+@pytest.mark.multiprocess  # starts the GCS emulator
+def test_a_file_on_cloud_storage_cut_short_is_an_error_naming_it(tmp_path, monkeypatch):
+  """gs:// reads by byte ranges: a short answer must not be reshaped into another error."""
+  from tests.gcs_emulator import serving
+
+  local = tmp_path / "whole.safetensors"
+  write_file(local, {"w": np.ones((4, 8), np.float32)})
+  with serving(tmp_path / "gcs", monkeypatch):
+    url = "gs://bucket/cut.safetensors"
+    epath.Path(url).write_bytes(local.read_bytes()[:-36])  # a row of 32 bytes and 4 more
+    # Whole rows, and a column slice of rows that stops inside the cut: the
+    # count is the tensor's missing bytes either way.
+    for index in (None, (slice(1, 3), slice(2, 5))):
+      with pytest.raises(ValueError, match=rf"^{url}: tensor 'w' ends 36 bytes before its data"):
+        TensorFile(url).read("w", index)
 
 
 def test_a_0d_tensor_is_written_with_shape_empty(tmp_path):

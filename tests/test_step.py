@@ -10,7 +10,7 @@ import pytest
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from tests.faults import injection
+from tests import injection
 from trainers.step.gradient_reduction import flat_gradient_reduction
 from trainers.step.state import make_state
 from trainers.step.train_step import branch_on_nonfinite, make_train_step

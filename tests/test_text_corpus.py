@@ -5,6 +5,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -357,3 +358,40 @@ def test_too_few_files_for_validation_name_the_setting_and_what_to_set(tmp_path)
   assert len(datasets.open_source(name, "validation", tmp_path / "data")) == 1
   config.data.validation_percent, config.data.eval_split = 2.0, "train[:50%]"
   make_task(config).prepare_data(str(tmp_path / "data"))  # no validation split needed
+
+
+@pytest.mark.multiprocess
+def test_two_runs_preparing_one_data_dir_at_once_both_succeed_with_one_corpus(tmp_path):
+  """Two real processes (a sweep's runs on the default data.dir) prepare the same corpus at the
+  same moment: both finish with its name, and the corpus holds every file once. Many files
+  make each build long enough that the two overlap, unless one waits for the other."""
+  src = tmp_path / "src"
+  src.mkdir()
+  texts = {src / f"f{i:03d}.txt": f"file {i}: " + "lorem ipsum " * (i % 17 + 1) for i in range(300)}
+  for path, text in texts.items():
+    path.write_text(text)
+  go = tmp_path / "go"
+  worker = str(pathlib.Path(__file__).parent / "workers" / "prepare_text_corpus_beside_worker.py")
+  command = [sys.executable, worker, str(src), str(tmp_path / "data"), str(go)]
+  root = str(pathlib.Path(__file__).resolve().parent.parent)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  runs = [
+    subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for _ in range(2)
+  ]
+  time.sleep(8)  # both have imported TFDS and wait for the same moment
+  go.touch()
+  outputs = []
+  try:
+    for run in runs:
+      outputs.append(run.communicate(timeout=180)[0])
+  finally:
+    for run in runs:
+      run.kill()
+  assert [run.returncode for run in runs] == [0, 0], "\n\n".join(outputs)
+  names = {output.strip().splitlines()[-1] for output in outputs}
+  assert len(names) == 1, outputs
+  name = names.pop()
+  records = _read_all(name, "train", str(tmp_path / "data"))
+  records += _read_all(name, "validation", str(tmp_path / "data"))
+  assert _files_of(records) == {str(p): t.encode() for p, t in texts.items()}

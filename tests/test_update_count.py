@@ -1,7 +1,7 @@
 """The logged learning rate is the one the optimizer used, after skipped non-finite steps.
 
 In one process, on the tiny LM config: gradients are poisoned at two steps
-(tests/faults/injection.py), which the step skips. The state's count of applied
+(tests/injection.py), which the step skips. The state's count of applied
 updates (`updates`) and the optimizer's own counts stay behind the step by
 the skipped steps, and the logged `learning_rate` is the schedule at that
 count. A checkpoint saved without the count (as older versions wrote them)

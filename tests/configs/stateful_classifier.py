@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from configs import default
-from tests.faults import injection
+from tests import injection
 from trainers.data.prepare.blobs import (
   NUM_CLASSES,
   NUM_FEATURES,
@@ -101,4 +101,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every = 5
   config.sample_tokens = 0
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error
-  return injection.add_to(config)  # fault injection (tests/faults/injection.py), off
+  return injection.add_to(config)  # fault injection (tests/injection.py), off

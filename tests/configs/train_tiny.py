@@ -5,7 +5,7 @@
 """
 
 from configs import default
-from tests.faults import injection
+from tests import injection
 
 
 def get_config():
@@ -26,7 +26,7 @@ def get_config():
   config.checkpoint.every = 5
   config.sample_tokens = 8
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error
-  # Fault injection (tests/faults/injection.py), off, so tests can set it by
+  # Fault injection (tests/injection.py), off, so tests can set it by
   # override (--config.hook_settings.faults.inject_stall=...); the param hash
   # in the summary.
   return injection.add_to(config, report_param_hash=True)

@@ -72,9 +72,24 @@ KNOWN_INERT = frozenset(
 # means there. num_key_value_heads None: num_attention_heads. Qwen2's
 # sliding_window counts only under use_sliding_window, which defaults to false.
 FAMILY_DEFAULTS = {
-  "llama": {"rms_norm_eps": 1e-6, "num_key_value_heads": None, "sliding_window": None},
-  "mistral": {"rms_norm_eps": 1e-6, "num_key_value_heads": 8, "sliding_window": 4096},
-  "qwen2": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32, "sliding_window": 4096},
+  "llama": {
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-6,
+    "num_key_value_heads": None,
+    "sliding_window": None,
+  },
+  "mistral": {
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-6,
+    "num_key_value_heads": 8,
+    "sliding_window": 4096,
+  },
+  "qwen2": {
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "num_key_value_heads": 32,
+    "sliding_window": 4096,
+  },
 }
 
 
@@ -154,7 +169,8 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     raise _unsupported("layer_types", sorted(set(layer_types)), "full_attention only")
   heads = hf["num_attention_heads"] if "num_attention_heads" in hf else None
   fields: dict[str, Any] = {
-    "vocab_size": hf["vocab_size"],
+    # A family without a default leaves it None: named below with the missing sizes.
+    "vocab_size": hf.get("vocab_size", defaults.get("vocab_size")),
     "d_model": hf.get("hidden_size"),
     "d_ff": hf.get("intermediate_size"),
     "num_layers": hf.get("num_hidden_layers"),

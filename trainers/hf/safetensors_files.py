@@ -118,6 +118,22 @@ class TensorFile:
     finally:
       os.close(fd)
 
+  def _read_exactly(self, f, size: int, name: str) -> bytes:
+    """`size` bytes from `f`; fewer (a file cut short) is an error naming the file and tensor.
+
+    A read at the end of a file returns what is left, which reshaped would be
+    an error naming neither.
+    """
+    at = f.tell()
+    data = f.read(size)
+    if len(data) < size:
+      end = self._data_start + self._entries[name]["data_offsets"][1]
+      raise ValueError(
+        f"{self.path}: tensor {name!r} ends {end - at - len(data)} bytes before its data does: "
+        "the file is cut short"
+      )
+    return data
+
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The tensor `name`, or its part `index` (one step-1 slice per dimension)."""
     shape, dtype = self.shape(name), self.dtype(name)
@@ -126,7 +142,7 @@ class TensorFile:
     if not shape:
       with self.path.open("rb") as f:
         f.seek(start)
-        return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
+        return np.frombuffer(self._read_exactly(f, dtype.itemsize, name), dtype).reshape(())
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     first, rest = index[0], index[1:]
     rows = range(*first.indices(shape[0]))
@@ -147,7 +163,8 @@ class TensorFile:
       for offset in range(0, len(rows), per_chunk):
         count = min(per_chunk, len(rows) - offset)
         f.seek(start + (rows.start + offset) * row_bytes)
-        block = np.frombuffer(f.read(count * row_bytes), dtype).reshape((count, *shape[1:]))
+        got = self._read_exactly(f, count * row_bytes, name)
+        block = np.frombuffer(got, dtype).reshape((count, *shape[1:]))
         out[offset : offset + count] = block[(slice(None), *rest)]
     return out
 

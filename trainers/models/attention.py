@@ -67,8 +67,9 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "xla", "splash", "cudnn")
 """The values of `model.attention`."""
 
-SPLASH_PRECISIONS = (None, "default", "fastest", "bfloat16")
-"""The `jax_default_matmul_precision` values splash's bf16 kernel compiles under (one pass)."""
+SPLASH_PRECISIONS = (None, "default", "bfloat16")
+"""The `jax_default_matmul_precision` values splash's bf16 kernel compiles under (one pass).
+Each is offered in an error, so each is one JAX accepts (it no longer takes "fastest")."""
 
 SPLASH_FLOAT32_PRECISIONS = (*SPLASH_PRECISIONS, "highest", "float32")
 """Those its float32 kernel compiles under: one pass, or full float32; Mosaic has no HIGH

@@ -93,7 +93,7 @@ def _matmul_mode(chip: _Chip, dtype: str) -> str | None:
     return None
   precision = jax.config.jax_default_matmul_precision
   precision = None if precision is None else str(precision).lower()
-  if precision in (None, "default", "fastest", "bfloat16"):
+  if precision in (None, "default", "bfloat16"):
     return "bf16" if chip.tpu else "tf32"
   if precision in ("high", "tensorfloat32") and not chip.tpu:
     return "tf32"

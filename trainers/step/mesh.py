@@ -40,7 +40,12 @@ def trainer_axes() -> tuple[str, ...]:
 
 
 def check_axes(config: ml_collections.ConfigDict) -> None:
-  """A `ValueError` naming `config.mesh.ici` or `.dcn` when it is malformed or names an unknown axis.
+  """A `ValueError` naming `config.mesh.ici`, `.dcn` or `.batch_axes` when it names an unknown axis.
+
+  `build_mesh` leaves out a batch axis the mesh was not given (a mesh of
+  `data=-1` alone splits the batch along data only), so a misspelt one would
+  leave the batch unsplit along the axis meant, without a word: it is
+  refused here instead.
 
   >>> from configs import mlp
   >>> config = mlp.get_config()
@@ -63,6 +68,13 @@ def check_axes(config: ml_collections.ConfigDict) -> None:
           f"config.mesh.{name}={spec!r}: {axis!r} is not a mesh axis of the trainer; its axes: "
           f"{', '.join(known)} (the ones config.mesh.rules splits along)"
         )
+  batch_axes = tuple(config.mesh.batch_axes)
+  for axis in batch_axes:
+    if axis not in known:
+      raise ValueError(
+        f"config.mesh.batch_axes={batch_axes!r}: {axis!r} is not a mesh axis of the trainer; "
+        f"its axes: {', '.join(known)}"
+      )
 
 
 def build_mesh(

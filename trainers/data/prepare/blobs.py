@@ -26,6 +26,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from trainers.data.prepare import preparation_lock
+
 NUM_FEATURES = 16
 NUM_CLASSES = 10
 SPLIT_SIZES = {"train": 8192, "test": 1024}
@@ -79,10 +81,11 @@ class Blobs(tfds.core.GeneratorBasedBuilder):
 def prepare_blobs(data_dir: str | os.PathLike) -> str:
   """Builds `blobs` in `data_dir` unless it is there; returns the name to open."""
   builder = Blobs(data_dir=os.fspath(data_dir))
-  builder.download_and_prepare(
-    download_config=tfds.download.DownloadConfig(
+  preparation_lock.prepare_builder(
+    builder,
+    tfds.download.DownloadConfig(
       try_download_gcs=False, download_mode=tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS
-    )
+    ),
   )
   return f"{builder.name}:{builder.version}"
 

@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainers.data.prepare import text_corpus
+from trainers.data.prepare import preparation_lock, text_corpus
 from trainers.data.prepare.tokenizer import Tokenizer, read_text
 from trainers.data.records import datasets
 from trainers.data.records.datasets import open_source
@@ -507,5 +507,5 @@ def _dataset_documents(
 def prepare_packed(data_dir: str | os.PathLike, config: PackedConfig) -> str:
   """Builds the packed dataset in `data_dir` unless it is there; returns its name to open."""
   builder = PackedLm(data_dir=os.fspath(data_dir), config=config)
-  builder.download_and_prepare(download_config=text_corpus.DOWNLOAD_CONFIG)
+  preparation_lock.prepare_builder(builder, text_corpus.DOWNLOAD_CONFIG)
   return f"{NAME}/{config.name}:{builder.version}"

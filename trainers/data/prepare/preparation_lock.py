@@ -17,6 +17,11 @@ the holder's host and process id for the message a waiting run logs
 files). A filesystem without locks is logged, and the preparation goes on
 unguarded, as before.
 
+`data.sources` takes the lock in `source_shards`; our TFDS builders
+(`text_corpus`, `packed`, `blobs`) through `prepare_builder`, since TFDS
+publishes a dataset by renaming its own workspace onto the version folder,
+which fails in the second of two runs that prepared it at once.
+
 Example:
   >>> import tempfile, pathlib
   >>> path = pathlib.Path(tempfile.mkdtemp()) / ".1.0.0.lock"
@@ -35,6 +40,7 @@ import os
 import pathlib
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -82,3 +88,31 @@ def _lock(fd: int, path: pathlib.Path, what: str) -> None:
     )
     return
   fcntl.flock(fd, fcntl.LOCK_EX)  # the other run's preparation ends: it publishes or dies
+
+
+def prepare_builder(builder: Any, download_config: Any) -> None:
+  """`builder.download_and_prepare(download_config=...)`, one run at a time in its data_dir.
+
+  `builder`: a TFDS `DatasetBuilder`. The lock is taken only when the
+  dataset is not there (or a rebuild is asked), so a run that reads a
+  prepared one writes nothing; on a remote data_dir (`gs://`, which has no
+  locks) the builder runs unguarded.
+
+  >>> import tempfile
+  >>> from trainers.data.prepare import blobs, text_corpus
+  >>> builder = blobs.Blobs(data_dir=tempfile.mkdtemp())
+  >>> prepare_builder(builder, text_corpus.DOWNLOAD_CONFIG)  # doctest: +ELLIPSIS
+  Downloading and preparing dataset ...
+  >>> builder.data_path.exists(), (builder.data_path.parent / ".1.0.0.lock").exists()
+  (True, True)
+  """
+  path = builder.data_path
+  mode = download_config.download_mode
+  reuse = str(getattr(mode, "value", mode)) == "reuse_dataset_if_exists"
+  if "://" in str(path) or (reuse and path.exists()):
+    builder.download_and_prepare(download_config=download_config)
+    return
+  with held(pathlib.Path(path).parent / f".{path.name}.lock", str(path)):
+    # Run after the lock: TFDS looks for the dataset again, and reuses what the
+    # run that held it published.
+    builder.download_and_prepare(download_config=download_config)

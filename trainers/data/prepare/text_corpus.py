@@ -61,6 +61,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from trainers.data.prepare import preparation_lock
+
 # The split rule is shared with `config.data.sources` (which holds out documents).
 from trainers.data.prepare.holdout import (  # noqa: F401  (re-exported: text_corpus.split_of, ...)
   DEFAULT_VALIDATION_PERCENT,
@@ -385,5 +387,5 @@ def prepare_text_corpus(
     try_download_gcs=False,
     download_mode=mode.REUSE_CACHE_IF_EXISTS if rebuild else mode.REUSE_DATASET_IF_EXISTS,
   )
-  builder.download_and_prepare(download_config=download_config)
+  preparation_lock.prepare_builder(builder, download_config)
   return f"{builder.name}/{config.name}:{builder.version}"
