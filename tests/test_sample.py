@@ -300,3 +300,15 @@ def test_a_prompts_files_bad_row_is_one_line_naming_the_file_and_line(tmp_path, 
     assert f"--prompts={bad}" in err and message in err and err.count("\n") == 1, err
   assert main([f"--workdir={tmp_path}", f"--prompts={tmp_path / 'none.jsonl'}"]) == 2
   assert "no such file" in capsys.readouterr().err
+
+
+def test_a_completion_ends_with_the_first_stop_string_its_text_reaches():
+  from trainers.sampling.sample import _byte_codec, _cut_at_stop
+
+  codec = _byte_codec(256)
+  new = list(b"x = 1\n\ndef f():\n###")
+  assert _cut_at_stop(codec, new, ["\n\n"]) == ("x = 1\n\n", 7)
+  assert _cut_at_stop(codec, new, ["###", "def"]) == ("x = 1\n\ndef", 10)  # the first reached
+  # A stop string made of two tokens' text, split across them.
+  assert _cut_at_stop(codec, new, ["1\n"]) == ("x = 1\n", 6)
+  assert _cut_at_stop(codec, new, ["never"]) is None and _cut_at_stop(codec, new, []) is None
