@@ -312,3 +312,30 @@ def test_a_completion_ends_with_the_first_stop_string_its_text_reaches():
   # A stop string made of two tokens' text, split across them.
   assert _cut_at_stop(codec, new, ["1\n"]) == ("x = 1\n", 6)
   assert _cut_at_stop(codec, new, ["never"]) is None and _cut_at_stop(codec, new, []) is None
+
+
+@pytest.mark.slow
+def test_the_weights_restore_onto_the_runs_mesh_in_the_compute_dtype(tmp_path):
+  """Reads the llama_tiny run tests/test_llama.py resumes (tests/shared_runs.py), as bfloat16."""
+  from tests import shared_runs
+  from trainers.checkpoints import saved_run
+  from trainers.sampling import restore
+
+  folder, _ = shared_runs.llama_tiny_run()
+  workdir = shared_runs.copy_of(folder / "run", tmp_path / "run")
+  config = saved_run.saved_config(workdir)
+  config.train.precision = "bfloat16"
+  ref = saved_run.find_checkpoint(str(workdir), "", None)
+  restored = restore.restore_model(config, ref)
+  params = jax.tree.leaves(nnx.state(restored.model, nnx.Param))
+  assert {str(p.dtype) for p in params} == {"bfloat16"}
+  # The run's mesh (data=-1) over this process's 8 devices: the batch splits 8 ways.
+  assert restored.mesh.devices.size == 8 and restored.batch_multiple == 8
+  assert {d for p in params for d in p.devices()} == set(jax.devices())
+  # The numbers are the checkpoint's, rounded to bfloat16.
+  saved = saved_run.restore_weights(ref)["params"]
+  table = np.asarray(saved["token_embed"], np.float32)
+  np.testing.assert_array_equal(
+    np.asarray(restored.model.token_embed[...], np.float32),
+    table.astype(jnp.bfloat16).astype(np.float32),
+  )

@@ -68,9 +68,8 @@ def read_prompts(path: str, first_seed: int) -> tuple[list[str], list[int]]:
 def _main(argv: list[str]) -> None:
   parser = errors.ArgumentParser(prog="spmd-sample", description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", required=True, help="the run's workdir")
-  given = parser.add_mutually_exclusive_group(required=True)
-  given.add_argument("--prompt", help="the text to continue")
-  given.add_argument("--prompts", help='a JSONL file of {"prompt": ..., "seed": ...} rows')
+  parser.add_argument("--prompt", help="the text to continue")
+  parser.add_argument("--prompts", help='a JSONL file of {"prompt": ..., "seed": ...} rows')
   parser.add_argument("--out", default="", help="where the JSONL completions go (default stdout)")
   parser.add_argument("--num_tokens", type=int, default=64, help="new tokens a row makes at most")
   parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -83,6 +82,8 @@ def _main(argv: list[str]) -> None:
   parser.add_argument("--checkpoint", default="", help="a workdir, checkpoint or step directory")
   parser.add_argument("--cpu", action="store_true", help="decode on one CPU device")
   args = parser.parse_args(argv)
+  if (args.prompt is None) == (args.prompts is None):
+    raise UserError("give one of --prompt=TEXT or --prompts=FILE.jsonl")
   if args.prompts is not None:
     prompts, seeds = read_prompts(args.prompts, args.seed)
   else:
