@@ -37,8 +37,10 @@ def step_bytes(model, batch: int, prompt_len: int, tokens: int) -> dict[str, flo
     >>> config = llama.LlamaConfig(vocab_size=64, seq_len=16, num_layers=1, d_model=8,
     ...                            num_heads=2, num_kv_heads=1, d_ff=16)
     >>> got = step_bytes(llama.Llama(config, rngs=nnx.Rngs(0)), 2, 4, 3)
-    >>> got["embedding_rows"], got["cache"]  # 2 rows of 8 float32; k, v of 1 x 4 x 2 x 1 x 4 x 4 B
-    (64, 256.0)
+    >>> # 2 rows of 8 float32; k, v: 1 layer x 2 rows x 1 head x 4 x 4 B = 64 B a position,
+    >>> # positions 5 and 6 live in steps 1 and 2
+    >>> got["embedding_rows"], got["cache"]
+    (64, 352.0)
   """
   import jax
   from flax import nnx

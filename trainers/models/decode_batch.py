@@ -24,7 +24,6 @@ batch.
 
 Example:
   >>> from flax import nnx
-from jax.experimental import multihost_utils
   >>> from trainers.models import llama
   >>> config = llama.LlamaConfig(seq_len=16, num_layers=1, d_model=32, num_heads=4,
   ...                            num_kv_heads=2, d_ff=64)
