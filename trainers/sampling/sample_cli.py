@@ -92,10 +92,14 @@ def _main(argv: list[str]) -> None:
   from absl import logging
 
   import spmd
+  from trainers.checkpoints import saved_run
 
   logging.set_verbosity(logging.ERROR)  # orbax's notes on a read-only checkpoint are expected
   if args.cpu:
     jax.config.update("jax_platforms", "cpu")
+  with errors.user_input(ValueError, FileNotFoundError):
+    # A workdir that is no run answers before any backend or slice is asked about.
+    saved_run.saved_config(args.workdir)
   spmd.initialize()  # one process of several under a launcher; else nothing
   from trainers.sampling.sample import sample_prompts
 
