@@ -97,3 +97,19 @@ def test_bad_arguments_are_named():
   for prompts, kwargs, match in cases:
     with pytest.raises(ValueError, match=match):
       decode_batch.generate_batch(model, prompts, **kwargs)
+
+
+def test_the_prefill_holds_the_last_positions_logits_not_every_prompt_positions():
+  """A batch of long prompts over a large vocabulary: batch x prompt x vocab floats would be the
+  prefill's largest buffer (gigabytes for 32 x 2048 x 32000); only the last slot's are needed."""
+  config = llama.LlamaConfig(
+    vocab_size=8192, seq_len=128, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64
+  )
+  graphdef, state = nnx.split(llama.Llama(config, rngs=nnx.Rngs(0)))
+  batch, prompt = 8, 64
+  compiled = decode_batch._prefill.lower(
+    graphdef, state, jnp.zeros((batch, prompt), jnp.int32), jnp.zeros((batch,), jnp.int32),
+    jnp.zeros((batch,), jnp.uint32), prompt + 8, 0.0, 0, 1.0, (), None,
+  ).compile()  # fmt: skip
+  every_logit = batch * prompt * config.vocab_size * 4
+  assert compiled.memory_analysis().temp_size_in_bytes < every_logit / 4

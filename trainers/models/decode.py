@@ -203,8 +203,12 @@ def forward(
   cache: KVCache,
   index: jax.Array,
   starts: jax.Array | None = None,
+  last_only: bool = False,
 ):
   """Logits [B, T, vocab] (float32) of `tokens` [B, T] in cache slots index.., and the new cache.
+
+  `last_only`: the last slot's logits only, [B, 1, vocab], as a prefill that
+  samples the next token needs (all of them are batch x prompt x vocab floats).
 
   A token's position is its slot, or with `starts` ([B], each row's first
   live slot: a left-padded batch) its slot less its row's start; a row
@@ -229,7 +233,7 @@ def forward(
   else:
     raise TypeError(f"no cached decoding for {type(model).__name__}: Llama or TransformerLM")
   x, cache = _layers(model.blocks, config.scan_layers, layer_fn, x, cache, index)
-  x = model.final_norm(x)
+  x = model.final_norm(x[:, -1:] if last_only else x)
   if getattr(config, "tie_embeddings", False):
     logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
   else:

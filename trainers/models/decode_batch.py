@@ -146,7 +146,7 @@ def _prefill(
     model = nnx.merge(graphdef, state)
     cache = decode.init_cache(decode.cache_shape(model.config), tokens.shape[0], max_len)
     # Only the last slot's logits are needed: every row's prompt ends there.
-    logits, cache = decode.forward(model, tokens, cache, jnp.int32(0), starts)
+    logits, cache = decode.forward(model, tokens, cache, jnp.int32(0), starts, last_only=True)
     return _choose(logits[:, -1], keys, 0, temperature, top_k, top_p), cache
 
 
