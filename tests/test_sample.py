@@ -201,3 +201,141 @@ def test_spmd_sample_on_a_tiny_llama_run_prints_the_runs_own_greedy_sample(tmp_p
     capture_output=True, text=True, timeout=120, cwd=str(ROOT), env={**env, "PATH": ""},
   )  # fmt: skip
   assert drawn.returncode == 0 and drawn.stdout.startswith("the model"), drawn.stderr
+
+
+def test_a_byte_level_run_decodes_bytes_whatever_its_vocabulary_size(tmp_path):
+  """A byte-level run with a 32,000-id vocabulary (the TPU check's) shows text, not ids."""
+  from configs import lm_tiny_bytes
+  from trainers.sampling.sample import run_codec
+
+  config = lm_tiny_bytes.get_config()
+  config.model.vocab_size = 32000
+  codec = run_codec(config, str(tmp_path))
+  assert codec.decode(list("déf".encode())) == "déf"
+  # An id past the bytes (never in byte data) shows as U+FFFD, the text around it intact.
+  assert codec.decode([104, 105, 31999, 0xC3, 0xA9]) == "hi\ufffdé"
+  assert "U+FFFD" in codec.describe
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_spmd_sample_of_ragged_jsonl_prompts_decodes_each_as_alone_on_one_and_two_processes(
+  tmp_path,
+):
+  """Reads the llama_tiny run tests/test_llama.py resumes (tests/shared_runs.py); one test for
+  both the one-process and the 2 x 2 launch, so that the run is copied and compiled once."""
+  import json
+  import subprocess
+  import sys
+
+  from launch.local import run_local
+  from tests import shared_runs
+  from tests.multiprocess import ROOT
+  from trainers.checkpoints import saved_run
+  from trainers.sampling import restore, sample
+
+  folder, facts = shared_runs.llama_tiny_run()
+  workdir = shared_runs.copy_of(folder / "run", tmp_path / "run")
+  env = {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": facts["data"]["cache"]}
+  config = saved_run.saved_config(workdir)
+  codec = sample.run_codec(config, str(workdir))
+  new = 10
+  # BOS alone (1 token), short ones, and one that leaves exactly `new` slots of seq_len.
+  texts = ["", "the", "the model of", "a b"]
+  long_text = " ".join(["the"] * 80)
+  while len(codec.encode(long_text)) > config.model.seq_len - new:
+    long_text = long_text[:-4]
+  texts.append(long_text)
+  assert len(codec.encode(long_text)) == config.model.seq_len - new, len(codec.encode(long_text))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+  command = [sys.executable, "-m", "trainers.sampling.sample_cli", f"--workdir={workdir}",
+             f"--prompts={prompts}", f"--num_tokens={new}"]  # fmt: skip
+  one = subprocess.run(
+    [*command, f"--out={tmp_path / 'one.jsonl'}"],
+    capture_output=True, text=True, timeout=180, cwd=str(ROOT), env={**env, "PATH": ""},
+  )  # fmt: skip
+  assert one.returncode == 0, one.stderr
+  assert "5 prompt(s) of 1..54 tokens" in one.stderr and "tokens/s" in one.stderr, one.stderr
+  rows = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+  assert [r["prompt"] for r in rows] == texts
+  # Each row is its prompt decoded alone, with the cache and without, on one CPU device.
+  model = restore.restore_model(config, saved_run.find_checkpoint(str(workdir), "", None), True)
+  tokenizer = sample._tokenizer(config, str(workdir))
+  for row, text in zip(rows, texts, strict=True):
+    ids = jnp.array([codec.encode(text)], jnp.int32)
+    for alone in (
+      decode.generate(model.model, ids, new), decode.generate_uncached(model.model, ids, new)
+    ):  # fmt: skip
+      made = np.asarray(alone)[0, ids.shape[1] :].tolist()
+      if tokenizer.eos_id in made:
+        made = made[: made.index(tokenizer.eos_id)]
+      assert row["completion"] == codec.decode(made), (row, made)
+  # Two processes of two devices: the batch split over the run's mesh, the same rows.
+  two = run_local(
+    [*command, f"--out={tmp_path / 'two.jsonl'}"], num_processes=2, devices_per_process=2,
+    timeout_s=240, grace_s=10, echo=False, cwd=str(ROOT), env=env,
+  )  # fmt: skip
+  assert two.ok, two.report()
+  assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+
+
+def test_a_prompts_files_bad_row_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+  from trainers.sampling.sample_cli import main, read_prompts
+
+  good = tmp_path / "good.jsonl"
+  good.write_text('{"prompt": "a"}\n\n{"prompt": "b", "seed": 9}\n{"prompt": "c"}\n')
+  assert read_prompts(str(good), 5) == (["a", "b", "c"], [5, 9, 7])  # default: --seed + row
+  bad = tmp_path / "bad.jsonl"
+  for rows, message in [
+    ('{"prompt": "a"}\n{"prompt": "b"', "line 2: not JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', 'line 2: a row is {"prompt": "text"}'),
+    ('["a"]\n', 'line 1: a row is {"prompt": "text"}'),
+    ('{"prompt": "a", "seed": -1}\n', "line 1: seed=-1 must be an integer"),
+    ("\n", "has no rows"),
+  ]:
+    bad.write_text(rows)
+    assert main([f"--workdir={tmp_path}", f"--prompts={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts={bad}" in err and message in err and err.count("\n") == 1, err
+  assert main([f"--workdir={tmp_path}", f"--prompts={tmp_path / 'none.jsonl'}"]) == 2
+  assert "no such file" in capsys.readouterr().err
+
+
+def test_a_completion_ends_with_the_first_stop_string_its_text_reaches():
+  from trainers.sampling.sample import _byte_codec, _cut_at_stop
+
+  codec = _byte_codec(256)
+  new = list(b"x = 1\n\ndef f():\n###")
+  assert _cut_at_stop(codec, new, ["\n\n"]) == ("x = 1\n\n", 7)
+  assert _cut_at_stop(codec, new, ["###", "def"]) == ("x = 1\n\ndef", 10)  # the first reached
+  # A stop string made of two tokens' text, split across them.
+  assert _cut_at_stop(codec, new, ["1\n"]) == ("x = 1\n", 6)
+  assert _cut_at_stop(codec, new, ["never"]) is None and _cut_at_stop(codec, new, []) is None
+
+
+@pytest.mark.slow
+def test_the_weights_restore_onto_the_runs_mesh_in_the_compute_dtype(tmp_path):
+  """Reads the llama_tiny run tests/test_llama.py resumes (tests/shared_runs.py), as bfloat16."""
+  from tests import shared_runs
+  from trainers.checkpoints import saved_run
+  from trainers.sampling import restore
+
+  folder, _ = shared_runs.llama_tiny_run()
+  workdir = shared_runs.copy_of(folder / "run", tmp_path / "run")
+  config = saved_run.saved_config(workdir)
+  config.train.precision = "bfloat16"
+  ref = saved_run.find_checkpoint(str(workdir), "", None)
+  restored = restore.restore_model(config, ref)
+  params = jax.tree.leaves(nnx.state(restored.model, nnx.Param))
+  assert {str(p.dtype) for p in params} == {"bfloat16"}
+  # The run's mesh (data=-1) over this process's 8 devices: the batch splits 8 ways.
+  assert restored.mesh.devices.size == 8 and restored.batch_multiple == 8
+  assert {d for p in params for d in p.devices()} == set(jax.devices())
+  # The numbers are the checkpoint's, rounded to bfloat16.
+  saved = saved_run.restore_weights(ref)["params"]
+  table = np.asarray(saved["token_embed"], np.float32)
+  np.testing.assert_array_equal(
+    np.asarray(restored.model.token_embed[...], np.float32),
+    table.astype(jnp.bfloat16).astype(np.float32),
+  )

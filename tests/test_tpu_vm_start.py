@@ -157,7 +157,8 @@ def test_spmd_train_on_one_tpu_host_trains_and_on_an_unread_slice_says_what_to_s
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("tpu", [ONE_HOST, TWO_HOSTS], ids=["one_host", "unread_slice"])
 def test_sample_and_export_never_ask_for_the_slice(tmp_path, tpu):
-  """They read a checkpoint on this host's CPU: their own answer, no metadata query."""
+  """A workdir that is no run gets their own answer first: no metadata query, no slice asked about
+  (spmd-export reads on this host's CPU; spmd-sample joins the slice only for a real run)."""
   empty = tmp_path / "empty"
   empty.mkdir()
   sample = _run(tpu, "-m", "trainers.sampling.sample_cli", f"--workdir={empty}", "--prompt=x")

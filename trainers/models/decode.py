@@ -137,8 +137,11 @@ def _write(cache: KVCache, layer: jax.Array | int, index: jax.Array, k: jax.Arra
   return KVCache(constrain(keys, CACHE_AXES), constrain(values, CACHE_AXES))
 
 
-def _attend(q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Array) -> jax.Array:
-  """Queries [B, T, heads, hd] at positions index..index+T-1 over the cached keys 0..their own."""
+def _attend(
+  q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Array, starts: jax.Array | None
+) -> jax.Array:
+  """Queries [B, T, heads, hd] in slots index..index+T-1 over the cached keys of slots
+  starts[b]..their own (`starts`: each row's first live slot, [B]; None: slot 0)."""
   keys = jax.lax.dynamic_index_in_dim(cache.keys, layer, keepdims=False).astype(q.dtype)
   values = jax.lax.dynamic_index_in_dim(cache.values, layer, keepdims=False).astype(q.dtype)
   b, t, heads, head_dim = q.shape
@@ -148,29 +151,33 @@ def _attend(q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Arr
   logits = jnp.einsum("bqhgk,bshk->bhgqs", q, keys, preferred_element_type=jnp.float32)
   logits = logits * head_dim**-0.5
   # Causal over the whole cache: slots after a query's position are not written yet.
-  mask = jnp.arange(max_len)[None, :] <= index + jnp.arange(t)[:, None]  # [T, max_len]
+  slots = jnp.arange(max_len)
+  mask = slots[None, :] <= index + jnp.arange(t)[:, None]  # [T, max_len]
+  if starts is not None:  # a left-padded row: its padding's slots are no keys of its own
+    mask = mask[None] & (slots[None, None, :] >= starts[:, None, None])  # [B, T, max_len]
+    mask = mask[:, None, None]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
   y = jnp.einsum("bhgqs,bshk->bqhgk", probs, values).reshape(b, t, heads, head_dim)
   return constrain(y, ("batch", "length", "heads", "kv"))
 
 
-def _llama_layer(block: llama.Block, x, cache, layer, index, sin, cos):
+def _llama_layer(block: llama.Block, x, cache, layer, index, sin, cos, starts=None):
   attn, dt = block.attn, x.dtype
   q, k, v = attn.project(block.attn_norm(x))
   q, k = llama.apply_rope(q, sin, cos), llama.apply_rope(k, sin, cos)
   cache = _write(cache, layer, index, k, v)
-  y = _attend(q, cache, layer, index)
+  y = _attend(q, cache, layer, index, starts)
   x = constrain(x + dense(y, attn.out[...].astype(dt), contract=2), _RESIDUAL)
   return constrain(x + block.mlp(block.mlp_norm(x)), _RESIDUAL), cache
 
 
-def _transformer_layer(block, x, cache, layer, index):
+def _transformer_layer(block, x, cache, layer, index, starts=None):
   attn, dt = block.attn, x.dtype
   h = block.attn_norm(x)
   q, k, v = (dense(h, w[...].astype(dt)) for w in (attn.query, attn.key, attn.value))
   cache = _write(cache, layer, index, k, v)
-  x = x + dense(_attend(q, cache, layer, index), attn.out[...].astype(dt), contract=2)
+  x = x + dense(_attend(q, cache, layer, index, starts), attn.out[...].astype(dt), contract=2)
   return x + block.mlp(block.mlp_norm(x)), cache
 
 
@@ -190,26 +197,43 @@ def _layers(blocks, scanned: bool, layer_fn: Callable, x, cache: KVCache, index)
   return jax.lax.scan(body, (x, cache), (state, jnp.arange(num_layers)))[0]
 
 
-def forward(model: nnx.Module, tokens: jax.Array, cache: KVCache, index: jax.Array):
-  """Logits [B, T, vocab] (float32) of `tokens` [B, T] at positions index.., and the new cache."""
+def forward(
+  model: nnx.Module,
+  tokens: jax.Array,
+  cache: KVCache,
+  index: jax.Array,
+  starts: jax.Array | None = None,
+  last_only: bool = False,
+):
+  """Logits [B, T, vocab] (float32) of `tokens` [B, T] in cache slots index.., and the new cache.
+
+  `last_only`: the last slot's logits only, [B, 1, vocab], as a prefill that
+  samples the next token needs (all of them are batch x prompt x vocab floats).
+
+  A token's position is its slot, or with `starts` ([B], each row's first
+  live slot: a left-padded batch) its slot less its row's start; a row
+  attends to its own slots only, so it decodes as it would alone.
+  """
   config = model.config
   batch, t = tokens.shape
   dt = jnp.dtype(config.dtype)
   positions = jnp.broadcast_to(index + jnp.arange(t), (batch, t))
+  if starts is not None:  # padding slots (negative) take position 0; no live row reads them
+    positions = jnp.maximum(positions - starts[:, None], 0)
   if isinstance(model, llama.Llama):
     table = model.token_embed[...].astype(dt)
     x = constrain(embedding.lookup(table, tokens), _RESIDUAL)
     inv_freq = llama.rope_frequencies(config)
     sin, cos = llama.rope_angles(positions, config.head_dim, config.rope_theta, inv_freq)
-    layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos)
+    layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos, starts=starts)
   elif isinstance(model, lm.TransformerLM):
     x = embedding.lookup(model.token_embed[...].astype(dt), tokens)
     x = x + embedding.lookup(model.pos_embed[...].astype(dt), positions, ("length", "embed"))
-    layer_fn = _transformer_layer
+    layer_fn = functools.partial(_transformer_layer, starts=starts)
   else:
     raise TypeError(f"no cached decoding for {type(model).__name__}: Llama or TransformerLM")
   x, cache = _layers(model.blocks, config.scan_layers, layer_fn, x, cache, index)
-  x = model.final_norm(x)
+  x = model.final_norm(x[:, -1:] if last_only else x)
   if getattr(config, "tie_embeddings", False):
     logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
   else:

@@ -1,51 +1,102 @@
-"""Text from a trained run, decoded with a KV cache (the library of `spmd-sample`).
+"""Text from a trained run, decoded in batches with a KV cache (the library of `spmd-sample`).
 
-`sample_text` reads the run's resolved config (`W/config.json`) and one
-checkpoint's parameters (the latest committed step, or `step`; `checkpoint`
-for another location), on this one host: orbax's numpy restore reads them
-whatever mesh and process count saved them, and they are placed on one CPU
-device as `spmd-export` places them (`trainers.checkpoints.export.build_model`); no
-optimizer state is read. The prompt is encoded through the run's tokenizer
-(the copy the run keeps in `W`, e.g. `W/tokenizer.json`), or as UTF-8 bytes
-for a byte-level run, and the tokens are decoded the same way. Decoding is
-`trainers.models.decode.generate`: greedy by default, else drawn at
-`temperature` from the `top_k` largest logits. The command
-`spmd-sample --workdir=W --prompt=import` (trainers/sampling/sample_cli.py) prints it.
+`sample_prompts` reads the run's resolved config (`W/config.json`), restores
+one checkpoint's parameters (the latest committed step, or `step`;
+`checkpoint` for another location) onto the run's mesh on this machine's
+devices, in the compute dtype (`trainers.sampling.restore`), encodes the
+prompts through the run's tokenizer (its copy in `W`, e.g.
+`W/tokenizer.json`), or as UTF-8 bytes for a byte-level run, and continues
+them all in one batch (`trainers.models.decode_batch.generate_batch`: ragged
+prompts, greedy or drawn, a seed a row, a stop at the tokenizer's EOS).
+Stop strings are found on the host after the program: a row's completion
+ends with the first stop string its text reaches, and counts the tokens it
+took to reach it. The command `spmd-sample` (trainers/sampling/sample_cli.py)
+reads the prompts from a JSONL file or a flag.
 
 Example:
-  >>> sample_text("W", "import", num_tokens=16)  # doctest: +SKIP
-  Sample(text='import os...', step=300, prompt_tokens=2, new_tokens=16, ...)
+  >>> found = sample_prompts("W", ["import", "def f("], num_tokens=16)  # doctest: +SKIP
+  >>> found.rows[0].completion, found.decode_tokens_per_second  # doctest: +SKIP
+  (' os\\n...', 812.5)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import itertools
+from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from trainers import paths
-from trainers.checkpoints import export, saved_run
+from trainers.checkpoints import saved_run
 from trainers.data.prepare import tokenizer as tok
-from trainers.data.prepare.token_codec import TokenCodec, token_codec, tokenizer_codec
-from trainers.models import decode
+from trainers.data.prepare.token_codec import BYTE_VOCAB, TokenCodec, tokenizer_codec
+from trainers.models import decode_batch
+from trainers.sampling.restore import restore_model
 
 DEFAULT_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Sample:
-  """What `sample_text` made."""
+class Row:
+  """One prompt's completion."""
 
-  text: str  # the prompt and what follows it, decoded
+  prompt: str
+  completion: str  # the new tokens' text, to its stop
+  tokens: int  # new tokens, to its stop (an EOS included)
+  stopped: str  # "eos", "stop" (a stop string), or "length"
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+  """What `sample_prompts` made, and how fast."""
+
+  rows: list[Row]
   step: int  # the checkpoint step
-  prompt_tokens: int
-  new_tokens: int
+  prompt_tokens: list[int]
   describe: str  # how the tokens become text
-  seconds: float  # decoding, compilation included
+  platform: str  # where the decode ran
+  compile_seconds: float
+  prefill_seconds: float
+  decode_seconds: float
+  decode_tokens_per_second: float  # the decode loop's tokens (every row's, to its stop) a second
+
+
+def _byte_codec(vocab_size: int) -> TokenCodec:
+  """A byte-level run's codec: ids < 256 are UTF-8 bytes whatever the vocabulary's size."""
+
+  def decode(ids):
+    # Ids past the bytes are never in byte data; one the model makes anyway
+    # shows as U+FFFD, as a byte that is no UTF-8 does.
+    runs = itertools.groupby((int(t) for t in ids), key=lambda t: t < BYTE_VOCAB)
+    return "".join(
+      bytes(run).decode("utf-8", errors="replace") if is_byte else "\ufffd" * len(list(run))
+      for is_byte, run in runs
+    )
+
+  extra = f"; ids 256..{vocab_size - 1} show as U+FFFD" if vocab_size > BYTE_VOCAB else ""
+  return TokenCodec(
+    encode=lambda text: list(text.encode()), decode=decode, describe="bytes" + extra
+  )
+
+
+def _tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tok.Tokenizer | None:
+  spec = tok.tokenizer_spec(config)
+  if spec == tok.BYTES:
+    return None
+  suffix = ".json" if spec == tok.BPE else (paths.user_path(spec).suffix or ".json")
+  candidates = [paths.user_path(workdir) / f"tokenizer{suffix}"]
+  if spec != tok.BPE:
+    candidates.append(paths.user_path(spec))
+  for path in candidates:
+    if path.exists():
+      return tok.Tokenizer(str(path))
+  raise FileNotFoundError(
+    f"data.tokenizer={spec!r}: the run's tokenizer is not at {[str(p) for p in candidates]} "
+    "(a run keeps a copy in its workdir when it starts)"
+  )
 
 
 def run_codec(config: ml_collections.ConfigDict, workdir: str) -> TokenCodec:
@@ -55,74 +106,105 @@ def run_codec(config: ml_collections.ConfigDict, workdir: str) -> TokenCodec:
     FileNotFoundError: the run used a tokenizer and neither its copy in the
       workdir nor the original file is there.
   """
-  spec = tok.tokenizer_spec(config)
-  vocab = config.model.vocab_size
-  if spec == tok.BYTES:
-    return token_codec(vocab)
-  suffix = ".json" if spec == tok.BPE else (paths.user_path(spec).suffix or ".json")
-  candidates = [paths.user_path(workdir) / f"tokenizer{suffix}"]
-  if spec != tok.BPE:
-    candidates.append(paths.user_path(spec))
-  for path in candidates:
-    if path.exists():
-      return tokenizer_codec(tok.Tokenizer(str(path)))
-  raise FileNotFoundError(
-    f"data.tokenizer={spec!r}: the run's tokenizer is not at {[str(p) for p in candidates]} "
-    "(a run keeps a copy in its workdir when it starts)"
-  )
+  found = _tokenizer(config, workdir)
+  return _byte_codec(config.model.vocab_size) if found is None else tokenizer_codec(found)
 
 
-def sample_text(
+def _cut_at_stop(
+  codec: TokenCodec, new: Sequence[int], stops: Sequence[str]
+) -> tuple[str, int] | None:
+  """(text to the end of the first stop string it reaches, tokens it took), or None."""
+  if not stops or not any(s in codec.decode(new) for s in stops):
+    return None
+  for n in range(1, len(new) + 1):  # the fewest tokens whose text holds a stop string
+    text = codec.decode(new[:n])
+    ends = [text.index(s) + len(s) for s in stops if s in text]
+    if ends:
+      return text[: min(ends)], n
+  return None
+
+
+def sample_prompts(
   workdir: str,
-  prompt: str,
+  prompts: Sequence[str],
   num_tokens: int = DEFAULT_TOKENS,
   *,
   temperature: float = 0.0,
   top_k: int = 0,
-  seed: int = 0,
+  top_p: float = 1.0,
+  seeds: Sequence[int] | None = None,
+  stop: Sequence[str] = (),
+  use_eos: bool = True,
   step: int | None = None,
   checkpoint: str = "",
-) -> Sample:
-  """Restores a run's checkpoint on one CPU device and continues `prompt` with a KV cache.
+  on_cpu: bool = False,
+) -> Samples:
+  """Restores a run's checkpoint onto this machine's devices and continues every prompt.
 
-  `num_tokens` is cut to what the model's `seq_len` leaves after the prompt.
+  `num_tokens` is cut to what the model's `seq_len` leaves after the longest
+  prompt. Every process of a multi-process job calls it with the same
+  arguments and gets the same rows.
 
   Raises:
-    ValueError: the prompt is empty, too long, or has ids outside the vocabulary.
+    ValueError: a prompt is empty, too long, or has ids outside the vocabulary (named by row).
     FileNotFoundError: no config, checkpoint, step or tokenizer (named).
   """
   if num_tokens < 1:
     raise ValueError(f"--num_tokens={num_tokens} must be >= 1")
+  if not prompts:
+    raise ValueError("no prompts: give --prompt or a --prompts file with rows")
+  seeds = list(range(len(prompts))) if seeds is None else list(seeds)
   config = saved_run.saved_config(workdir)
+  tokenizer = _tokenizer(config, workdir)
   codec = run_codec(config, workdir)
   seq_len, vocab = config.model.seq_len, config.model.vocab_size
-  ids = codec.encode(prompt)
-  if not ids or len(ids) >= seq_len:
-    raise ValueError(
-      f"--prompt={prompt!r} is {len(ids)} tokens; the model reads 1 to {seq_len - 1} "
-      f"before it has room for one more ({seq_len=})"
-    )
-  if max(ids) >= vocab:
-    raise ValueError(f"--prompt={prompt!r} has token id {max(ids)}, outside {vocab=}")
+  ids = [codec.encode(p) for p in prompts]
+  for row, (text, these) in enumerate(zip(prompts, ids, strict=True)):
+    if not these or len(these) >= seq_len:
+      raise ValueError(
+        f"prompt {row} ({text[:40]!r}) is {len(these)} tokens; the model reads 1 to "
+        f"{seq_len - 1} before it has room for one more ({seq_len=})"
+      )
+    if max(these) >= vocab:
+      raise ValueError(f"prompt {row} ({text[:40]!r}) has token id {max(these)}, outside {vocab=}")
   ref = saved_run.find_checkpoint(workdir, checkpoint, step)
-  weights = saved_run.restore_weights(ref)  # numpy on this host: any saving mesh
-  model = export.build_model(config, weights["params"], weights.get("model_state"))
-  count = min(num_tokens, seq_len - len(ids))
-  started = time.perf_counter()
-  out = decode.generate(
-    model,
-    jnp.asarray([ids], jnp.int32),
+  restored = restore_model(config, ref, on_cpu)
+  count = min(num_tokens, seq_len - max(len(i) for i in ids))
+  eos = tokenizer.eos_id if use_eos and tokenizer is not None else None
+  # Rows beyond the prompts, to a multiple of the batch axes, repeat the first; dropped after.
+  extra = -len(ids) % restored.batch_multiple
+  out = decode_batch.generate_batch(
+    restored.model,
+    ids + [ids[0]] * extra,
     count,
     temperature=temperature,
     top_k=top_k,
-    key=jax.random.key(seed),
+    top_p=top_p,
+    seeds=seeds + [seeds[0]] * extra,
+    eos_id=eos,
+    rules=restored.rules,
+    mesh=restored.mesh,
   )
-  out = np.asarray(jax.device_get(out))[0]
-  return Sample(
-    text=codec.decode(out),
+  rows = []
+  for row, text in enumerate(prompts):
+    length = int(out.lengths[row])
+    new = [int(t) for t in out.tokens[row, :length]]
+    stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
+    shown = new[:-1] if stopped == "eos" else new
+    completion, cut = codec.decode(shown), _cut_at_stop(codec, shown, stop)
+    if cut is not None:
+      (completion, length), stopped = cut, "stop"
+    rows.append(Row(text, completion, length, stopped, seeds[row]))
+  kept = out.lengths[: len(prompts)]
+  made = int(np.maximum(kept - 1, 0).sum())  # the decode loop's tokens; the first are the prefill's
+  return Samples(
+    rows=rows,
     step=ref.step,
-    prompt_tokens=len(ids),
-    new_tokens=count,
+    prompt_tokens=[len(i) for i in ids],
     describe=codec.describe,
-    seconds=time.perf_counter() - started,
+    platform=out.platform,
+    compile_seconds=out.compile_seconds,
+    prefill_seconds=out.prefill_seconds,
+    decode_seconds=out.decode_seconds,
+    decode_tokens_per_second=made / out.decode_seconds if out.decode_seconds > 0 else 0.0,
   )
