@@ -9,6 +9,7 @@ object store, which cannot rename atomically) is skipped with a warning
 naming it, never restored and never called damage.
 """
 
+import json
 import os
 import re
 import signal
@@ -119,21 +120,42 @@ def _unfinished(workdir: epath.Path) -> set[int]:
   return steps - set(committed(workdir))
 
 
+# When the store goes away: both once met only under load, so each is forced. The end of
+# the run: process 0 alone writes the loss curve and summary.json after the others are done
+# (its loss curve held up here so the store can go first).
+STORE_LOSSES = ("during an async save", "while process 0 writes the run's summary")
+
+
+@pytest.mark.parametrize("when", STORE_LOSSES)
 def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
-  data, tmp_path, tmp_path_factory, record, gcs
+  data, tmp_path, tmp_path_factory, record, gcs, when
 ):
   reference = harness.reference_hash(data, tmp_path_factory)
   workdir = epath.Path("gs://bucket/run")
+  bucket_dir = gcs.root / "bucket" / "run"
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())
   flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
   budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
+  at_the_end = when == STORE_LOSSES[1]
+  entry, delay = (
+    ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")
+  )
 
-  first = harness.start(data, workdir, *flags, *budget, env=env)
+  first = harness.start(
+    data, workdir, *flags, *budget, env=dict(env, SPMD_TEST_END_DELAY_S=delay), entry=entry
+  )
   try:
-    harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
-    last_committed = committed(workdir)[-1]
-    gcs.stop()  # the store goes away while the run saves every other step
+    if at_the_end:  # the last save committed and the metrics closed: process 0 is held up
+      harness.wait_for(lambda: _final_metrics_written(bucket_dir), 300, "the end of the run", 0.01)
+      last_committed = committed(workdir)[-1]
+      gcs.stop()
+    else:  # frozen while a save is on its way, so the store goes away under it
+      harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
+      _, running = _freeze_during_a_save(first, workdir, bucket_dir, 2)
+      last_committed = committed(workdir)[-1]
+      gcs.stop()
+      _signal_all(running.values(), signal.SIGCONT)
     started = time.monotonic()
     code = first.launcher.wait(timeout=300)
     took = time.monotonic() - started
@@ -146,6 +168,7 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
       "checkpoint save to gs://bucket/run/checkpoints failed",  # the store's error
       "checkpoint save to gs://bucket/run/checkpoints did not finish",  # or its silence
       "writing gs://bucket/run/metrics.jsonl failed",  # or the metrics' upload came first
+      "writing the loss curve and summary.json to gs://bucket/run failed",  # or the end's
     )
   )
   gcs.start()
@@ -160,11 +183,27 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
     and resumed[0] >= last_committed
     and harness.param_hash(second.output) == reference
   )
-  record("12. checkpoint store unreachable during an async save", 1, int(ok), took, None)
+  record(f"12. checkpoint store unreachable {when}", 1, int(ok), took, None)
   assert code != 0 and named, out
   assert resumed_code == 0, second.output
   assert resumed and resumed[0] >= last_committed, (resumed, last_committed)
   assert harness.param_hash(second.output) == reference, second.output
+
+
+def _final_metrics_written(bucket_dir) -> bool:
+  """The run's last step is committed and its final eval is in metrics.jsonl on the store."""
+  last = bucket_dir / "checkpoints" / str(harness.STEPS) / COMMIT_MARKER
+  metrics = bucket_dir / "metrics.jsonl"
+  if not (last.exists() and metrics.exists()):
+    return False
+  for line in metrics.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:  # the emulator may be midway through writing the object
+      return False
+    if row.get("step") == harness.STEPS and "eval_loss" in row:
+      return True
+  return False
 
 
 def _uncommitted_step(bucket_dir, resumed: int) -> int | None:
