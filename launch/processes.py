@@ -142,11 +142,57 @@ def popen(
 _POLL_S = 0.05  # how soon the reader sees a stream added or a request to stop
 
 
+class _Echo:
+  """Writes text to this process's stdout from a thread of its own, in the order given.
+
+  The reader of the children's pipes hands its lines here and goes back to
+  reading: were it to write to stdout itself, a consumer slower than the job
+  (a paused terminal, a pipe into a busy process) would stop it, the
+  children's pipes would fill, and a child would block in the middle of
+  printing why it fails, to be killed there by the fail-fast, its message
+  never written; lines already in a pipe were lost when the reader gave up.
+  """
+
+  def __init__(self) -> None:
+    self._texts: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    self._thread: threading.Thread | None = None
+    self._broken = False  # stdout closed: the rest is dropped (the lines are kept elsewhere)
+
+  def put(self, text: str) -> None:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="spmd-launch echo", daemon=True)
+      self._thread.start()
+    self._texts.put(text)
+
+  def join(self) -> None:
+    """Returns once every text put so far is written (or stdout is known to be closed)."""
+    if self._thread is not None:
+      self._texts.put(None)
+      self._thread.join()
+      self._thread = None
+
+  def _run(self) -> None:
+    while (text := self._texts.get()) is not None:
+      if self._broken:
+        continue
+      try:
+        with _ECHO_LOCK:
+          sys.stdout.write(text)
+          sys.stdout.flush()
+      except (OSError, ValueError):  # stdout closed: keep collecting, or the child blocks
+        self._broken = True
+
+
 class _Stream:
   """One child's output: the bytes read so far made into lines, and where they go."""
 
   def __init__(
-    self, stream: IO, into: list[str], prefix: str, echo: bool, log_path: str | None
+    self,
+    stream: IO,
+    into: list[str],
+    prefix: str,
+    echo: _Echo | None,
+    log_path: str | None,
   ) -> None:
     self.stream, self.fd, self.into = stream, stream.fileno(), into
     self.prefix, self.echo, self.log_path = prefix, echo, log_path
@@ -184,16 +230,24 @@ class _Stream:
       except OSError as e:
         print(f"spmd-launch: writing {self.log_path} failed ({e})", file=sys.stderr, flush=True)
         self.log_path = None
-    if self.echo:
-      text = "".join(f"{self.prefix} {line}" if self.prefix else line for line in lines)
-      try:
-        with _ECHO_LOCK:
-          sys.stdout.write(text)
-          sys.stdout.flush()
-      except (OSError, ValueError):  # stdout closed: keep collecting, or the child blocks
-        self.echo = False
+    if self.echo is not None:
+      self.echo.put("".join(f"{self.prefix} {line}" if self.prefix else line for line in lines))
 
   def close(self) -> None:
+    """Takes what the pipe still holds (without waiting for more), then closes it.
+
+    A grandchild of a killed child can hold the pipe open; what the child
+    wrote before it died is in the pipe all the same, and may be why it died.
+    """
+    os.set_blocking(self.fd, False)
+    while True:
+      try:
+        data = os.read(self.fd, 1 << 16)
+      except (BlockingIOError, OSError):
+        break
+      if not data:
+        break
+      self.take(self.decoder.decode(data))
     self.take(self.decoder.decode(b"", final=True), final=True)
     self.stream.close()
 
@@ -203,7 +257,8 @@ class OutputReader:
 
   Each stream `add`ed (a `popen` child's stdout) is read whenever it has data
   (a selector), its lines appended to the list that came with it, echoed
-  after a prefix, and appended to a log file; it is closed at its end. One
+  after a prefix (by a thread of its own, so a slow stdout never holds up
+  the reading), and appended to a log file; it is closed at its end. One
   thread for all: a TPU launcher has one ssh per worker, and a thread per
   child grew with the slice. Log files are opened per write, so the launcher
   holds one descriptor (the pipe) per running child and a fixed few besides.
@@ -225,6 +280,7 @@ class OutputReader:
     self._changed = threading.Condition()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self._echo = _Echo()
 
   def add(
     self,
@@ -246,7 +302,7 @@ class OutputReader:
     with self._changed:
       self._open += 1
     # The reader thread registers it: a selector is not to be changed from two threads.
-    self._pending.put(_Stream(stream, into, prefix, echo, log_path))
+    self._pending.put(_Stream(stream, into, prefix, self._echo if echo else None, log_path))
     if self._thread is None:
       self._thread = threading.Thread(target=self._run, name="spmd-launch output", daemon=True)
       self._thread.start()
@@ -254,14 +310,16 @@ class OutputReader:
   def join(self, timeout: float | None = None) -> bool:
     """Waits until every stream has ended (`timeout` at most), then ends the thread.
 
-    Streams still open then are closed unread (a grandchild of a killed child
-    can hold a pipe open for as long as it lives). Returns whether all ended.
+    Streams still open then are closed once what they hold is taken (a
+    grandchild of a killed child can hold a pipe open for as long as it
+    lives). Returns whether all ended, once every line taken is echoed.
     """
     with self._changed:
       ended = self._changed.wait_for(lambda: self._open == 0, timeout)
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
+    self._echo.join()
     return ended
 
   def _ended(self, stream: _Stream) -> None:

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -178,6 +179,51 @@ def test_the_output_reader_splits_lines_as_text_mode_readline_did(tmp_path):
   assert outputs == [expected] * 3
   assert all(p.wait() == 0 and p.stdout.closed for p in procs)
   assert (tmp_path / f"{procs[0].pid}.log").read_text(errors="replace") == "".join(expected)
+
+
+def test_a_stalled_stdout_holds_up_no_child_and_loses_no_line(monkeypatch):
+  """The launcher's stdout is not being read (a paused terminal, a pipe into a busy
+  process): the children are still read as they print, so one that prints more than a
+  pipe holds is not stopped mid-line, one that fails says why and exits at once, and
+  every line is kept and echoed, in order, once stdout moves again."""
+
+  class Stalled:  # a consumer that takes nothing until released
+    def __init__(self):
+      self.released, self.text = threading.Event(), []
+
+    def write(self, text):
+      self.released.wait()
+      self.text.append(text)
+
+    def flush(self):
+      pass
+
+  stdout = Stalled()
+  monkeypatch.setattr(sys, "stdout", stdout)
+  chatty = "for i in range(4000): print('%04d' % i + 'x' * 60)\nprint('done')"
+  failing = "import sys; print('the checkpoint store is unreachable'); sys.exit(3)"
+  procs = [popen([PY, "-c", chatty]), popen([PY, "-c", failing])]
+  outputs = [[], []]
+  reader = OutputReader()
+  for i, p in enumerate(procs):
+    reader.add(p.stdout, outputs[i], prefix=f"[p{i}]")
+  try:
+    codes = [p.wait(timeout=60) for p in procs]
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"a child is held up printing while the launcher's stdout is stalled: {e}")
+  finally:
+    stdout.released.set()
+    for p in procs:
+      p.kill()
+  assert reader.join(timeout=30)
+  assert codes == [0, 3]
+  chatty_lines = [f"{i:04d}" + "x" * 60 + "\n" for i in range(4000)] + ["done\n"]
+  assert outputs == [chatty_lines, ["the checkpoint store is unreachable\n"]]
+  echoed = "".join(stdout.text).splitlines()
+  assert "[p1] the checkpoint store is unreachable" in echoed
+  assert [line for line in echoed if line.startswith("[p0]")] == [
+    f"[p0] {line[:-1]}" for line in chatty_lines
+  ]
 
 
 def _launcher(*args):

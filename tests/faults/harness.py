@@ -150,7 +150,11 @@ def launch(
 
 
 # Modules a job may run as `spmd-train`: the real one, or a test's wrapper of it.
-ENTRIES = ("trainers.run.train_cli", "tests.workers.slow_save_train")
+ENTRIES = (
+  "trainers.run.train_cli",
+  "tests.workers.slow_save_train",
+  "tests.workers.slow_chief_end_train",
+)
 
 # After one process fails, the others' time to end on their own before the
 # launcher's SIGKILL. They rarely need it (JAX's heartbeat, or the watchdog

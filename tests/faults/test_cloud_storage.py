@@ -9,6 +9,7 @@ object store, which cannot rename atomically) is skipped with a warning
 naming it, never restored and never called damage.
 """
 
+import json
 import os
 import re
 import signal
@@ -45,10 +46,15 @@ def committed(workdir: epath.Path) -> list[int]:
 def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_locally(
   data, tmp_path, tmp_path_factory, record, gcs
 ):
+  """The coordinator is killed while a save is on its way to the store, and the last committed
+  step loses its commit marker too: two unfinished steps, as a kill that lands during a
+  save leaves under load. The restart names exactly the steps left unfinished, removes
+  them, resumes from the last committed one and ends bit-identical to the reference."""
   reference = harness.reference_hash(data, tmp_path_factory)
   cwd = tmp_path / "cwd"
   cwd.mkdir()
   workdir = epath.Path("gs://bucket/run")
+  bucket_dir = gcs.root / "bucket" / "run"
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())  # this process reads the bucket too
   flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
@@ -57,43 +63,47 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
   try:
     try:
       harness.wait_for(lambda: len(committed(workdir)) >= 3, 300, "three committed checkpoints")
+      in_flight, running = _freeze_during_a_save(first, workdir, bucket_dir, 2)
     except TimeoutError as e:
       raise AssertionError(first.output[-5000:]) from e
-    running = harness.wait_for(
-      lambda: len(found := harness.pids(workdir)) == 2 and found, 60, "both processes"
-    )
-    os.kill(running[1], signal.SIGKILL)
+    # The coordinator: it alone writes commit markers, so the step in flight stays unfinished.
+    os.kill(running[0], signal.SIGKILL)
+    _signal_all(running.values(), signal.SIGCONT)
     first_code = first.launcher.wait(timeout=120)
   finally:
     first.kill()
   assert first_code != 0 and "killed by SIGKILL" in first.output, first.output
-  # As if the kill had come during the last save: its commit marker never written.
+  # As if a second kill had come during the save before: its commit marker never written.
   saved = committed(workdir)
-  unfinished, before = saved[-1], saved[-2]
-  (workdir / "checkpoints" / str(unfinished) / COMMIT_MARKER).unlink()
+  (workdir / "checkpoints" / str(saved[-1]) / COMMIT_MARKER).unlink()
+  before = saved[-2]
+  unfinished = _unfinished(workdir)
+  assert {saved[-1], in_flight} <= unfinished, (saved, in_flight, unfinished)
 
   second = harness.start(data, workdir, *flags, env=env, cwd=cwd)
   code = second.wait(600)
   out = second.output
   resumed = harness.resumed_steps(first.output + out)
-  skipped = f"checkpoint steps [{unfinished}] in {workdir / 'checkpoints'} were never finished"
+  removed = _removed(out, workdir)  # what the restart named as unfinished and removed
   left_here = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
   ok = (
     code == 0
     and resumed == [before]
-    and skipped in out
+    and removed == unfinished
+    and not _unfinished(workdir)
     and harness.param_hash(out) == reference
     and not left_here
   )
   record(
-    "12. gs:// workdir and data: kill -9, last save left unfinished, restart",
+    "12. gs:// workdir and data: kill -9 during a save, last save left unfinished, restart",
     1,
     int(ok),
     None,
     0 if ok else None,
   )
   assert code == 0, out
-  assert skipped in out, out
+  assert removed == unfinished, (removed, unfinished, out)
+  assert not _unfinished(workdir), out  # each one removed, then saved again in full
   assert resumed == [before], (resumed, out)
   assert harness.param_hash(out) == reference, out
   assert (workdir / "data").exists() is False  # data.dir is its own: gs://bucket/data
@@ -103,21 +113,49 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
   assert not left_here, left_here
 
 
+def _unfinished(workdir: epath.Path) -> set[int]:
+  """The step folders on the store without a commit marker."""
+  root = workdir / "checkpoints"
+  steps = {int(p.name) for p in root.iterdir() if p.name.isdigit()}
+  return steps - set(committed(workdir))
+
+
+# When the store goes away: both once met only under load, so each is forced. The end of
+# the run: process 0 alone writes the loss curve and summary.json after the others are done
+# (its loss curve held up here so the store can go first).
+STORE_LOSSES = ("during an async save", "while process 0 writes the run's summary")
+
+
+@pytest.mark.parametrize("when", STORE_LOSSES)
 def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
-  data, tmp_path, tmp_path_factory, record, gcs
+  data, tmp_path, tmp_path_factory, record, gcs, when
 ):
   reference = harness.reference_hash(data, tmp_path_factory)
   workdir = epath.Path("gs://bucket/run")
+  bucket_dir = gcs.root / "bucket" / "run"
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())
   flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
   budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
+  at_the_end = when == STORE_LOSSES[1]
+  entry, delay = (
+    ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")
+  )
 
-  first = harness.start(data, workdir, *flags, *budget, env=env)
+  first = harness.start(
+    data, workdir, *flags, *budget, env=dict(env, SPMD_TEST_END_DELAY_S=delay), entry=entry
+  )
   try:
-    harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
-    last_committed = committed(workdir)[-1]
-    gcs.stop()  # the store goes away while the run saves every other step
+    if at_the_end:  # the last save committed and the metrics closed: process 0 is held up
+      harness.wait_for(lambda: _final_metrics_written(bucket_dir), 300, "the end of the run", 0.01)
+      last_committed = committed(workdir)[-1]
+      gcs.stop()
+    else:  # frozen while a save is on its way, so the store goes away under it
+      harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
+      _, running = _freeze_during_a_save(first, workdir, bucket_dir, 2)
+      last_committed = committed(workdir)[-1]
+      gcs.stop()
+      _signal_all(running.values(), signal.SIGCONT)
     started = time.monotonic()
     code = first.launcher.wait(timeout=300)
     took = time.monotonic() - started
@@ -130,6 +168,7 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
       "checkpoint save to gs://bucket/run/checkpoints failed",  # the store's error
       "checkpoint save to gs://bucket/run/checkpoints did not finish",  # or its silence
       "writing gs://bucket/run/metrics.jsonl failed",  # or the metrics' upload came first
+      "writing the loss curve and summary.json to gs://bucket/run failed",  # or the end's
     )
   )
   gcs.start()
@@ -144,11 +183,27 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
     and resumed[0] >= last_committed
     and harness.param_hash(second.output) == reference
   )
-  record("12. checkpoint store unreachable during an async save", 1, int(ok), took, None)
+  record(f"12. checkpoint store unreachable {when}", 1, int(ok), took, None)
   assert code != 0 and named, out
   assert resumed_code == 0, second.output
   assert resumed and resumed[0] >= last_committed, (resumed, last_committed)
   assert harness.param_hash(second.output) == reference, second.output
+
+
+def _final_metrics_written(bucket_dir) -> bool:
+  """The run's last step is committed and its final eval is in metrics.jsonl on the store."""
+  last = bucket_dir / "checkpoints" / str(harness.STEPS) / COMMIT_MARKER
+  metrics = bucket_dir / "metrics.jsonl"
+  if not (last.exists() and metrics.exists()):
+    return False
+  for line in metrics.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:  # the emulator may be midway through writing the object
+      return False
+    if row.get("step") == harness.STEPS and "eval_loss" in row:
+      return True
+  return False
 
 
 def _uncommitted_step(bucket_dir, resumed: int) -> int | None:
@@ -161,6 +216,27 @@ def _uncommitted_step(bucket_dir, resumed: int) -> int | None:
       if not (folder / COMMIT_MARKER).exists() and any(p.is_file() for p in folder.rglob("*")):
         return int(folder.name)
   return None
+
+
+def _freeze_during_a_save(
+  job: harness.Job, workdir: epath.Path, bucket_dir, processes: int, after: int | None = None
+) -> tuple[int, dict[int, int]]:
+  """Stops every process of `job` (SIGSTOP) while a step after `after` (default: the last
+  committed) is being saved: its files on the store, its commit marker not. Returns that
+  step and {process id: pid}; the caller kills and continues them."""
+  for _ in range(20):  # a tiny save can commit between the look and the freeze
+    since = max(committed(workdir), default=0) if after is None else after
+    step = harness.wait_for(
+      lambda s=since: _uncommitted_step(bucket_dir, s), 300, "a save in flight", 0.005
+    )
+    running = harness.pids(workdir)
+    _signal_all(running.values(), signal.SIGSTOP)
+    time.sleep(0.3)  # an upload already sent (the commit marker's) lands meanwhile
+    marker = bucket_dir / "checkpoints" / str(step) / COMMIT_MARKER
+    if len(running) == processes and not marker.exists():
+      return step, running
+    _signal_all(running.values(), signal.SIGCONT)
+  raise AssertionError(f"no save was caught in flight in 20 tries\n{job.output[-5000:]}")
 
 
 def _signal_all(pids, sig) -> None:
@@ -195,19 +271,7 @@ def test_4_hosts_on_gs_killed_mid_save_agree_on_what_to_remove_at_every_restart(
   caught, resumed = [], 0
   try:
     for kill in range(kills):
-      for _ in range(20):  # a tiny save can commit between the look and the freeze
-        step = harness.wait_for(
-          lambda r=resumed: _uncommitted_step(bucket_dir, r), 300, "a save in flight", 0.005
-        )
-        running = harness.pids(workdir)
-        _signal_all(running.values(), signal.SIGSTOP)
-        time.sleep(0.3)  # an upload already sent (the commit marker's) lands meanwhile
-        marker = bucket_dir / "checkpoints" / str(step) / COMMIT_MARKER
-        if len(running) == 4 and not marker.exists():
-          break
-        _signal_all(running.values(), signal.SIGCONT)
-      else:
-        raise AssertionError(f"no save was caught in flight in 20 tries\n{job.output[-5000:]}")
+      step, running = _freeze_during_a_save(job, workdir, bucket_dir, 4, after=resumed)
       caught.append(step)
       os.kill(running[kill % 4], signal.SIGKILL)  # the coordinator too, in turn
       _signal_all(running.values(), signal.SIGCONT)

@@ -65,3 +65,25 @@ def test_a_stopped_process_ends_the_job_naming_it(data, tmp_path, record):
   assert re.search(named, out), out
   record("5. process stopped (SIGSTOP)", 1, int(detected < BOUND_S), detected)
   assert detected < BOUND_S, out
+
+
+def test_a_coordinator_slow_at_the_end_of_the_run_ends_the_job_cleanly(data, tmp_path, record):
+  """Process 0's own end of the run (the loss curve, summary.json: seconds of CPU on a busy
+  machine, where a reference run once aborted) lasts past JAX's shutdown barrier (the local
+  launcher's is 5 s): the other process, done sooner, waits for it instead of timing the
+  barrier out and aborting a finished run. Trains its own run: the delay is patched into
+  its processes (tests/workers/slow_chief_end_train.py)."""
+  workdir = tmp_path / "run"
+  job = harness.start(
+    data,
+    workdir,
+    *harness.long_run(every=1000),
+    entry="tests.workers.slow_chief_end_train",
+    env={"SPMD_TEST_END_DELAY_S": "12"},
+  )
+  code = job.wait(600)
+  out = job.output
+  ok = code == 0 and (workdir / "summary.json").exists()
+  record("5. coordinator slow at the end of the run (past the shutdown barrier)", 1, int(ok))
+  assert code == 0, out
+  assert (workdir / "summary.json").exists() and (workdir / "loss.png").exists(), out

@@ -119,10 +119,17 @@ def publish(
   `own_entries`: the hooks' entries of the summary, printed after the trainer's.
   """
   if chief:
-    summary["loss_curve"] = str(
-      loss_curve.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
-    )
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    try:
+      summary["loss_curve"] = str(
+        loss_curve.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
+      )
+      (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    except OSError as e:
+      # A store's own error names a host and port, not the run: say what was being written.
+      e.add_note(
+        f"writing the loss curve and summary.json to {workdir} failed: is the store reachable?"
+      )
+      raise
   summary["report"] = text = report()
   if chief:
     print(console.format_summary(summary, own_entries), flush=True)

@@ -181,6 +181,11 @@ def _train_and_evaluate(
     own_entries=[k for k, v in loop.summary_entries.items() if results.get(k) is v],
   )
   tracker.finish(published)
+  # 7. Every process leaves when process 0 does: its own end (the loss curve,
+  # summary.json, the tracker) can take longer, on a busy machine, than JAX's
+  # shutdown barrier waits, and the others, done sooner, would time that
+  # barrier out and abort a finished run.
+  multihost.from_process_0("the end of the run", lambda: True, config.eval_timeout_s or None)
   return published
 
 
