@@ -9,6 +9,7 @@ through libtpu (as `spmd-plan` does, on any machine) and counts those names.
 
   python -m benchmarks.remat_check --rows=7,8          # the check model, v5e-1
   python -m benchmarks.remat_check --rows=8 --tiny      # CPU-sized model
+  python -m benchmarks.remat_check --rows=8 --remat_policy=minimal
 
 It prints one line per row count; a count above zero means the step at
 that many rows fits only by recomputing.
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import ml_collections  # noqa: E402
 
 from benchmarks.tpu_check_config import check_config  # noqa: E402
+from trainers.models.llama import REMAT_POLICIES  # noqa: E402
 from trainers.planning import plan as plan_lib  # noqa: E402
 from trainers.planning.targets import tpu_target  # noqa: E402
 
@@ -89,9 +91,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rows", type=_row_counts, default=[8], help="rows a step, or several: 7,8")
   parser.add_argument("--topology", default="v5e-1")
   parser.add_argument("--tiny", action="store_true", help="the CPU-sized check model")
+  parser.add_argument(
+    "--remat_policy", choices=REMAT_POLICIES, help="model.remat_policy (default: the config's)"
+  )
   args = parser.parse_args(argv)
   for rows in args.rows:
-    reading = step_remats(check_config(rows, tiny=args.tiny), args.topology)
+    config = check_config(rows, tiny=args.tiny)
+    if args.remat_policy:
+      config.model.remat_policy = args.remat_policy
+    reading = step_remats(config, args.topology)
     temps = "refused" if reading.temp_bytes is None else f"{reading.temp_bytes / 2**20:.1f} MiB"
     print(
       f"rows={rows} topology={args.topology}: {reading.remats} rematerialized "

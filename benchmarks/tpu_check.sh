@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The TPU check in one command on a fresh one-chip TPU machine (about five minutes):
-#   benchmarks/tpu_check.sh [--rows=7,8,12] [--train_steps=60] [--out=FILE]
+#   benchmarks/tpu_check.sh [--rows=8,12] [--train_steps=60] [--out=FILE]
 # It installs the harness's needs from the machine's own index plus the wheels
 # in the git-ignored .whl-tpu/ (filled first, on a machine with PyPI, by
 # `benchmarks/tpu_setup.sh --download`), then runs benchmarks/tpu_check.py:
