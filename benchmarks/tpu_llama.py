@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.tpu_check_config import check_config  # noqa: E402
@@ -139,9 +140,11 @@ def hand_loss(config):
     k = rope(heads(h, p["key"]), sin, cos)
     v = heads(h, p["value"])
     y = attention.splash_attention(q, k, v, block=choice.block, interpret=choice.interpret)
-    x = x + y.reshape(rows * length, -1) @ p["out"].reshape(-1, d)
+    # The names ours gives the products a policy may keep by name ("minimal_no_qkv").
+    x = x + checkpoint_name(y.reshape(rows * length, -1) @ p["out"].reshape(-1, d), "attention_out")
     h = rms_norm(x, p["mlp_norm"])
-    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+    gate, up = checkpoint_name(h @ p["gate"], "mlp_gate"), checkpoint_name(h @ p["up"], "mlp_up")
+    return x + (jax.nn.silu(gate) * up) @ p["down"]
 
   policy = CHECKPOINT_POLICIES[model.remat_policy]
 

@@ -63,6 +63,30 @@ def test_scanned_and_unrolled_layers_give_the_same_model():
   np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_recomputing_the_query_key_value_projections_changes_no_bit_of_loss_or_gradient():
+  """ "minimal_no_qkv" recomputes what "minimal" keeps: the same products, so the same bits.
+
+  Under the bfloat16 policy (bf16 compute, float32 weights whose gradients
+  are summed in float32), where a recomputation in another order would show.
+  """
+  tokens = _tokens((2, 9))
+
+  def loss_and_grads(policy):
+    model = _model(remat_policy=policy, dtype="bfloat16")
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+      return nnx.merge(graphdef, params)(tokens).astype(jnp.float32).sum()
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  minimal, no_qkv = loss_and_grads("minimal"), loss_and_grads("minimal_no_qkv")
+  assert jax.tree.structure(minimal) == jax.tree.structure(no_qkv)
+  for a, b in zip(jax.tree.leaves(minimal), jax.tree.leaves(no_qkv), strict=True):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gqa_is_multi_head_attention_with_each_kv_head_repeated():
   """Query head i reads key/value head i // (num_heads // num_kv_heads)."""
   gqa = _model(num_kv_heads=2, scan_layers=False)

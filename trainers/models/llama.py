@@ -64,13 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from spmd.rules import constrain
 from trainers.models import attention, embedding, param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-REMAT_POLICIES = ("minimal", "full", "none")
+REMAT_POLICIES = ("minimal", "minimal_no_qkv", "full", "none")
 ROPE_SCALINGS = ("none", "llama3")
 
 
@@ -121,7 +122,8 @@ class LlamaConfig:
   """With scan_layers: layers per iteration of the scan's loop."""
   remat_policy: str = "minimal"
   """With scan_layers, what each layer keeps for the backward pass: "minimal"
-  (the weight matmuls' outputs), "full" (only its input: least memory, one
+  (the weight matmuls' outputs), "minimal_no_qkv" (those less the query, key
+  and value projections, recomputed: a third less memory), "full" (only its input: least memory, one
   more forward pass) or "none" (everything)."""
   attention: str = "auto"
   """The attention kernel: "auto" (splash on TPU, cuDNN on GPU, else XLA),
@@ -291,7 +293,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
     y = constrain(y, ("batch", "length", "heads", "kv"))
-    return dense(y, self.out[...], contract=2)
+    return checkpoint_name(dense(y, self.out[...], contract=2), "attention_out")
 
 
 class MLP(nnx.Module):
@@ -312,8 +314,8 @@ class MLP(nnx.Module):
     lead = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     names = (("batch", "length"), "mlp")
-    gate = constrain(dense(tokens, self.gate[...]), names)
-    up = constrain(dense(tokens, self.up[...]), names)
+    gate = checkpoint_name(constrain(dense(tokens, self.gate[...]), names), "mlp_gate")
+    up = checkpoint_name(constrain(dense(tokens, self.up[...]), names), "mlp_up")
     return dense(jax.nn.silu(gate) * up, self.down[...]).reshape(*lead, -1)
 
 
