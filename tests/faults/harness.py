@@ -223,7 +223,8 @@ def reference_hash(data: dict, tmp_path_factory) -> str:
 def pids(workdir: Path) -> dict[int, int]:
   """{SPMD process id: pid} of the job's live Python training processes."""
   found = {}
-  needle = f"--workdir={workdir}".encode()
+  # The whole argument (cmdline's are NUL-ended): gs://bucket/run is not gs://bucket/run-2's job.
+  needle = f"--workdir={workdir}\0".encode()
   for name in os.listdir("/proc"):
     if not name.isdigit():
       continue

@@ -53,8 +53,9 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
   reference = harness.reference_hash(data, tmp_path_factory)
   cwd = tmp_path / "cwd"
   cwd.mkdir()
-  workdir = epath.Path("gs://bucket/run")
-  bucket_dir = gcs.root / "bucket" / "run"
+  # A workdir no other test uses: the freeze and the kill find processes by their --workdir.
+  workdir = epath.Path("gs://bucket/run-killed")
+  bucket_dir = gcs.root / "bucket" / "run-killed"
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())  # this process reads the bucket too
   flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
@@ -131,13 +132,16 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
   data, tmp_path, tmp_path_factory, record, gcs, when
 ):
   reference = harness.reference_hash(data, tmp_path_factory)
-  workdir = epath.Path("gs://bucket/run")
-  bucket_dir = gcs.root / "bucket" / "run"
+  at_the_end = when == STORE_LOSSES[1]
+  # A workdir of its own: the freeze finds a job's processes by their --workdir, and the
+  # two cases may run at once on two pytest workers (each its own emulator, one machine).
+  run = "run-end" if at_the_end else "run-save"
+  workdir = epath.Path(f"gs://bucket/{run}")
+  bucket_dir = gcs.root / "bucket" / run
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())
   flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
   budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
-  at_the_end = when == STORE_LOSSES[1]
   entry, delay = (
     ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")
   )
@@ -165,10 +169,11 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
   named = any(
     what in out
     for what in (
-      "checkpoint save to gs://bucket/run/checkpoints failed",  # the store's error
-      "checkpoint save to gs://bucket/run/checkpoints did not finish",  # or its silence
-      "writing gs://bucket/run/metrics.jsonl failed",  # or the metrics' upload came first
-      "writing the loss curve and summary.json to gs://bucket/run failed",  # or the end's
+      f"checkpoint save to {workdir}/checkpoints failed",  # the store's error
+      f"checkpoint save to {workdir}/checkpoints did not finish",  # or its silence
+      f"writing {workdir}/metrics.jsonl failed",  # or the metrics' upload came first
+      f"writing {workdir}/tensorboard/",  # or the events' upload at the final eval
+      f"writing the loss curve and summary.json to {workdir} failed",  # or the end's
     )
   )
   gcs.start()

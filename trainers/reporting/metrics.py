@@ -155,7 +155,12 @@ class _WholeFileRecordWriter:
     self._buffer.write(data)
 
   def flush(self) -> None:
-    self._path.write_bytes(self._buffer.getvalue())
+    try:
+      self._path.write_bytes(self._buffer.getvalue())
+    except Exception as e:
+      # A store's own error names a host and port, not the run: say what was being written.
+      e.add_note(f"writing {self._path} failed: is the store reachable?")
+      raise
 
   def close(self) -> None:
     self.flush()
