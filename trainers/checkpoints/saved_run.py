@@ -35,6 +35,7 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
@@ -252,6 +253,25 @@ def saved_weights_metadata(ref: CheckpointRef) -> dict[str, Any]:
   with _manager(ref.directory) as manager:
     what = checked_step(manager, str(ref.directory), ref.step)
     return reading.weights_metadata(manager, ref.step, what)
+
+
+def weights_target(abstract: dict[str, Any], shardings: dict[str, Any]) -> dict[str, Any]:
+  """`restore_weights`' target from a train state's abstract arrays and shardings: its `WEIGHTS` only.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> abstract = {"params": {"w": jax.ShapeDtypeStruct((2,), np.float32)}, "step": None}
+    >>> weights_target(abstract, {"params": {"w": sharding}, "step": None})["params"]["w"].shape
+    (2,)
+  """
+  return {
+    k: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract[k], shardings[k]
+    )
+    for k in WEIGHTS
+    if k in abstract
+  }
 
 
 def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) -> dict[str, Any]:

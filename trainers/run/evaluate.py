@@ -162,16 +162,9 @@ def _evaluate_run(
       "data": batches.fingerprint,
     },
   )
-  target = {
-    k: jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      setup.abstract[k],
-      setup.shardings[k],
-    )
-    for k in saved_run.WEIGHTS
-    if k in setup.abstract
-  }
-  weights = saved_run.restore_weights(ref, target)
+  weights = saved_run.restore_weights(
+    ref, saved_run.weights_target(setup.abstract, setup.shardings)
+  )
   eval_step = make_eval_step(setup, task, mesh, batch_axes)
   with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
     metrics = evaluate_batches(eval_step, batches, weights, config.eval_batches)

@@ -88,16 +88,9 @@ def restore_model(
       "or --cpu decodes on one CPU device"
     ) from e
   setup = make_state(make_task(config).model, config, mesh, batch_axes)
-  target = {
-    k: jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      setup.abstract[k],
-      setup.shardings[k],
-    )
-    for k in saved_run.WEIGHTS
-    if k in setup.abstract
-  }
-  weights = saved_run.restore_weights(ref, target)
+  weights = saved_run.restore_weights(
+    ref, saved_run.weights_target(setup.abstract, setup.shardings)
+  )
   model = build_model(setup, weights["params"], weights.get("model_state"))
   model.eval()
   multiple = math.prod(mesh.shape[a] for a in batch_axes)
