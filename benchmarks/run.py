@@ -39,11 +39,13 @@ markers), so both always show the latest figures; a test checks that they
 agree with `latest.json`. With `--only`, only those figures are replaced
 (each row keeps its own date).
 
-The chip's figures (P4-tpu, P9, P11, PL1-PL3: `TPU_FIGURES`) come from the
-TPU check's JSON (`benchmarks/tpu_check.sh` on a TPU machine), merged
-without running anything here:
+The chip's figures (P4-tpu, P9, P11, PL1-PL3, and P9 at two more shapes,
+P9-mha and P9-long: `TPU_FIGURES`) come from the JSON of the TPU check
+(`benchmarks/tpu_check.sh` on a TPU machine) and of the shapes' runs
+(`benchmarks/tpu_shapes.sh`), merged without running anything here:
 
   python -m benchmarks.run --from-tpu-check=tpu_check.json [--only=P9,P11] --update-readme
+  python -m benchmarks.run --from-tpu-check=tpu_shapes.json --only=P9-mha,P9-long --update-readme
 
 `make bench` runs and replaces the CPU figures and keeps the chip's.
 """
@@ -76,8 +78,9 @@ BENCHMARKS = [
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),
 ]
-# Measured on a TPU chip by benchmarks/tpu_check.py, merged by --from-tpu-check.
-TPU_FIGURES = ("P4-tpu", "P9", "P11", "PL1", "PL2", "PL3")
+# Measured on a TPU chip by benchmarks/tpu_check.py, and P9 at the shapes of
+# benchmarks/tpu_shapes.py (its SHAPES' figures), merged by --from-tpu-check.
+TPU_FIGURES = ("P4-tpu", "P9", "P9-mha", "P9-long", "P11", "PL1", "PL2", "PL3")
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
 PERFORMANCE_DOC = os.path.join(ROOT, "docs", "performance.md")
@@ -131,7 +134,9 @@ def _chip_command(report: dict) -> str:
 
 
 def tpu_rows(report: dict) -> list[dict]:
-  """The table's rows for the chip's figures in `benchmarks.tpu_check`'s JSON `report`.
+  """The table's rows for the chip's figures in a JSON `report` of `tpu_check` or `tpu_shapes`.
+
+  A report of `benchmarks.tpu_shapes` gives its shapes' rows alone (`shape_rows`).
 
   P9 and PL1 come from the first row count (the tuned batch where the check
   was given one), PL2 from every row count that ran, PL3 from every row
@@ -148,14 +153,9 @@ def tpu_rows(report: dict) -> list[dict]:
     >>> tpu_rows(report)[0]["machine"]
     'TPU v5 lite, 1 chip, jax 0.10.2: `benchmarks/tpu_check.sh`'
   """
-  machine = f"{report['device_kind']}, 1 chip, jax {report['jax']}: `{_chip_command(report)}`"
-
-  def figure(figure_id, what, value, goal, at_most, detail, low=None):
-    r = common.row(figure_id, what, value, goal, at_most, detail, machine)
-    if low is not None:  # a range: goal low-goal
-      r["goal"], r["meets_goal"] = f"{low}–{goal}", bool(low <= value <= goal)
-    return {**r, "date": report["date"]}
-
+  figure = _chip_figure(report)
+  if "rows" not in report:  # the shapes' report: no row counts of the check
+    return shape_rows(report)
   by_rows = {int(k): v for k, v in report["rows"].items()}
   first_rows, first = next(iter(by_rows.items()))
   dev, plan = first["device"], first["plan"]
@@ -243,6 +243,63 @@ def tpu_rows(report: dict) -> list[dict]:
       ),
     )
   )
+  return out + shape_rows(report)
+
+
+def _chip_figure(report: dict):
+  """A maker of the chip's table rows, each with `report`'s machine, command and date."""
+  machine = f"{report['device_kind']}, 1 chip, jax {report['jax']}: `{_chip_command(report)}`"
+
+  def figure(figure_id, what, value, goal, at_most, detail, low=None):
+    r = common.row(figure_id, what, value, goal, at_most, detail, machine)
+    if low is not None:  # a range: goal low-goal
+      r["goal"], r["meets_goal"] = f"{low}–{goal}", bool(low <= value <= goal)
+    return {**r, "date": report["date"]}
+
+  return figure
+
+
+def shape_rows(report: dict) -> list[dict]:
+  """A row for each shape of `benchmarks.tpu_shapes`' report that ran: its MFU through spmd-train.
+
+  Example:
+    >>> report = {"device_kind": "TPU v5 lite", "jax": "0.10.2", "date": "2026-12-07",
+    ...   "command": "benchmarks/tpu_shapes.sh --out=/x/s.json", "shapes": {"mha": {
+    ...   "figure": "P9-mha", "goal": 0.58, "label": "without GQA", "config": "configs/m.py",
+    ...   "params": 542e6, "rows": 8, "seq_len": 2048, "remat_policy": "minimal", "mfu": 0.6,
+    ...   "step_s": 0.45, "tokens_per_s": 36e3, "steps_timed": 20,
+    ...   "plan": {"total_bytes": 14.83 * 2**30, "remats": 0}}, "long": {"figure": "P9-long"}}}
+    >>> [(r["id"], r["value"], r["meets_goal"]) for r in shape_rows(report)]
+    [('P9-mha', 0.6, True)]
+    >>> shape_rows(report)[0]["detail"]
+    'configs/m.py, 8 rows x 2048 tokens, remat minimal: 450.0 ms a step, 36,000 tokens/s (median of 20 steps after the compile); the plan for v5e-1: 14.83 GiB, 0 rematerialized'
+  """
+  figure = _chip_figure(report)
+  out = []
+  for s in report.get("shapes", {}).values():
+    if "mfu" not in s:  # planned only
+      continue
+    plan = s.get("plan") or {}
+    planned = (
+      f"; the plan for {plan.get('topology', 'v5e-1')}: {plan['total_bytes'] / 2**30:.2f} GiB, "
+      f"{plan['remats']} rematerialized"
+      if plan.get("total_bytes")
+      else ""
+    )
+    out.append(
+      figure(
+        s["figure"],
+        f"MFU of `spmd-train`'s step, a {s['params'] / 1e6:.3g}M Llama {s['label']} at "
+        f"{s['seq_len']} tokens, on one TPU chip (bf16, splash, packed data; PaLM's FLOPs ÷ "
+        "the chip's peak)",
+        s["mfu"],
+        s["goal"],
+        False,
+        f"{s['config']}, {s['rows']} rows x {s['seq_len']} tokens, remat {s['remat_policy']}: "
+        f"{s['step_s'] * 1e3:.1f} ms a step, {s['tokens_per_s']:,.0f} tokens/s (median of "
+        f"{s['steps_timed']} steps after the compile){planned}",
+      )
+    )
   return out
 
 

@@ -80,6 +80,21 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   }
   path = tmp_path / "tpu_check.json"
   path.write_text(json.dumps(report))
+  # The shapes' runs (benchmarks/tpu_shapes.py), a file of their own merged after it.
+  shape = {"goal": 0.58, "config": "configs/x.py", "params": 5.4e8, "rows": 8, "seq_len": 2048}
+  shape.update(remat_policy="minimal", step_s=0.45, tokens_per_s=36e3, steps_timed=20)
+  shapes = {
+    "device_kind": "TPU v5 lite",
+    "jax": "0.10.2",
+    "date": "2026-12-07",
+    "command": "benchmarks/tpu_shapes.sh --out=/root/out/s.json",
+    "shapes": {
+      "mha": {**shape, "figure": "P9-mha", "label": "without GQA", "mfu": 0.61},
+      "long": {**shape, "figure": "P9-long", "label": "GQA", "mfu": 0.57, "seq_len": 4096},
+    },
+  }
+  shapes_path = tmp_path / "tpu_shapes.json"
+  shapes_path.write_text(json.dumps(shapes))
   latest, doc = tmp_path / "latest.json", tmp_path / "doc.md"
   with open(run.LATEST) as f:
     cpu_rows = [r for r in json.load(f) if r["id"] not in run.TPU_FIGURES]
@@ -88,6 +103,11 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   monkeypatch.setattr(run, "LATEST", str(latest))
   monkeypatch.setattr(run, "TABLE_DOCS", (str(doc),))
   monkeypatch.setattr(sys, "argv", ["run", f"--from-tpu-check={path}", "--update-readme"])
+  run.main()
+  only = "--only=P9-mha,p9-long"
+  monkeypatch.setattr(
+    sys, "argv", ["run", f"--from-tpu-check={shapes_path}", only, "--update-readme"]
+  )
   run.main()
   rows = json.loads(latest.read_text())
   chip = {r["id"]: r for r in rows if r["id"] in run.TPU_FIGURES}
@@ -99,13 +119,65 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
   )
   assert "`benchmarks/tpu_check.sh --tuning=t.json`" in chip["P11"]["machine"]
-  assert all(r["date"] == "2026-12-05" for r in chip.values())
+  assert all(r["date"] == "2026-12-05" for r in chip.values() if not r["id"].startswith("P9-"))
+  assert chip["P9-mha"]["meets_goal"] and not chip["P9-long"]["meets_goal"]
+  assert chip["P9-long"]["date"] == "2026-12-07" and chip["P9-long"]["value"] == 0.57
+  assert "`benchmarks/tpu_shapes.sh`" in chip["P9-mha"]["machine"]
+  assert "540M Llama without GQA at 2048 tokens" in chip["P9-mha"]["what"], chip["P9-mha"]
   assert run.readme_block(rows) in doc.read_text()
   # A whole `make bench` run replaces the CPU rows and keeps the chip's.
   assert {r["id"] for r in run.merged(rows, cpu_rows[:1], replace_all=True)} == {
     cpu_rows[0]["id"],
     *run.TPU_FIGURES,
   }
+
+
+def test_the_shapes_are_the_issues_llamas_and_their_figures_are_the_charts():
+  """Issue 60's two more shapes: 300M-1B parameters, seq 1024-4096, one without GQA."""
+  from benchmarks import tpu_shapes
+
+  shapes = {name: tpu_shapes.facts(tpu_shapes.shape_config(name)) for name in tpu_shapes.SHAPES}
+  for name, s in shapes.items():
+    assert 300e6 <= s["params"] <= 1e9 and 1024 <= s["seq_len"] <= 4096, (name, s)
+    # The MXU's width: every matmul dimension a multiple of 128.
+    assert s["d_model"] // s["num_heads"] == 128 and s["d_ff"] % 256 == 0, (name, s)
+    assert s["rows"] * s["seq_len"] >= 16384, (name, s)  # tokens enough to keep the MXU busy
+  assert shapes["mha"]["num_kv_heads"] == shapes["mha"]["num_heads"]
+  assert shapes["long"]["seq_len"] == 4096
+  figures = {shape.figure for shape in tpu_shapes.SHAPES.values()}
+  assert figures <= set(run.TPU_FIGURES), figures
+
+
+def test_the_shapes_mfu_is_spmd_trains_own_after_the_compile_and_merges(tmp_path, monkeypatch):
+  """P9-mha's CPU path (`benchmarks.tpu_shapes --tiny`), in this process: no process started.
+
+  The figure is the run's own `mfu` from metrics.jsonl, without the first
+  log interval's step (the compile's), and `--from-tpu-check` merges it.
+  """
+  from benchmarks import tpu_shapes
+  from tests.data_fixtures import write_training_text
+  from tests.session_settings import compilation_cache_dir
+  from trainers.reporting.metrics import read_metrics
+
+  # Enough files that the default 2 % holds one out for the run's eval.
+  source = write_training_text(tmp_path, files=100, words=200)
+  out, runs = tmp_path / "tpu_shapes.json", tmp_path / "runs"
+  shapes = ["--tiny", "--shapes=mha", "--steps=2", f"--out={out}", f"--workdir={runs}"]
+  tpu_shapes.main([*shapes, f"--data_source={source}", f"--cache_dir={compilation_cache_dir()}"])
+  mha = json.loads(out.read_text())["shapes"]["mha"]
+  assert mha["num_kv_heads"] == mha["num_heads"] and mha["figure"] == "P9-mha", mha
+  first, second = [r for r in read_metrics(runs / "mha" / "metrics.jsonl") if "mfu" in r]
+  assert mha["steps_timed"] == 1 and mha["mfu"] == second["mfu"] > first["mfu"], (mha, first)
+  latest, doc = tmp_path / "latest.json", tmp_path / "doc.md"
+  latest.write_text("[]")
+  doc.write_text("<!-- bench:start -->\nold\n<!-- bench:end -->\n")
+  monkeypatch.setattr(run, "LATEST", str(latest))
+  monkeypatch.setattr(run, "TABLE_DOCS", (str(doc),))
+  monkeypatch.setattr(sys, "argv", ["run", f"--from-tpu-check={out}", "--update-readme"])
+  run.main()
+  (row,) = json.loads(latest.read_text())
+  assert row["id"] == "P9-mha" and row["value"] == round(mha["mfu"], 4), row
+  assert "| P9-mha |" in doc.read_text()
 
 
 def test_alternate_takes_medians_of_rounds_in_both_orders():
@@ -129,7 +201,9 @@ def test_alternate_takes_medians_of_rounds_in_both_orders():
 def test_the_shared_helpers_examples_hold():
   # benchmarks/ is not among pytest's doctest paths: its scripts set up JAX's
   # devices when imported. This module sets up nothing, so its examples run here.
-  for module in (common, run, tpu_tuning):
+  from benchmarks import tpu_shapes
+
+  for module in (common, run, tpu_tuning, tpu_shapes):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0, module.__name__
 
