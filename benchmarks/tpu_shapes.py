@@ -30,6 +30,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -153,7 +154,10 @@ def through_spmd_train(config: ml_collections.ConfigDict, steps: int, workdir: P
   config.eval_every = 0
   config.eval_batches = 1
   config.checkpoint.every = 0
+  # A fresh run each time: the checkpoint a run saves at its end would resume the next.
+  shutil.rmtree(workdir, ignore_errors=True)
   summary = train_and_evaluate(config, str(workdir))
+  shutil.rmtree(workdir / "checkpoints", ignore_errors=True)  # float32 state: gigabytes
   rows = steady_rows(read_metrics(workdir / "metrics.jsonl"), config.log_every)
   if not rows or "mfu" not in rows[0]:
     raise RuntimeError(
@@ -256,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     "command": " ".join(
       ["benchmarks/tpu_shapes.sh", *(argv if argv is not None else sys.argv[1:])]
     ),
-    "shapes": {name: measure(name, args) for name in args.shapes},
+    "shapes": {},
   }
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+  for name in args.shapes:
+    report["shapes"][name] = measure(name, args)
+    # After each shape: a run stopped by its time limit keeps the shapes it measured.
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
   for line in table(report):
     print(line)
   print(f"  written to {args.out}")

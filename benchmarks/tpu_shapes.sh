@@ -10,4 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(benchmarks/tpu_setup.sh)"
 export PYTHONUNBUFFERED=1
-exec timeout -k 10 570 "${PYTHON:-python3}" -m benchmarks.tpu_shapes "$@"
+exec timeout -k 10 540 "${PYTHON:-python3}" -m benchmarks.tpu_shapes "$@"
