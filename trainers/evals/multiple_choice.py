@@ -47,7 +47,8 @@ class ChoiceScores:
 
   Attributes:
     loglikelihoods: one float64 array per item: each choice's log-likelihood.
-    metrics: acc, acc_norm, items, tokens (real inputs read, padding left
+    metrics: acc, acc_norm, answer_loglikelihood (the right choices' mean:
+      a score that moves before the accuracy does), items, tokens (real inputs read, padding left
       out), rows (forward rows, padding included), truncated (pairs that lost
       context to fit the window), seconds and tokens_per_s (the forward passes).
   """
@@ -117,9 +118,11 @@ def score_packed(
     right += int(np.argmax(ll)) == item.answer
     right_norm += int(np.argmax(ll / sizes)) == item.answer
   count, tokens = len(packed.items), packed.rows.tokens
+  answers = [ll[item.answer] for item, ll in zip(packed.items, loglikelihoods)]
   metrics = {
     "acc": right / count,
     "acc_norm": right_norm / count,
+    "answer_loglikelihood": float(np.mean(answers)),
     "items": float(count),
     "tokens": float(tokens),
     "rows": float(len(packed.rows.inputs)),
