@@ -261,7 +261,7 @@ def test_spmd_sample_of_ragged_jsonl_prompts_decodes_each_as_alone_on_one_and_tw
   assert [r["prompt"] for r in rows] == texts
   # Each row is its prompt decoded alone, with the cache and without, on one CPU device.
   model = restore.restore_model(config, saved_run.find_checkpoint(str(workdir), "", None), True)
-  tokenizer = sample._tokenizer(config, str(workdir))
+  tokenizer = sample.run_tokenizer(config, str(workdir))
   for row, text in zip(rows, texts, strict=True):
     ids = jnp.array([codec.encode(text)], jnp.int32)
     for alone in (
@@ -303,15 +303,15 @@ def test_a_prompts_files_bad_row_is_one_line_naming_the_file_and_line(tmp_path, 
 
 
 def test_a_completion_ends_with_the_first_stop_string_its_text_reaches():
-  from trainers.sampling.sample import _byte_codec, _cut_at_stop
+  from trainers.data.prepare.token_codec import byte_codec, cut_at_stop
 
-  codec = _byte_codec(256)
+  codec = byte_codec(256)
   new = list(b"x = 1\n\ndef f():\n###")
-  assert _cut_at_stop(codec, new, ["\n\n"]) == ("x = 1\n\n", 7)
-  assert _cut_at_stop(codec, new, ["###", "def"]) == ("x = 1\n\ndef", 10)  # the first reached
+  assert cut_at_stop(codec, new, ["\n\n"]) == ("x = 1\n\n", 7)
+  assert cut_at_stop(codec, new, ["###", "def"]) == ("x = 1\n\ndef", 10)  # the first reached
   # A stop string made of two tokens' text, split across them.
-  assert _cut_at_stop(codec, new, ["1\n"]) == ("x = 1\n", 6)
-  assert _cut_at_stop(codec, new, ["never"]) is None and _cut_at_stop(codec, new, []) is None
+  assert cut_at_stop(codec, new, ["1\n"]) == ("x = 1\n", 6)
+  assert cut_at_stop(codec, new, ["never"]) is None and cut_at_stop(codec, new, []) is None
 
 
 @pytest.mark.slow

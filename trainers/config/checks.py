@@ -6,8 +6,9 @@ the config they loaded, before any data preparation or restore:
   1. every key set in the config file (or by an override) must exist in the
      defaults (`trainers/config/defaults.py`) with a value of the same type; a
      misspelt key is an error naming it and the nearest valid key. The
-     task's own section, `config.model`, is the task's to check, and
-     `config.hook_settings` the hook factories';
+     task's own section, `config.model`, is the task's to check,
+     `config.hook_settings` the hook factories', and `config.evals`
+     `trainers.evals.specs`' (each entry's keys, and its file read whole);
   2. keys the file leaves out take their default;
   3. `config.task` and `config.hooks` are resolved: a file relative to the
      config file's folder, as an absolute path;
@@ -37,6 +38,8 @@ import ml_collections
 from spmd import rules
 from trainers.config import defaults
 from trainers.data.prepare import tokenizer
+from trainers.evals.items import read_items
+from trainers.evals.specs import eval_specs
 from trainers.hooks import load_hooks, resolve_hook_specs
 from trainers.reporting import tracking
 from trainers.step import optim
@@ -47,7 +50,8 @@ from trainers.tasks import make_task, resolve_task_spec
 
 TASK_SECTION = "model"  # the task's own section: keys and values are the task's to check
 HOOK_SECTION = "hook_settings"  # the hook factories' own section, theirs to check
-OWN_SECTIONS = (TASK_SECTION, HOOK_SECTION)
+EVALS_SECTION = "evals"  # named entries, checked by trainers/evals/specs.py
+OWN_SECTIONS = (TASK_SECTION, HOOK_SECTION, EVALS_SECTION)
 
 
 def _flat(config: Mapping, prefix: str = "config") -> dict[str, Any]:
@@ -165,6 +169,8 @@ def check_values(config: ml_collections.ConfigDict) -> None:
       f"checkpoint.every={config.checkpoint.every} must be >= 0 and "
       f"checkpoint.keep={config.checkpoint.keep} >= 1"
     )
+  for spec in eval_specs(config.evals):
+    read_items(spec)  # every row, now: a bad one fails before data preparation
 
 
 def resolve(

@@ -142,6 +142,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every = 200
   config.eval_batches = 8  # 0 = the whole eval split
   config.eval_timeout_s = 1800.0  # an eval's own time limit in the watchdog (0 = none)
+  # Evals beside the loss eval, every eval_every steps and in --mode=eval
+  # (trainers/evals, docs/evals.md): named sections, e.g.
+  #   config.evals.arc = ml_collections.ConfigDict(
+  #       dict(kind="multiple_choice", path="arc.jsonl", layout="arc"))
+  # Their keys are checked by trainers/evals/specs.py. None by default.
+  config.evals = ml_collections.ConfigDict()
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 200
   config.checkpoint.keep = 3  # the last K ...

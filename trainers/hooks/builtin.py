@@ -92,14 +92,14 @@ class CheckpointSaves:
 
 
 class Evaluations:
-  """Evaluates the state when due and writes the result at that step."""
+  """Evaluates the state when due (`evaluate(state, step)`) and writes the result at that step."""
 
-  def __init__(self, evaluate: Callable[[Any], dict], write: Callable[[int, dict], None]):
+  def __init__(self, evaluate: Callable[[Any, int], dict], write: Callable[[int, dict], None]):
     self._evaluate, self._write = evaluate, write
     self.results: dict[int, dict] = {}
 
   def __call__(self, info: StepInfo) -> None:
-    result = self._evaluate(dict(info.state))
+    result = self._evaluate(dict(info.state), info.step)
     self.results[info.step] = result
     self._write(info.step, result)
 

@@ -17,8 +17,10 @@ equal the run's own eval.
 
 Process 0 writes the metrics to `W/eval/step_<N>.json` (the training run's
 `metrics.jsonl` is not touched) and prints them: `eval_loss`,
-`eval_perplexity`, `eval_weight`, and each metric of the task's loss as
-`eval_<its name>`. Failures are reported as a training run's are: every
+`eval_perplexity`, `eval_weight`, each metric of the task's loss as
+`eval_<its name>`, and each of `config.evals` as `evals/<name>/<metric>`
+(`trainers/evals`; a generation eval's completions go to
+`W/evals/<name>/step_<N>.jsonl`). Failures are reported as a training run's are: every
 process stops, naming the one that failed.
 
 Example (one process; `W` a finished run of a task whose loss returns `mae`):
@@ -44,6 +46,9 @@ from spmd import multihost
 from trainers import paths
 from trainers.checkpoints import saved_run
 from trainers.data.read import pipeline
+from trainers.evals.encoding import run_encoder
+from trainers.evals.runner import PREFIX as EVALS_PREFIX
+from trainers.evals.runner import EvalRunner
 from trainers.run.data import open_data
 from trainers.run.startup import config_hash
 from trainers.run.watchdog import ProgressWatchdog
@@ -149,8 +154,11 @@ def _evaluate_run(
   task = make_task(config)
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   task_metrics.loss_metric_names(setup, task, config.global_batch)  # before any data
+  evals = EvalRunner.build(config, setup, task, batch_axes)  # config.evals, its files read
   with watchdog.phase("data preparation", 0, "none"):
     _, batches = open_data(config, task, workdir, mesh, batch_axes)
+  if evals is not None:
+    evals.prepare(run_encoder(config, str(workdir)))
   # Every host reads the same step of the same checkpoint with the same config:
   # a step committed while the hosts listed the directory must not split them.
   multihost.check_agreement(
@@ -168,6 +176,8 @@ def _evaluate_run(
   eval_step = make_eval_step(setup, task, mesh, batch_axes)
   with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
     metrics = evaluate_batches(eval_step, batches, weights, config.eval_batches)
+    if evals is not None:
+      metrics.update(evals(weights, ref.step, str(workdir)))
   evaluated = (
     batches.steps_per_epoch
     if config.eval_batches <= 0
@@ -208,7 +218,7 @@ def format_eval(record: dict[str, Any], path: epath.Path | str) -> str:
   """
   rows = [f"eval of checkpoint step {record['step']}"]
   for key, value in record.items():
-    if key.startswith("eval_") and key not in (
+    if key.startswith((f"{EVALS_PREFIX}/", "eval_")) and key not in (
       "eval_batches",
       "eval_batches_in_split",
       "eval_split",

@@ -6,7 +6,8 @@
 3. build the sharded state; resume, warm-start or init (see checkpoint.py);
 4. hosts check they agree (config, shapes, layout, step) before any step;
 5. the loop with its hooks; a preemption saves and stops cleanly;
-6. final eval, a greedy sample, the summary and the loss curve.
+6. final eval (the loss and `config.evals`), a greedy sample, the summary
+   and the loss curve.
 
 Each step is a function below; what the run sets up besides data, state
 and steps is in `startup.py`, the throughput figures in `throughput.py`
@@ -34,6 +35,8 @@ from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.restore import restore_or_init
 from trainers.checkpoints.saver import Saver
 from trainers.data.read import pipeline
+from trainers.evals.encoding import run_encoder
+from trainers.evals.runner import EvalRunner
 from trainers.hooks import Hook, StepContext, Wrapper, load_hooks
 from trainers.hooks.builtin import CheckpointSaves, Evaluations, MetricsHook, Profile
 from trainers.hooks.wrapper import wrap_batches, wrap_train_step
@@ -117,7 +120,10 @@ def _train_and_evaluate(
   task = make_task(config)
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   metric_names = task_metrics.loss_metric_names(setup, task, config.global_batch)
+  evals = EvalRunner.build(config, setup, task, batch_axes)  # its files read, before any data
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
+  if evals is not None:
+    evals.prepare(run_encoder(config, str(workdir)))  # the run's tokenizer is known now
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoints/restore.py).
   manager, restored = _restore(config, workdir, setup)
@@ -146,6 +152,7 @@ def _train_and_evaluate(
     train_batches,
     eval_batches,
     tracker,
+    evals,
   )
   watch = PreemptionWatch()
   loop = _loop_state(config, setup, restored.step, restored.state, mesh, workdir, throughput)
@@ -266,7 +273,7 @@ class _RunHooks:
   saver: Saver
   evaluations: Evaluations
   saves: CheckpointSaves
-  evaluate: Callable[[Any], dict]
+  evaluate: Callable[[Any, int], dict]
 
 
 def _make_hooks(
@@ -282,6 +289,7 @@ def _make_hooks(
   train_batches: pipeline.GlobalBatches,
   eval_batches: pipeline.GlobalBatches,
   tracker: tracking.Tracker,
+  evals: EvalRunner | None = None,
 ) -> _RunHooks:
   """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's, and their wrappers."""
   chief = jax.process_index() == 0
@@ -303,9 +311,12 @@ def _make_hooks(
     with watchdog.phase(*save_budget):
       saver.wait()
 
-  def evaluate(state):
+  def evaluate(state, step: int):
     with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
-      return evaluate_batches(steps.eval, eval_batches, state, config.eval_batches)
+      found = evaluate_batches(steps.eval, eval_batches, state, config.eval_batches)
+      if evals is not None:  # config.evals, beside the loss eval and under its time limit
+        found.update(evals(state, step, str(workdir)))
+      return found
 
   # The bar shows the loss, the rate and the task's own train metrics, by their names.
   shown = ("loss", throughput.rate, *metric_names.train)
@@ -435,7 +446,7 @@ def _final_eval(loop: LoopState, run: _RunHooks) -> dict:
   """The eval at the last step (the eval hook's, when it ran there); closes writer and saver."""
   final_eval = run.evaluations.results.get(loop.step)
   if final_eval is None:
-    final_eval = run.evaluate(loop.state)
+    final_eval = run.evaluate(loop.state, loop.step)
     run.writer.write(loop.step, final_eval)
   run.writer.close()
   run.saver.close()

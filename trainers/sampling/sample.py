@@ -22,16 +22,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 
-import ml_collections
 import numpy as np
 
-from trainers import paths
 from trainers.checkpoints import saved_run
-from trainers.data.prepare import tokenizer as tok
-from trainers.data.prepare.token_codec import BYTE_VOCAB, TokenCodec, tokenizer_codec
+from trainers.data.prepare.token_codec import cut_at_stop, run_codec, run_tokenizer
 from trainers.models import decode_batch
 from trainers.sampling.restore import restore_model
 
@@ -62,66 +58,6 @@ class Samples:
   prefill_seconds: float
   decode_seconds: float
   decode_tokens_per_second: float  # the decode loop's tokens (every row's, to its stop) a second
-
-
-def _byte_codec(vocab_size: int) -> TokenCodec:
-  """A byte-level run's codec: ids < 256 are UTF-8 bytes whatever the vocabulary's size."""
-
-  def decode(ids):
-    # Ids past the bytes are never in byte data; one the model makes anyway
-    # shows as U+FFFD, as a byte that is no UTF-8 does.
-    runs = itertools.groupby((int(t) for t in ids), key=lambda t: t < BYTE_VOCAB)
-    return "".join(
-      bytes(run).decode("utf-8", errors="replace") if is_byte else "\ufffd" * len(list(run))
-      for is_byte, run in runs
-    )
-
-  extra = f"; ids 256..{vocab_size - 1} show as U+FFFD" if vocab_size > BYTE_VOCAB else ""
-  return TokenCodec(
-    encode=lambda text: list(text.encode()), decode=decode, describe="bytes" + extra
-  )
-
-
-def _tokenizer(config: ml_collections.ConfigDict, workdir: str) -> tok.Tokenizer | None:
-  spec = tok.tokenizer_spec(config)
-  if spec == tok.BYTES:
-    return None
-  suffix = ".json" if spec == tok.BPE else (paths.user_path(spec).suffix or ".json")
-  candidates = [paths.user_path(workdir) / f"tokenizer{suffix}"]
-  if spec != tok.BPE:
-    candidates.append(paths.user_path(spec))
-  for path in candidates:
-    if path.exists():
-      return tok.Tokenizer(str(path))
-  raise FileNotFoundError(
-    f"data.tokenizer={spec!r}: the run's tokenizer is not at {[str(p) for p in candidates]} "
-    "(a run keeps a copy in its workdir when it starts)"
-  )
-
-
-def run_codec(config: ml_collections.ConfigDict, workdir: str) -> TokenCodec:
-  """The run's text <-> ids: its tokenizer file (the workdir's copy first), or bytes.
-
-  Raises:
-    FileNotFoundError: the run used a tokenizer and neither its copy in the
-      workdir nor the original file is there.
-  """
-  found = _tokenizer(config, workdir)
-  return _byte_codec(config.model.vocab_size) if found is None else tokenizer_codec(found)
-
-
-def _cut_at_stop(
-  codec: TokenCodec, new: Sequence[int], stops: Sequence[str]
-) -> tuple[str, int] | None:
-  """(text to the end of the first stop string it reaches, tokens it took), or None."""
-  if not stops or not any(s in codec.decode(new) for s in stops):
-    return None
-  for n in range(1, len(new) + 1):  # the fewest tokens whose text holds a stop string
-    text = codec.decode(new[:n])
-    ends = [text.index(s) + len(s) for s in stops if s in text]
-    if ends:
-      return text[: min(ends)], n
-  return None
 
 
 def sample_prompts(
@@ -155,7 +91,7 @@ def sample_prompts(
     raise ValueError("no prompts: give --prompt or a --prompts file with rows")
   seeds = list(range(len(prompts))) if seeds is None else list(seeds)
   config = saved_run.saved_config(workdir)
-  tokenizer = _tokenizer(config, workdir)
+  tokenizer = run_tokenizer(config, workdir)
   codec = run_codec(config, workdir)
   seq_len, vocab = config.model.seq_len, config.model.vocab_size
   ids = [codec.encode(p) for p in prompts]
@@ -191,7 +127,7 @@ def sample_prompts(
     new = [int(t) for t in out.tokens[row, :length]]
     stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
     shown = new[:-1] if stopped == "eos" else new
-    completion, cut = codec.decode(shown), _cut_at_stop(codec, shown, stop)
+    completion, cut = codec.decode(shown), cut_at_stop(codec, shown, stop)
     if cut is not None:
       (completion, length), stopped = cut, "stop"
     rows.append(Row(text, completion, length, stopped, seeds[row]))
