@@ -112,7 +112,7 @@ def test_the_cache_is_sharded_on_the_mesh_and_gives_the_same_tokens(scan_layers)
   placed = nnx.merge(graphdef, jax.device_put(state, shardings))
   _, cache = decode.prefill(placed, PROMPT, rules=rules.FSDP_TP, mesh=mesh)
   # batch over data, the key/value heads over tensor: a quarter of the cache per device
-  assert cache.keys.sharding.spec == jax.sharding.PartitionSpec(None, "data", None, "tensor")
+  assert cache.keys.sharding.spec == jax.sharding.PartitionSpec(None, "data", "tensor")
   assert decode.cache_bytes_per_device(cache) * 4 == 2 * cache.keys.nbytes
   sharded = decode.generate(placed, PROMPT, 12, rules=rules.FSDP_TP, mesh=mesh)
   np.testing.assert_array_equal(sharded, decode.generate(model, PROMPT, 12))
@@ -142,7 +142,7 @@ def test_the_plan_has_the_kv_cache_row_with_its_bytes():
   total = 2 * m.num_layers * config.global_batch * m.seq_len * m.num_kv_heads * 32 * 4
   assert plan.kv_cache.total_bytes == total
   assert plan.kv_cache.bytes_per_device == total // 4
-  assert plan.kv_cache.spec == "P(None, 'data', None, 'tensor')"
+  assert plan.kv_cache.spec == "P(None, 'data', 'tensor')"
   assert (
     f"kv cache         {total // 4 / 1024:.2f} KiB (decode, {config.global_batch} x {m.seq_len}:"
     in format_plan(plan)

@@ -5,8 +5,9 @@ read once (the prefill), writing every layer's keys and values into a cache,
 then each step feeds one token at the next position, writes its keys and
 values at that position and attends over the cache. The cache holds only the
 key/value heads (grouped-query attention reads them group by group), as two
-arrays [layers, batch, max_len, kv_heads, head_dim] in the compute dtype,
-with the logical axes `CACHE_AXES`: under `rules` and a `mesh` (the training
+arrays [layers, batch, kv_heads, max_len, head_dim] in the compute dtype
+(each head's keys one [max_len, head_dim] matrix, as the TPU decode kernel
+reads them), with the logical axes `CACHE_AXES`: under `rules` and a `mesh` (the training
 mesh's) they are constrained by the same rules as the activations, e.g.
 `fsdp_tp` splits the batch over data/fsdp and the key/value heads over
 tensor; without them it all runs where the parameters are (one device).
@@ -43,19 +44,19 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.rules import constrain
-from trainers.models import embedding, llama
+from trainers.models import attention, decode_attention, embedding, llama
 from trainers.models import transformer as lm
 from trainers.models.layers import dense
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "kv")
-"""Logical axes of the cache's keys and values [layers, batch, max_len, kv_heads, head_dim]."""
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "kv")
+"""Logical axes of the cache's keys and values [layers, batch, kv_heads, max_len, head_dim]."""
 _RESIDUAL = ("batch", "length", "embed")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Every layer's keys and values, [layers, batch, max_len, kv_heads, head_dim] each."""
+  """Every layer's keys and values, [layers, batch, kv_heads, max_len, head_dim] each."""
 
   keys: Any
   values: Any
@@ -111,9 +112,9 @@ def abstract_cache(
     >>> mesh = create_mesh("data=-1,tensor=2")
     >>> cache = abstract_cache(CacheShape(2, 4, 8, jnp.float32), 4, 16, mesh, rules_lib.FSDP_TP)
     >>> cache.keys.shape, cache.keys.sharding.spec
-    ((2, 4, 16, 4, 8), P(None, 'data', None, 'tensor'))
+    ((2, 4, 4, 16, 8), P(None, 'data', 'tensor'))
   """
-  dims = (shape.num_layers, batch, max_len, shape.kv_heads, shape.head_dim)
+  dims = (shape.num_layers, batch, shape.kv_heads, max_len, shape.head_dim)
   leaf = jax.ShapeDtypeStruct(dims, shape.dtype)
   shardings = rules_lib.logical_to_sharding(
     {"keys": CACHE_AXES, "values": CACHE_AXES}, mesh, rules, shapes={"keys": leaf, "values": leaf}
@@ -125,15 +126,32 @@ def abstract_cache(
 
 def init_cache(shape: CacheShape, batch: int, max_len: int) -> KVCache:
   """A cache of zeros, constrained by the active rules (`spmd.rules.activation_rules`)."""
-  zeros = jnp.zeros((shape.num_layers, batch, max_len, shape.kv_heads, shape.head_dim), shape.dtype)
+  zeros = jnp.zeros((shape.num_layers, batch, shape.kv_heads, max_len, shape.head_dim), shape.dtype)
   return KVCache(constrain(zeros, CACHE_AXES), constrain(zeros, CACHE_AXES))
+
+
+def _heads_first(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """[B, T, kv_heads, head_dim] as the cache's [1, B, kv_heads, T, head_dim] slice."""
+  return jnp.swapaxes(x, 1, 2)[None].astype(dtype)
+
+
+def _use_kernel(q: jax.Array, keys: jax.Array) -> bool:
+  """Whether this attention runs `decode_attention`'s kernel: one query a row, the
+  cache in the compute dtype, a TPU program on one device (or none named), and
+  shapes the kernel takes."""
+  if attention.current_platform() != "tpu" or keys.dtype != q.dtype:
+    return False
+  active = rules_lib.active_rules()
+  if active is not None and active[1].devices.size > 1:
+    return False  # a split cache would need the kernel placed per device (shard_map)
+  return decode_attention.supported(q.shape, keys.shape, keys.dtype.itemsize)
 
 
 def _write(cache: KVCache, layer: jax.Array | int, index: jax.Array, k: jax.Array, v: jax.Array):
   """The cache with layer `layer`'s slots index..index+T set to k, v [B, T, kv_heads, head_dim]."""
-  at = (layer, 0, index, 0, 0)
-  keys = jax.lax.dynamic_update_slice(cache.keys, k[None].astype(cache.keys.dtype), at)
-  values = jax.lax.dynamic_update_slice(cache.values, v[None].astype(cache.values.dtype), at)
+  at = (layer, 0, 0, index, 0)
+  keys = jax.lax.dynamic_update_slice(cache.keys, _heads_first(k, cache.keys.dtype), at)
+  values = jax.lax.dynamic_update_slice(cache.values, _heads_first(v, cache.values.dtype), at)
   return KVCache(constrain(keys, CACHE_AXES), constrain(values, CACHE_AXES))
 
 
@@ -141,14 +159,24 @@ def _attend(
   q: jax.Array, cache: KVCache, layer: jax.Array | int, index: jax.Array, starts: jax.Array | None
 ) -> jax.Array:
   """Queries [B, T, heads, hd] in slots index..index+T-1 over the cached keys of slots
-  starts[b]..their own (`starts`: each row's first live slot, [B]; None: slot 0)."""
+  starts[b]..their own (`starts`: each row's first live slot, [B]; None: slot 0).
+
+  One query a row on a single TPU device runs `decode_attention`'s kernel,
+  which reads the layer's keys and values from the cache in place (XLA
+  copied them out first and multiplied them slowly); anything else, XLA's
+  einsums below, which the kernel computes alike.
+  """
+  b, t, heads, head_dim = q.shape
+  if _use_kernel(q, cache.keys):
+    starts = jnp.zeros((b,), jnp.int32) if starts is None else starts
+    y = decode_attention.decode_attention(q[:, 0], cache.keys, cache.values, layer, index, starts)
+    return y[:, None]
   keys = jax.lax.dynamic_index_in_dim(cache.keys, layer, keepdims=False).astype(q.dtype)
   values = jax.lax.dynamic_index_in_dim(cache.values, layer, keepdims=False).astype(q.dtype)
-  b, t, heads, head_dim = q.shape
-  kv_heads, max_len = keys.shape[2], keys.shape[1]
+  kv_heads, max_len = keys.shape[1], keys.shape[2]
   # The model's own einsums: query head i reads key/value head i // group.
   q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
-  logits = jnp.einsum("bqhgk,bshk->bhgqs", q, keys, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("bqhgk,bhsk->bhgqs", q, keys, preferred_element_type=jnp.float32)
   logits = logits * head_dim**-0.5
   # Causal over the whole cache: slots after a query's position are not written yet.
   slots = jnp.arange(max_len)
@@ -158,7 +186,7 @@ def _attend(
     mask = mask[:, None, None]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-  y = jnp.einsum("bhgqs,bshk->bqhgk", probs, values).reshape(b, t, heads, head_dim)
+  y = jnp.einsum("bhgqs,bhsk->bqhgk", probs, values).reshape(b, t, heads, head_dim)
   return constrain(y, ("batch", "length", "heads", "kv"))
 
 
@@ -358,7 +386,7 @@ def prefill(
     ...                                       num_kv_heads=1, d_ff=32), rngs=nnx.Rngs(0))
     >>> logits, cache = prefill(model, jnp.array([[1, 2, 3]]))
     >>> logits.shape, cache.keys.shape
-    ((1, 3, 256), (1, 1, 8, 1, 8))
+    ((1, 3, 256), (1, 1, 1, 8, 8))
   """
   prompt, max_len = _check(model, prompt, 0, max_len, 0.0, 0)
   graphdef, state = nnx.split(model)

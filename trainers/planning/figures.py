@@ -64,7 +64,7 @@ class KVCachePlan:
   length: int
   bytes_per_device: int  # keys and values, the largest shard (`trainers.models.decode`)
   total_bytes: int  # before sharding
-  spec: str  # the keys' and values' PartitionSpec [layers, batch, length, kv_heads, head_dim]
+  spec: str  # the keys' and values' PartitionSpec [layers, batch, kv_heads, length, head_dim]
 
 
 @dataclasses.dataclass(frozen=True)
