@@ -1,20 +1,26 @@
 """Every `spmd-*` command answers a user error with one line on stderr and exit 2.
 
-Each command runs as a real subprocess (the installed console script) with a
-bad input: a bad value, an unknown flag one typo from a real one, a missing
-file or checkpoint. The line names the flag or path, names only flags the
-command has (taken from its own `--help`), and no traceback is printed. All
-of these fail before JAX starts a backend, so they run side by side.
+Each command runs with a bad input: a bad value, an unknown flag one typo
+from a real one, a missing file or checkpoint. The line names the flag or
+path, names only flags the command has (taken from its own `--help`, which
+runs as the installed console script, a real process of its own), and no
+traceback is printed. All of these fail before JAX starts a backend, so
+each command's cases run in children forked from one process that loaded
+its installed entry point (`tests/workers/console_script_cases.py`): the
+same `sys.exit(main())` as the script, without an interpreter start and the
+package's imports per case; the commands run side by side.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -136,15 +142,35 @@ def _run(command: str, args: list[str], cwd: Path) -> subprocess.CompletedProces
   )
 
 
+def _run_cases(command: str, cases: list[list[str]], cwd: Path) -> list[SimpleNamespace]:
+  """Each argument list of `cases` run as `command` (forked from one process): exit, stderr."""
+  out = cwd / f"cases_{command}"
+  out.mkdir()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  worker = [sys.executable, "-m", "tests.workers.console_script_cases", command, str(out)]
+  done = subprocess.run(
+    [*worker, json.dumps(cases)], capture_output=True, text=True, timeout=240, cwd=cwd, env=env
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return [
+    SimpleNamespace(
+      returncode=int((out / f"{k}.code").read_text()), stderr=(out / f"{k}.err").read_text()
+    )
+    for k in range(len(cases))
+  ]
+
+
 def _flags_of(help_text: str) -> set[str]:
   return set(FLAG.findall(help_text))
 
 
 def test_each_command_answers_bad_input_with_one_line_and_exit_2(tmp_path):
   cases = _cases(tmp_path)
+  by_command = {c: [args for command, args, _ in cases if command == c] for c in HELP}
   with ThreadPoolExecutor(max_workers=4) as pool:
     helps = dict(zip(HELP, pool.map(lambda c: _run(c, HELP[c], tmp_path), HELP)))
-    done = list(pool.map(lambda case: _run(case[0], case[1], tmp_path), cases))
+    ran = dict(zip(HELP, pool.map(lambda c: _run_cases(c, by_command[c], tmp_path), HELP)))
+  done = [ran[command].pop(0) for command, _, _ in cases]  # back in the cases' order
   for command, shown in helps.items():
     assert _flags_of(shown.stdout + shown.stderr), (command, shown)  # absl exits 1 on help
   problems = []

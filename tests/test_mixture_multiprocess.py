@@ -54,14 +54,20 @@ def load(path):
     return json.load(f)
 
 
-def test_same_mixture_on_1_2_4_processes_each_window_once_per_source_epoch(sources, tmp_path):
-  hashes, rows = {}, {}
+@pytest.fixture(scope="module")
+def streams(sources, tmp_path_factory):
+  """The mixture's first STEPS global batches streamed on 1, 2 and 4 processes: their folders."""
+  root = tmp_path_factory.mktemp("streams")
   for n in (1, 2, 4):
-    assert_ok(run("stream", sources, tmp_path / f"n{n}", n, f"steps={STEPS}"))
-    hashes[n] = load(tmp_path / f"n{n}" / "hashes.json")
-    hosts = sorted(
-      (load(tmp_path / f"n{n}" / f"indices_p{p}.json") for p in range(n)), key=lambda h: h["rows"]
-    )
+    assert_ok(run("stream", sources, root / f"n{n}", n, f"steps={STEPS}"))
+  return {n: root / f"n{n}" for n in (1, 2, 4)}
+
+
+def test_same_mixture_on_1_2_4_processes_each_window_once_per_source_epoch(streams):
+  hashes, rows = {}, {}
+  for n, folder in streams.items():
+    hashes[n] = load(folder / "hashes.json")
+    hosts = sorted((load(folder / f"indices_p{p}.json") for p in range(n)), key=lambda h: h["rows"])
     assert [h["rows"] for h in hosts] == [[i * BATCH // n, (i + 1) * BATCH // n] for i in range(n)]
     # The global batch's rows, host after host: (source, example of that source).
     rows[n] = {s: [r for h in hosts for r in h["indices"][str(s)]] for s in range(STEPS)}
@@ -81,12 +87,13 @@ def test_same_mixture_on_1_2_4_processes_each_window_once_per_source_epoch(sourc
       assert sorted(examples[epoch * n : (epoch + 1) * n]) == list(range(n)), (source, epoch)
 
 
-def test_a_position_saved_on_2_processes_resumes_the_mixture_on_4(sources, tmp_path):
-  assert_ok(run("stream", sources, tmp_path / "ref", 2, "steps=14"))
+def test_a_position_saved_on_2_processes_resumes_the_mixture_on_4(sources, streams, tmp_path):
+  """The reference is the 2-process stream of the test above: a stream's batch at a step is
+  the same however many steps it runs (the 1, 2 and 4-process streams agree step by step)."""
   assert_ok(run("save", sources, tmp_path / "resume", 2, "steps=6"))
   assert load(tmp_path / "resume" / "state.json")["next_step"] == 6
   assert_ok(run("resume", sources, tmp_path / "resume", 4, "steps=8"))
-  expected = load(tmp_path / "ref" / "hashes.json")
+  expected = load(streams[2] / "hashes.json")
   assert load(tmp_path / "resume" / "resumed.json") == {
     str(s): expected[str(s)] for s in range(6, 14)
   }
