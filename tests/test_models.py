@@ -261,6 +261,8 @@ def test_scanned_and_unrolled_models_are_the_same_model():
   """Same seed, same weights (the stack's row i is block i), same logits and gradients."""
   tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size
 
+  models = {}  # scan_layers: (graphdef, params), the model each layout initialises
+
   def init_and_grads(scan_layers):
     config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
 
@@ -273,15 +275,17 @@ def test_scanned_and_unrolled_models_are_the_same_model():
         return ce.mean(), logits
 
       (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
-      return nnx.to_pure_dict(params), logits, nnx.to_pure_dict(grads)
+      return params, logits, nnx.to_pure_dict(grads)
 
-    return jax.jit(run)(tokens)
+    params, logits, grads = jax.jit(run)(tokens)
+    graphdef = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))[0]
+    models[scan_layers] = graphdef, params
+    return nnx.to_pure_dict(params), logits, grads
 
   scanned, unrolled = init_and_grads(True), init_and_grads(False)
 
   def forward_jaxpr(scan_layers):
-    config = dataclasses.replace(TWO_LAYERS, scan_layers=scan_layers)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))
+    graphdef, params = models[scan_layers]
     return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens[:, :-1]))(params))
 
   # The scanned layer is rematerialised (jax.checkpoint, printed "remat2" or "checkpoint"
@@ -301,14 +305,10 @@ def test_scanned_and_unrolled_models_are_the_same_model():
   stacked_grads = dict(unrolled[2], blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *grad_layers))
   for a, b in zip(jax.tree.leaves(scanned[2]), jax.tree.leaves(stacked_grads), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  # Greedy decoding reads the model only through its forward pass, in either layout.
+  # Greedy decoding reads the model only through its forward pass, in either layout
+  # (the models initialised above: an eager init compiles each of its ops on its own).
   samples = [
-    decode.generate(
-      TransformerLM(dataclasses.replace(TWO_LAYERS, scan_layers=scan), rngs=nnx.Rngs(0)),
-      tokens[:, :3],
-      num_tokens=5,
-    )
-    for scan in (True, False)
+    decode.generate(nnx.merge(*models[scan]), tokens[:, :3], num_tokens=5) for scan in (True, False)
   ]
   np.testing.assert_array_equal(*samples)
 
@@ -318,18 +318,22 @@ def test_unrolling_the_scan_or_dropping_the_remat_is_the_same_model():
   """scan_unroll and remat_policy change how the layers run, not what they compute."""
   tokens = _windows(4, TWO_LAYERS.seq_len + 1) % TWO_LAYERS.vocab_size
 
+  # One set of weights for every variant (they differ in how they run, not in their
+  # parameters), from one compiled init: an eager init compiles each of its ops on its own.
+  params = _compile_init(TWO_LAYERS).init(0)
+
   def logits_and_grads(unroll, remat_policy="minimal"):
     config = dataclasses.replace(TWO_LAYERS, scan_unroll=unroll, remat_policy=remat_policy)
-    graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param)
+    graphdef = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))[0]
 
     def loss(params):
       logits = nnx.merge(graphdef, params)(tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
 
-    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (_, logits), grads = grad_fn(params)
-    hlo = grad_fn.lower(params).compile().as_text()
-    return logits, nnx.to_pure_dict(grads), hlo
+    # Compiled once: the program that runs is the one whose text is read.
+    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile()
+    (_, logits), grads = compiled(params)
+    return logits, nnx.to_pure_dict(grads), compiled.as_text()
 
   looped, unrolled = logits_and_grads(1), logits_and_grads(2)
   for other in (unrolled, logits_and_grads(2, "none"), logits_and_grads(1, "none")):
