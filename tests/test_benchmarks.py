@@ -221,11 +221,12 @@ def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_hf_import_figure_runs_end_to_end_on_one_layer(tmp_path):
-  """2 processes import a 1-layer folder (about 0.14B parameters) and report their RSS rise."""
+  """2 processes import a 1-layer folder of 4096 ids (about 0.06B parameters), report their RSS rise."""
   out = tmp_path / "i1.json"
   done = _run_module(
     "benchmarks.hf_import",
     "--layers=1",
+    "--vocab-size=4096",
     "--processes=2",
     f"--workdir={tmp_path / 'hf'}",
     f"--json={out}",
