@@ -240,9 +240,11 @@ def test_the_hf_import_figure_runs_end_to_end_on_one_layer(tmp_path):
 @pytest.mark.multiprocess
 def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
-  # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.
+  # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs,
+  # and the peak's square matmuls too (a 2048 one's QR alone took seconds).
   out = tmp_path / "steps.json"
   shrunk = ["--model=lm_small", "--global-batch=2", "--seq-len=32", "--num-layers=1"]
+  shrunk.append("--matmul-size=1024")
   done = _run_module(
     "benchmarks.trainer", *shrunk, "--rounds=2", "--steps=1", f"--json={out}", BENCH_DEVICES="1"
   )
@@ -272,10 +274,10 @@ def test_the_llama_figure_runs_end_to_end_on_a_shrunken_shape(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
 def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
-  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a tiny Llama at 256
-  # tokens on v5p-8 takes the same path: splash through libtpu, then xla.
+  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a one-layer tiny Llama
+  # at 256 tokens on v5p-8 takes the same path: splash through libtpu, then xla.
   out = tmp_path / "m1.json"
-  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256"]
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256", "--num-layers=1"]
   done = _run_module("benchmarks.pod_memory", *shrunk, "--global-batch=8", f"--json={out}")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = {r["id"]: r for r in json.loads(out.read_text())}
