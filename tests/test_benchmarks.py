@@ -274,10 +274,10 @@ def test_the_llama_figure_runs_end_to_end_on_a_shrunken_shape(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
 def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
-  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a one-layer tiny Llama
-  # at 256 tokens on v5p-8 takes the same path: splash through libtpu, then xla.
+  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a tiny Llama at 256
+  # tokens on v5p-8 takes the same path: splash through libtpu, then xla.
   out = tmp_path / "m1.json"
-  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256", "--num-layers=1"]
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256"]
   done = _run_module("benchmarks.pod_memory", *shrunk, "--global-batch=8", f"--json={out}")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = {r["id"]: r for r in json.loads(out.read_text())}
