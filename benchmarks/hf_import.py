@@ -1,6 +1,8 @@
 """I1: host memory of a Hugging Face import: one process's peak RSS rise ÷ the model's f32 bytes.
 
   python -m benchmarks.hf_import [--layers=18] [--processes=4] [--json=out.json]
+  # its test: one layer and a smaller vocabulary, to show the script runs
+  python -m benchmarks.hf_import --layers=1 --vocab-size=4096 --processes=2
 
 Writes a random bf16 safetensors folder of a Llama shape (d_model 2048, 16
 heads sharing 8 key/value heads, SwiGLU 5632, vocabulary 32000, untied: about
@@ -37,15 +39,20 @@ SHAPE = dict(
 RESULT = "hf_import_result:"
 
 
-def write_folder(folder: str, layers: int, seed: int = 0) -> int:
-  """A random bf16 Llama folder with `layers` layers, one shard per layer; its parameter count."""
+def write_folder(folder: str, layers: int, seed: int = 0, vocab_size: int | None = None) -> int:
+  """A random bf16 Llama folder with `layers` layers, one shard per layer; its parameter count.
+
+  `vocab_size` replaces `SHAPE`'s (the embedding and output tables are most
+  of a one-layer folder: a test shrinks them).
+  """
   import ml_dtypes
 
   from trainers.hf.safetensors_files import write_file
 
   os.makedirs(folder, exist_ok=True)
   rng = np.random.default_rng(seed)
-  d, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+  shape = dict(SHAPE, vocab_size=vocab_size or SHAPE["vocab_size"])
+  d, f, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
   head_dim = d // SHAPE["num_attention_heads"]
   kv = SHAPE["num_key_value_heads"] * head_dim
 
@@ -89,7 +96,7 @@ def write_folder(folder: str, layers: int, seed: int = 0) -> int:
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
     "torch_dtype": "bfloat16",
-    **SHAPE,
+    **shape,
   }
   with open(os.path.join(folder, "config.json"), "w") as out:
     json.dump(config, out)
@@ -136,6 +143,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=18)
   parser.add_argument("--processes", type=int, default=4)
+  parser.add_argument(
+    "--vocab-size", type=int, default=SHAPE["vocab_size"], help="shrink the folder (tests)"
+  )
   parser.add_argument("--workdir", default="workdir/bench/hf_import")
   parser.add_argument("--worker", default="", help="(internal) import this folder and report")
   parser.add_argument("--json")
@@ -147,7 +157,7 @@ def main() -> None:
   from launch.local import run_local
 
   folder = os.path.abspath(os.path.join(args.workdir, f"llama_{args.layers}_layers"))
-  count = write_folder(folder, args.layers)
+  count = write_folder(folder, args.layers, vocab_size=args.vocab_size)
   command = [sys.executable, "-m", "benchmarks.hf_import", f"--worker={folder}"]
   result = run_local(
     command,

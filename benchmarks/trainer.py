@@ -32,8 +32,10 @@ One process, in one run:
       against the chip's dense peak for the model's dtype from the table in
       `trainers.reporting.peaks` (a sampled matmul where the chip is not in it), with
       tokens/s; rows `P1-cuda` and `P3-cuda` (`-tpu` on TPU), no goal for the MFU.
-`--global-batch`, `--seq-len` and `--num-layers` shrink the model for a quick
-check that the script runs (`tests/test_benchmarks.py` runs it so on CPU).
+`--global-batch`, `--seq-len` and `--num-layers` shrink the model, and
+`--matmul-size` the square matmuls of the CPU's peak and of the matmul-only
+step, for a quick check that the script runs (`tests/test_benchmarks.py`
+runs it so on CPU).
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ def main() -> None:
   parser.add_argument("--global-batch", type=int)
   parser.add_argument("--seq-len", type=int)
   parser.add_argument("--num-layers", type=int)
+  parser.add_argument(
+    "--matmul-size",
+    type=int,
+    default=2048,
+    help="side of the square matmuls of the CPU's peak and the matmul-only step (tests shrink it)",
+  )
   parser.add_argument("--json")
   args = parser.parse_args()
 
@@ -157,8 +165,9 @@ def main() -> None:
     # this jaxlib has: through oneDNN the same square matmul can be faster,
     # depending on the CPU. A peak is the best the machine does, so each
     # round's is the better of the two (`matmul_peak.peak_sampler`).
-    sample_peak = matmul_peak.peak_sampler("float32" if on_cpu else config.train.precision)
-    chain, chain_state, chain_flops = common.square_matmul_step(flops)
+    size = args.matmul_size if on_cpu else None  # an accelerator's own default
+    sample_peak = matmul_peak.peak_sampler("float32" if on_cpu else config.train.precision, size)
+    chain, chain_state, chain_flops = common.square_matmul_step(flops, args.matmul_size)
     chain_state, _ = timed(chain, chain_state, None, 1)  # compile; not timed
   # On one CPU device: the step's own dots, nothing else, timed like the step.
   # Its score is what P3 would be if all but the matmuls were free.

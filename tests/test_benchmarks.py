@@ -221,11 +221,12 @@ def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_hf_import_figure_runs_end_to_end_on_one_layer(tmp_path):
-  """2 processes import a 1-layer folder (about 0.14B parameters) and report their RSS rise."""
+  """2 processes import a 1-layer folder of 4096 ids (about 0.06B parameters), report their RSS rise."""
   out = tmp_path / "i1.json"
   done = _run_module(
     "benchmarks.hf_import",
     "--layers=1",
+    "--vocab-size=4096",
     "--processes=2",
     f"--workdir={tmp_path / 'hf'}",
     f"--json={out}",
@@ -239,9 +240,11 @@ def test_the_hf_import_figure_runs_end_to_end_on_one_layer(tmp_path):
 @pytest.mark.multiprocess
 def test_the_step_figures_run_end_to_end_on_a_shrunken_lm_small(tmp_path):
   # The same script measures P1 and MFU on a GPU (`BENCH_PLATFORM=cuda
-  # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs.
+  # ... --model=lm_small`); here on CPU with the model shrunk, to show it runs,
+  # and the peak's square matmuls too (a 2048 one's QR alone took seconds).
   out = tmp_path / "steps.json"
   shrunk = ["--model=lm_small", "--global-batch=2", "--seq-len=32", "--num-layers=1"]
+  shrunk.append("--matmul-size=1024")
   done = _run_module(
     "benchmarks.trainer", *shrunk, "--rounds=2", "--steps=1", f"--json={out}", BENCH_DEVICES="1"
   )

@@ -11,8 +11,10 @@ from trainers.models import decode, decode_batch, llama
 from trainers.models import transformer as lm
 
 SEQ_LEN, NEW = 24, 5
-# One of length 1, one that leaves exactly NEW slots of the model's seq_len, others between.
-PROMPTS = [[7], [5, 17, 3, 42, 9, 1, 88], [60, 2], list(range(3, 3 + SEQ_LEN - NEW))]
+# One of length 1, one that leaves exactly NEW slots of the model's seq_len, one between:
+# three lengths, so every row is left-padded by another amount (the longest by none).
+# Each length is a program of its own for the rows decoded alone: no more rows than that.
+PROMPTS = [[7], list(range(3, 3 + SEQ_LEN - NEW)), [60, 2]]
 
 
 def _llama():
@@ -30,12 +32,24 @@ def _transformer():
   return lm.TransformerLM(config, rngs=nnx.Rngs(1))
 
 
+@pytest.fixture(scope="module")
+def llama_greedy():
+  """The Llama and its greedy batch of PROMPTS, made once: the ragged and the EOS test read it."""
+  model = _llama()
+  return model, decode_batch.generate_batch(model, PROMPTS, NEW)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [_llama, _transformer], ids=["llama", "transformer"])
-def test_each_ragged_rows_greedy_tokens_are_its_prompt_decoded_alone_and_uncached(make):
-  model = make()
-  out = decode_batch.generate_batch(model, PROMPTS, NEW)
-  assert out.tokens.shape == (len(PROMPTS), NEW) and out.lengths.tolist() == [NEW] * 4
+@pytest.mark.parametrize("name", ["llama", "transformer"])
+def test_each_ragged_rows_greedy_tokens_are_its_prompt_decoded_alone_and_uncached(
+  name, llama_greedy
+):
+  if name == "llama":
+    model, out = llama_greedy
+  else:
+    model = _transformer()
+    out = decode_batch.generate_batch(model, PROMPTS, NEW)
+  assert out.tokens.shape == (len(PROMPTS), NEW) and out.lengths.tolist() == [NEW] * len(PROMPTS)
   assert out.steps == NEW - 1 and out.platform == "cpu"
   for row, ids in enumerate(PROMPTS):
     prompt = jnp.array([ids], jnp.int32)
@@ -46,10 +60,10 @@ def test_each_ragged_rows_greedy_tokens_are_its_prompt_decoded_alone_and_uncache
 
 
 @pytest.mark.slow
-def test_a_rows_draws_depend_on_its_seed_not_on_its_batch_mates():
-  model = _llama()
+def test_a_rows_draws_depend_on_its_seed_not_on_its_batch_mates(llama_greedy):
+  model, _ = llama_greedy
   drawn = dict(temperature=1.5, top_k=40, top_p=0.95)
-  many = decode_batch.generate_batch(model, PROMPTS, NEW, seeds=[3, 4, 5, 6], **drawn)
+  many = decode_batch.generate_batch(model, PROMPTS, NEW, seeds=[3, 4, 5], **drawn)
   # Row 2 alone, in a batch of another size and padding, keeps its seed's tokens.
   alone = decode_batch.generate_batch(model, [PROMPTS[2]], NEW, seeds=[5], **drawn)
   np.testing.assert_array_equal(many.tokens[2], alone.tokens[0])
@@ -60,9 +74,8 @@ def test_a_rows_draws_depend_on_its_seed_not_on_its_batch_mates():
 
 
 @pytest.mark.slow
-def test_a_row_stops_after_its_eos_pads_and_reports_its_length():
-  model = _llama()
-  greedy = decode_batch.generate_batch(model, PROMPTS, NEW).tokens
+def test_a_row_stops_after_its_eos_pads_and_reports_its_length(llama_greedy):
+  model, greedy = llama_greedy[0], llama_greedy[1].tokens
   eos = int(greedy[1, 2])  # a token row 1 makes third
   out = decode_batch.generate_batch(model, PROMPTS, NEW, eos_id=eos, pad_id=95)
   for row in range(len(PROMPTS)):
