@@ -86,7 +86,9 @@ def test_pods_keep_their_hosts():
 
 @needs_libtpu
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["v5e-1", "v6e-8", "v5p-8"])
+# v5e-1's plan of the same config is test_spmd_plan_for_v5e_1_on_a_tpu_vm_...'s,
+# which checks the same figures through spmd-plan.
+@pytest.mark.parametrize("name", ["v6e-8", "v5p-8"])
 def test_a_one_host_slice_plans_and_its_compiler_gives_the_verdict(name):
   from configs import llama_tiny
 
@@ -146,16 +148,21 @@ def _spmd_plan(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 @needs_libtpu
 @pytest.mark.multiprocess
 def test_spmd_plan_for_v5e_1_on_a_tpu_vm_plans_and_a_bad_slice_is_one_line():
-  """Run where the chip's own variables are set, as on the one-chip machine."""
+  """Run where the chip's own variables are set, as on the one-chip machine.
+
+  Also v5e-1's case of the one-host slices above: compiled, one host, and the
+  compiler's verdict.
+  """
   done = _spmd_plan("--config=configs/llama_tiny.py", "--topology=v5e-1", "--json", env=CHIP_ENV)
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   plan = json.loads(done.stdout)
-  assert (plan["num_devices"], plan["hosts"], plan["fits"], plan["verdict_by"]) == (
-    1,
-    1,
-    True,
-    "compiler",
-  )
+  assert (
+    plan["compiled"],
+    plan["num_devices"],
+    plan["hosts"],
+    plan["fits"],
+    plan["verdict_by"],
+  ) == (True, 1, 1, True, "compiler")
   bad = _spmd_plan("--config=configs/llama_tiny.py", "--topology=v5e:3x3", env=CHIP_ENV)
   assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
   lines = [line for line in bad.stderr.splitlines() if line.startswith("spmd-plan: ")]

@@ -1,7 +1,10 @@
 """spmd-plan: byte counts against hand-computed figures, and real TPU topologies.
 
-The TPU plans compile lm_small's real train step with libtpu for slices of
-up to 256 chips on this CPU machine (tens of seconds each).
+The TPU plans compile lm_small's real train step, narrowed to two 512-wide
+layers, with libtpu for slices of up to 256 chips on this CPU machine: what
+they check (hosts, fit, FLOPs against the model's, reductions crossing DCN)
+does not depend on the model's size, and the full model's compile takes
+several times as long.
 """
 
 import json
@@ -81,9 +84,15 @@ def _lm_tiny_matmul_flops(tokens: int, recomputed_attention_dots: int = 0) -> in
   return tokens * (flops + recomputed_attention_dots * attention_dot)
 
 
+@pytest.fixture(scope="module")
+def data_parallel_plan() -> plan_lib.Plan:
+  """lm_tiny, data parallel over 8 H100 stand-ins: compiled once, read by two tests."""
+  return plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
+
+
 @pytest.mark.slow
-def test_small_lm_state_bytes_match_hand_computed():
-  plan = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
+def test_small_lm_state_bytes_match_hand_computed(data_parallel_plan):
+  plan = data_parallel_plan
   assert plan.num_params == LM_TINY_PARAMS
   assert plan.memory.params_bytes == LM_TINY_PARAMS * 4
   # adamw's two moments, plus five int32 counters (adam, schedule, step, updates, bad_steps).
@@ -154,8 +163,8 @@ def test_matmul_flops_of_a_matmul_written_as_a_padded_convolution():
 
 
 @pytest.mark.slow
-def test_fsdp_splits_state_about_evenly():
-  replicated = plan_lib.make_plan(_tiny("dp", "data=-1"), targets.gpu_target("h100", 8))
+def test_fsdp_splits_state_about_evenly(data_parallel_plan):
+  replicated = data_parallel_plan
   fsdp = plan_lib.make_plan(_tiny("fsdp", "data=1,fsdp=8"), targets.gpu_target("h100", 8))
   ratio = fsdp.memory.state_bytes / (replicated.memory.state_bytes / 8)
   assert 1.0 <= ratio <= 1.05, ratio  # small vectors (norms) may stay replicated
@@ -270,6 +279,19 @@ def _spmd_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
   )
 
 
+# lm_small at two layers of 512 (~6.8M parameters): its attention's share of
+# the FLOPs stays a few percent (a sequence as long as the model is wide), the
+# gradients it reduces are MiBs, and one row per chip still has temporaries
+# (at 256 wide libtpu reported none on a v5e-256).
+_NARROW_LM_SMALL = (
+  "--config.model.num_layers=2",
+  "--config.model.d_model=512",
+  "--config.model.num_heads=8",
+  "--config.model.d_ff=2048",
+  "--config.model.seq_len=512",
+)
+
+
 @needs_libtpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
@@ -287,6 +309,7 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
     # XLA's attention: its matmuls are HLO dots, which the FLOP check counts
     # (splash's run inside its kernel; tests/test_benchmarks.py plans splash).
     "--config.model.attention=xla",
+    *_NARROW_LM_SMALL,
     "--json",
   )
   assert done.returncode == 0, done.stdout + done.stderr[-4000:]
@@ -305,7 +328,7 @@ def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
   assert 1.0 < flops / plan["compute"]["model_flops"] < 1.15, plan["compute"]
   lo, hi = plan["compute"]["step_time_s"]
   assert 0 < lo < hi
-  # Data parallel: the gradients (~86M parameters) are reduced every step.
+  # Data parallel: the gradients (~6.8M parameters, 26 MiB) are reduced every step.
   reduced = sum(c["bytes"] for c in plan["collectives"] if "reduce" in c["kind"])
   assert reduced > 2**20, plan["collectives"]
   # Over two slices part of that reduction crosses DCN, and only then.
