@@ -7,7 +7,7 @@
   the suite's time, and these flags change how fast XLA compiles, not what
   a program computes: a test that compares two runs compares two runs
   compiled alike. A test that checks the default pipeline itself (the
-  README's demo, a performance figure) takes `default_pipeline_env()`.
+  README's demo) takes `default_pipeline_env()`.
 - One persistent compilation cache for the whole run, with no minimum
   compile time, so a program compiled by one test, worker or job is read
   back by the next. It is on from the first compile, so no test depends on
