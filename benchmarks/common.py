@@ -252,6 +252,22 @@ def emit(rows: list[dict], json_path: str | None) -> None:
       f.write("\n")
 
 
+def emit_result(result: dict, out: str | None) -> dict:
+  """Prints a chip run's `result` as one JSON line and writes that line to `out` if given.
+
+  Example:
+    >>> emit_result({"figure": "S1", "value": 0.8}, None)
+    {"figure": "S1", "value": 0.8}
+    {'figure': 'S1', 'value': 0.8}
+  """
+  line = json.dumps(result)
+  print(line, flush=True)
+  if out:
+    with open(out, "w") as f:
+      f.write(line + "\n")
+  return result
+
+
 def markdown(rows: list[dict]) -> str:
   """The rows as the README's performance table."""
   lines = [

@@ -22,11 +22,12 @@ writes it too.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 import numpy as np
+
+from benchmarks import common
 
 GOAL = 2.0
 
@@ -123,12 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     "device": str(jax.devices()[0].device_kind),
     "seconds": round(time.perf_counter() - started, 1),
   }
-  line = json.dumps(result)
-  print(line, flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(line + "\n")
-  return result
+  return common.emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ batch 32 (goal >= 0.6). Prints one JSON line; `--out` writes it too.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
+
+from benchmarks import common
 
 V5E_HBM_GBPS = 819.0
 GOALS = {1: ("S1", 0.8), 32: ("S2", 0.6)}
@@ -122,12 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     "rows": rows,
     "seconds": round(time.perf_counter() - started, 1),
   }
-  line = json.dumps(result)
-  print(line, flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(line + "\n")
-  return result
+  return common.emit_result(result, args.out)
 
 
 if __name__ == "__main__":
