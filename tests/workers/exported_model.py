@@ -1,11 +1,11 @@
 """A plain Python process (one CPU device, no jax.distributed) uses an spmd-export file.
 
-  python tests/workers/exported_model.py EXPORT.npz DATA_DIR EXAMPLES [EXAMPLES ...]
+  python tests/workers/exported_model.py EXPORT.npz DATA_DIR EXAMPLES
 
 Rebuilds the model from the file alone, runs it over the first EXAMPLES
 examples of the eval split in order (0: all of them), read straight from the
-prepared records, and prints one JSON line per EXAMPLES, in order: the loss,
-its weight, the logits' shape, and the device count.
+prepared records, and prints one JSON line: the loss, its weight, the logits'
+shape, and the device count.
 """
 
 import json
@@ -21,18 +21,13 @@ from trainers.tasks import lm, make_task
 from trainers.tasks.lm_data import CORPUS_RECORD_BYTES
 
 
-def main(path: str, data_dir: str, counts: list[int]) -> None:
+def main(path: str, data_dir: str, examples: int) -> None:
   exported = export.load_export(path)
   config = saved_run.config_from_json(exported.config_json)
   model = export.load_model(path)
   name = make_task(config).prepare_data(data_dir)  # prepared already: returns its name
   records = open_source(name, config.data.eval_split, data_dir, ("tokens",))
-  for examples in counts:
-    print(json.dumps(_loss(model, records, config.model.seq_len, examples)), flush=True)
-
-
-def _loss(model, records, seq_len: int, examples: int) -> dict:
-  """The model's loss over the split's first `examples` examples (0: all)."""
+  seq_len = config.model.seq_len
   per_record = lm_examples.windows_per_record(CORPUS_RECORD_BYTES, seq_len)
   total = len(records) * per_record
   count = total if examples == 0 else examples
@@ -49,15 +44,19 @@ def _loss(model, records, seq_len: int, examples: int) -> dict:
     shape = list(logits.shape) if shape is None else shape
     s, w, _ = lm.next_token_loss(model, batch, None, False)
     loss_sum, weight = loss_sum + float(s), weight + float(w)
-  return {
-    "loss": loss_sum / weight,
-    "weight": weight,
-    "examples": count,
-    "logits_shape": shape,
-    "devices": jax.device_count(),
-    "processes": jax.process_count(),
-  }
+  print(
+    json.dumps(
+      {
+        "loss": loss_sum / weight,
+        "weight": weight,
+        "examples": count,
+        "logits_shape": shape,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+      }
+    )
+  )
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3:]])
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
