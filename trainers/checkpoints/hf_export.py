@@ -289,7 +289,7 @@ def carried_files(source: epath.Path) -> list[str]:
   """The files of `source` an export copies: all but hidden ones, weights, indexes and config.json.
 
   >>> carried_files(epath.Path("tests/fixtures/hf/llama3"))  # no model.safetensors, no config.json
-  ['generation_config.json', 'golden_logits.npy', 'golden_tokens.npy', 'tokenizer.json']
+  ['generation_config.json', 'golden_choices.json', 'golden_logits.npy', 'golden_tokens.npy', 'tokenizer.json']
   """
   return sorted(
     p.name

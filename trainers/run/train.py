@@ -123,7 +123,10 @@ def _train_and_evaluate(
   evals = EvalRunner.build(config, setup, task, batch_axes)  # its files read, before any data
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
   if evals is not None:
-    evals.prepare(run_encoder(config, str(workdir)))  # the run's tokenizer is known now
+    # Process 0 copies the run's tokenizer into the workdir once the data is
+    # open; the others read that copy, so they wait for it.
+    multihost.barrier("evals/tokenizer_saved")
+    evals.prepare(run_encoder(config, str(workdir)))
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoints/restore.py).
   manager, restored = _restore(config, workdir, setup)
