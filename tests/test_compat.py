@@ -195,7 +195,9 @@ def test_every_cpu_process_reads_what_process_0_compiled(tmp_path):
     assert_ok(result)
     runs.append([p.output.split("HITS ")[1].split() for p in result.processes])
   expected = str(float(sum(v * v for v in range(24))))
-  assert [hits for hits, _, _ in runs[0]] == ["0", "0"], runs
+  # Process 0 compiles in the first job; process 1 compiles too, or reads
+  # process 0's entry when it gets there after the write (a loaded machine).
+  assert runs[0][0][0] == "0" and runs[0][1][0] in ("0", "1"), runs
   assert [hits for hits, _, _ in runs[1]] == ["1", "1"], runs
   assert {total for run in runs for _, _, total in run} == {expected}, runs
 
