@@ -72,6 +72,8 @@ class EvalRunner:
     self._batch_axes, self.window = tuple(batch_axes), window
     self._encoder: encoding.TextEncoder | None = None
     self._scorers: dict[int, Any] = {}
+    # One jitted cast for the run: a new jax.jit each eval would trace it again.
+    self._cast_params = jax.jit(Precision(setup.precision).cast_params)
 
   @property
   def names(self) -> list[str]:
@@ -141,8 +143,7 @@ class EvalRunner:
   def _decoder(self, inputs: dict):
     """`decode(prompts, count)` with the state's model in the compute dtype, on the run's mesh."""
     setup = self._setup
-    policy = Precision(setup.precision)
-    params = jax.jit(policy.cast_params)(inputs["params"])  # read once a step, in that dtype
+    params = self._cast_params(inputs["params"])  # read once an eval, in that dtype
     model = build_model(setup, params, inputs.get("model_state"))
     model.eval()
     eos = self._encoder.eos_id
