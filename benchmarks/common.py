@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -250,6 +251,25 @@ def emit(rows: list[dict], json_path: str | None) -> None:
     with open(json_path, "w") as f:
       json.dump(rows, f, indent=1)
       f.write("\n")
+
+
+def chip_header(command: str, argv: list[str] | None) -> dict:
+  """What a chip run's JSON starts with: jax, the device, the date and the command as typed.
+
+  `benchmarks.run --from-tpu-check` names the machine and the command from it.
+
+  Example:
+    >>> sorted(chip_header("python3 -m benchmarks.tpu_sample", ["--batches=1"]))
+    ['command', 'date', 'device_kind', 'jax']
+  """
+  import jax
+
+  return {
+    "jax": jax.__version__,
+    "device_kind": jax.local_devices()[0].device_kind,
+    "date": time.strftime("%Y-%m-%d"),
+    "command": " ".join([command, *(argv if argv is not None else sys.argv[1:])]),
+  }
 
 
 def emit_result(result: dict, out: str | None) -> dict:

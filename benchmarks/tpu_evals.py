@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
   train = on_device(config, args.train_steps, warmup=2)
   value = evals["tokens_per_s"] / train["tokens_per_s"] if train.get("compiled") else math.nan
   result = {
+    **common.chip_header("python3 -m benchmarks.tpu_evals", argv),
     "figure": "E1",
     "value": round(value, 3),
     "goal": GOAL,

@@ -80,7 +80,7 @@ def measure(model, batch: int, prompt_len: int, tokens: int, calls: int, hbm_gbp
     "batch": batch,
     "step_ms": round(best * 1e3, 4),
     "bound_ms": round(bound * 1e3, 4),
-    "value": round(bound / best, 3),
+    "value": round(bound / best, 4),
     "goal": goal,
     "tokens_per_s": round(batch / best, 1),
     "bytes_a_step": {k: int(v) for k, v in read.items()},
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     for b in args.batches.split(",")
   ]
   result = {
+    **common.chip_header("python3 -m benchmarks.tpu_sample", argv),
     "config": args.config,
     "prompt_len": args.prompt_len,
     "tokens": args.tokens,

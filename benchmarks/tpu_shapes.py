@@ -67,6 +67,9 @@ class Shape:
   tiny: dict  # `--tiny`: the model fields, keeping what makes it this shape
 
 
+# `--tiny`'s rows a step: one a device of the suite's 8 CPU devices, whatever
+# the shape takes on the chip.
+TINY_ROWS = 8
 SHAPES = {
   "mha": Shape(
     "P9-mha", "llama_tpu_shape_mha", "without GQA", {**TINY, "num_kv_heads": TINY["num_heads"]}
@@ -89,6 +92,7 @@ def shape_config(name: str, tiny: bool = False) -> ml_collections.ConfigDict:
   config = importlib.import_module(f"configs.{module}").get_config()
   if tiny:
     config.model.update(SHAPES[name].tiny)
+    config.global_batch = TINY_ROWS
   return resolve(config, ROOT / "configs" / f"{module}.py")
 
 

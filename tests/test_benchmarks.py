@@ -110,9 +110,44 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     sys, "argv", ["run", f"--from-tpu-check={shapes_path}", only, "--update-readme"]
   )
   run.main()
+  # The decode speeds (benchmarks/tpu_sample.py) and the eval's (benchmarks/tpu_evals.py).
+  header = {"device_kind": "TPU v5 lite", "jax": "0.10.2", "date": "2026-12-07"}
+  decode = {"figure": "S1", "batch": 1, "step_ms": 1.3893, "bound_ms": 1.1111, "goal": 0.8}
+  sample = {
+    **header,
+    "command": "python3 -m benchmarks.tpu_sample --out=/root/out/s.json",
+    "config": "configs/x.py",
+    "prompt_len": 64,
+    "tokens": 256,
+    "hbm_gbps": 819.0,
+    # 0.79975, which the script's own rounding to 3 places lifted to its goal
+    "rows": [
+      {**decode, "value": 0.8, "tokens_per_s": 719.8},
+      {
+        **decode,
+        "figure": "S2",
+        "batch": 32,
+        "step_ms": 1.8948,
+        "bound_ms": 1.3494,
+        "goal": 0.6,
+        "tokens_per_s": 16888.7,
+      },
+    ],
+  }
+  e1 = {**header, "command": "python3 -m benchmarks.tpu_evals", "figure": "E1", "goal": 2.0}
+  e1.update(value=3.75, config="configs/x.py", train_tokens_per_s=36792.5)
+  e1["eval"] = {"items": 1000, "choices": 4, "scored_tokens": 920246, "rows": 456}
+  e1["eval"].update(row_fill=1.0, pass_s=6.7, tokens_per_s=138055.1)
+  for name, report, figures in (("s.json", sample, "S1,S2"), ("e1.json", e1, "E1")):
+    (tmp_path / name).write_text(json.dumps(report))
+    argv = ["run", f"--from-tpu-check={tmp_path / name}", f"--only={figures}", "--update-readme"]
+    monkeypatch.setattr(sys, "argv", argv)
+    run.main()
   rows = json.loads(latest.read_text())
   chip = {r["id"]: r for r in rows if r["id"] in run.TPU_FIGURES}
   assert set(chip) == set(run.TPU_FIGURES), sorted(chip)
+  assert chip["S1"]["value"] == 0.7998 and not chip["S1"]["meets_goal"], chip["S1"]
+  assert chip["E1"]["value"] == 3.75 and chip["E1"]["meets_goal"], chip["E1"]
   assert [r for r in rows if r["id"] not in run.TPU_FIGURES] == cpu_rows
   assert chip["P9"]["value"] == 0.61 and chip["P9"]["meets_goal"]
   assert (
@@ -120,7 +155,8 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
   )
   assert "`benchmarks/tpu_check.sh --tuning=t.json`" in chip["P11"]["machine"]
-  assert all(r["date"] == "2026-12-05" for r in chip.values() if not r["id"].startswith("P9-"))
+  from_check = [r for r in chip.values() if r["id"] not in ("P9-mha", "P9-long", "S1", "S2", "E1")]
+  assert all(r["date"] == "2026-12-05" for r in from_check)
   assert chip["P9-mha"]["meets_goal"] and not chip["P9-long"]["meets_goal"]
   assert chip["P9-long"]["date"] == "2026-12-07" and chip["P9-long"]["value"] == 0.57
   assert "`benchmarks/tpu_shapes.sh`" in chip["P9-mha"]["machine"]
