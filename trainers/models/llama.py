@@ -59,6 +59,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -355,6 +356,19 @@ class Llama(nnx.Module):
   """
 
   casts_own_weights = True
+  # `config.lora.targets`' short names, and the query, key and value's one
+  # input dim (embed; the others contract all but their last), for
+  # `trainers.models.lora`.
+  lora_targets: ClassVar[dict[str, str]] = {
+    "q": r"attn/query$",
+    "k": r"attn/key$",
+    "v": r"attn/value$",
+    "o": r"attn/out$",
+    "gate": r"mlp/gate$",
+    "up": r"mlp/up$",
+    "down": r"mlp/down$",
+  }
+  lora_input_dims: ClassVar[dict[str, int]] = {r"attn/(query|key|value)$": 1}
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config

@@ -1,0 +1,176 @@
+"""LoRA (`config.lora`): adapters on a user's own NNX model and on the built-in Llama.
+
+Only the adapters train: the optimizer's state is theirs alone, the frozen
+weights come out of the steps bit for bit (in the compute dtype), step 0's
+loss is the base model's (B starts at zero), and both A and B get gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from configs import default, llama_tiny
+from spmd.layout import batch_sharding
+from spmd.mesh import create_mesh
+from trainers.config.checks import check_values, resolve
+from trainers.models import lora
+from trainers.step import trainable
+from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
+from trainers.tasks import Task, make_task
+
+
+class ConvNet(nnx.Module):
+  """A user's model: a convolution, then a dense layer (nothing of the built-in models)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+    self.dense = nnx.Linear(8 * 4 * 4, 5, rngs=rngs)
+
+  def __call__(self, x):
+    y = nnx.relu(self.conv(x))
+    return self.dense(y.reshape(y.shape[0], -1))
+
+
+def _loss(model, batch, rngs, train):
+  logits = model(batch["x"]).astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  return (losses * batch["mask"]).sum(), batch["mask"].sum(), {}
+
+
+def _task() -> Task:
+  return Task(
+    model=ConvNet,
+    loss=_loss,
+    prepare_data=lambda data_dir: "none",
+    record_template={"x": np.zeros((4, 4, 3), np.float32), "y": np.int32(0)},
+    to_example=lambda record: dict(record, mask=np.float32(1)),
+  )
+
+
+def _conv_config(precision="float32", targets="conv/kernel,dense/kernel"):
+  config = default.get_config()
+  config.global_batch = 8
+  config.train.precision = precision
+  config.train.warmup_steps = 0
+  config.train.learning_rate = 1e-2
+  config.lora.targets = targets
+  config.lora.rank = 2
+  config.lora.alpha = 6.0
+  return config
+
+
+def _conv_batch(mesh):
+  rng = np.random.default_rng(0)
+  spec = batch_sharding(mesh, ("data",))
+  return {
+    "x": jax.device_put(rng.normal(size=(8, 4, 4, 3)).astype(np.float32), spec),
+    "y": jax.device_put(rng.integers(0, 5, 8).astype(np.int32), spec),
+    "mask": jax.device_put(np.ones(8, np.float32), spec),
+  }
+
+
+def _base_loss(setup, state, task, batch):
+  """The loss of the model without adapters (its base weights as stored)."""
+  model = nnx.merge(
+    nnx.split(task.model(nnx.Rngs(0)))[0],
+    nnx.State(lora.base_weights(jax.device_get(state["params"]), setup.adapters)),
+  )
+  loss_sum, weight, _ = task.loss(model, jax.device_get(batch), None, True)
+  return float(loss_sum / weight)
+
+
+def _leaves(tree):
+  return {
+    jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+  }
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_only_adapters_train_on_a_users_conv_net(precision):
+  config, task = _conv_config(precision), _task()
+  mesh = create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)
+  state = setup.init()
+  train, frozen = trainable.split(state["params"], setup.trainable_paths)
+  assert sorted(_leaves(train)) == [
+    "['conv']['kernel_lora_a']",
+    "['conv']['kernel_lora_b']",
+    "['dense']['kernel_lora_a']",
+    "['dense']['kernel_lora_b']",
+  ]
+  # A conv kernel [3, 3, 3, 8]: A [3, 3, 3, r], B [r, 8]; B starts at zero.
+  assert train["conv"]["kernel_lora_a"].shape == (3, 3, 3, 2)
+  assert train["conv"]["kernel_lora_b"].shape == (2, 8)
+  assert not np.asarray(train["conv"]["kernel_lora_b"]).any()
+  compute = jnp.dtype(precision)
+  assert {x.dtype for x in jax.tree.leaves(frozen)} == {compute}
+  assert {x.dtype for x in jax.tree.leaves(train)} == {jnp.dtype(jnp.float32)}
+  # The optimizer's state holds the adapters' moments and nothing of the frozen weights.
+  adapter_size = sum(x.size for x in jax.tree.leaves(train))
+  moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+  assert sum(x.size for x in moments) == 2 * adapter_size  # adamw: mu and nu
+
+  batch = _conv_batch(mesh)
+  base = _base_loss(setup, state, task, batch)
+  frozen_before, train_before = _leaves(frozen), _leaves(train)  # the step donates the state
+  step = make_train_step(setup, task, config, mesh, ("data",))
+  state, metrics = step(state, batch)
+  assert float(metrics["loss"]) == pytest.approx(base, rel=1e-2 if precision != "float32" else 1e-6)
+  state, metrics = step(state, batch)
+  after, frozen_after = trainable.split(state["params"], setup.trainable_paths)
+  for name, value in frozen_before.items():
+    np.testing.assert_array_equal(_leaves(frozen_after)[name], value, err_msg=name)
+  # Both A and B moved: B from its zeros after the first step, A after the second.
+  for name, value in train_before.items():
+    assert not np.array_equal(_leaves(after)[name], value), name
+  assert float(metrics["loss"]) < base
+
+
+def test_llama_targets_by_short_name():
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, seq_len=8)
+  config.model.scan_layers = True  # stacked: A and B take the "layers" dim too
+  config.lora.targets = "q,k,v,o,gate,up,down"
+  config.lora.rank = 4
+  mesh = create_mesh("data=2,fsdp=4")
+  setup = make_state(make_task(config).model, config, mesh)
+  shapes = {"/".join(p): (a.a_shape, a.b_shape) for a in setup.adapters for p in [a.path]}
+  assert shapes["blocks/attn/query"] == ((2, 32, 4), (2, 4, 4, 8))
+  assert shapes["blocks/attn/out"] == ((2, 4, 8, 4), (2, 4, 32))
+  assert shapes["blocks/mlp/down"] == ((2, 64, 4), (2, 4, 32))
+  assert len(shapes) == 7
+  # Sharded by the weight's own logical names: A's input dims, B's output dims.
+  params = setup.shardings["params"]["blocks"]
+  spec = lambda sharding: tuple(sharding.spec) + (None,) * 4  # noqa: E731
+  assert spec(params["attn"]["query_lora_a"])[:3] == (*spec(params["attn"]["query"])[:2], None)
+  assert spec(params["mlp"]["down_lora_b"])[2] == spec(params["mlp"]["down"])[2]
+  assert spec(params["attn"]["query"])[1] == "fsdp"  # so the check above checks something
+
+
+@pytest.mark.parametrize(
+  "settings, message",
+  [
+    (dict(rank=0), "lora.rank=0 must be a positive integer"),
+    (dict(alpha=-1.0), "lora.alpha=-1.0 must be a number > 0"),
+    (dict(dropout=0.1), "lora.dropout=0.1 is not implemented yet"),
+    (dict(targets="q,(v"), "lora.targets: '(v' is not a regex"),
+  ],
+)
+def test_bad_settings_are_named(settings, message):
+  config = _conv_config()
+  config.lora.update(settings)
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    check_values(config)
+
+
+def test_a_target_that_matches_nothing_is_named():
+  config = llama_tiny.get_config()
+  config.lora.targets = "q,qkv_proj"
+  with pytest.raises(
+    ValueError, match="lora.targets: 'qkv_proj' matches no parameter of the model"
+  ):
+    resolve(config)  # which calls check_lora_targets
