@@ -301,6 +301,9 @@ def make_state(
   init = in_context(jitted)
   init.lower = in_context(jitted.lower)  # for memory analysis (what each device holds)
   weight_shardings = {k: shardings[k] for k in ("params", "model_state") if k in shardings}
+  # A warm start's weights are the base model's: a LoRA run's adapters start fresh.
+  if paths is not None:
+    weight_shardings["params"] = trainable.split(param_shardings, paths)[1]
   # The weights are donated: the state's parameters are their buffers, not copies.
   init_with_weights = in_context(
     jax.jit(around, in_shardings=(weight_shardings,), out_shardings=shardings, donate_argnums=0)
