@@ -5,6 +5,8 @@ weights come out of the steps bit for bit (in the compute dtype), step 0's
 loss is the base model's (B starts at zero), and both A and B get gradients.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,8 @@ from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers.config.checks import check_values, resolve
 from trainers.models import lora
+from trainers.planning import plan as plan_lib
+from trainers.planning import report, targets
 from trainers.step import trainable
 from trainers.step.state import make_state
 from trainers.step.train_step import make_train_step
@@ -174,3 +178,37 @@ def test_a_target_that_matches_nothing_is_named():
     ValueError, match="lora.targets: 'qkv_proj' matches no parameter of the model"
   ):
     resolve(config)  # which calls check_lora_targets
+
+
+def test_spmd_plan_shows_the_saving():
+  """Llama, rank 4 on all seven projections, bf16, FSDP over 8 H100 stand-ins: state only."""
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16)
+  config.model.scan_layers = True
+  config.mesh.ici = "data=1,fsdp=-1,tensor=1"
+  config.train.precision = "bfloat16"
+  config.lora.targets = "q,k,v,o,gate,up,down"
+  config.lora.rank = 4
+  plan = plan_lib.make_plan(config, targets.gpu_target("h100", 8), compile_step=False)
+  d, f, layers, r = 64, 128, 2, 4
+  # Per layer: q [d, 4, 16] and o [4, 16, d] have A or B of d x r and 64 x r; k, v
+  # [d, 2, 16]: d x r + r x 32; gate, up [d, f] and down [f, d]: (d + f) x r each.
+  adapters = layers * r * (2 * (d + 64) + 2 * (d + 32) + 3 * (d + f))
+  assert plan.lora.trainable_params == adapters and plan.lora.targets == 7
+  # The same state on the 8 CPU devices, split into the adapters and the frozen weights.
+  setup = make_state(make_task(config).model, config, create_mesh(config.mesh.ici))
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  train, frozen = trainable.split(state["params"], setup.trainable_paths)
+  assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+  counters = 5 * 4  # adam's count, the schedule's, step, updates, bad_steps (int32)
+  # adamw's two float32 moments, of the adapters alone.
+  assert plan.memory.optimizer_bytes == 2 * plan_lib.per_device_bytes(train) + counters
+  # Full fine-tuning: every weight in float32 with its two moments.
+  full_params = 2 * plan_lib.per_device_bytes(frozen)
+  assert plan.lora.full_params_bytes == full_params
+  assert plan.lora.full_optimizer_bytes == 2 * full_params + counters
+  text = report.format_plan(plan)
+  assert re.search(r"lora +rank 4 on 7 weights: [\d.]+M parameters train \([\d.]+%\)", text), text
+  assert "full fine-tuning: " in text
