@@ -5,6 +5,7 @@ weights come out of the steps bit for bit (in the compute dtype), step 0's
 loss is the base model's (B starts at zero), and both A and B get gradients.
 """
 
+import json
 import re
 
 import jax
@@ -12,11 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 from flax import nnx
 
 from configs import default, llama_tiny
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
+from trainers.checkpoints import saved_run
+from trainers.checkpoints.damage import CheckpointError
 from trainers.config.checks import check_values, resolve
 from trainers.models import lora
 from trainers.planning import plan as plan_lib
@@ -212,3 +216,12 @@ def test_spmd_plan_shows_the_saving():
   text = report.format_plan(plan)
   assert re.search(r"lora +rank 4 on 7 weights: [\d.]+M parameters train \([\d.]+%\)", text), text
   assert "full fine-tuning: " in text
+
+
+def test_readers_of_whole_weights_refuse_a_lora_checkpoint(tmp_path):
+  """spmd-export, spmd-sample and --mode=eval read a checkpoint's weights through one function."""
+  (tmp_path / "4" / "data").mkdir(parents=True)
+  record = {"next_step": 4, "lora_base": {"source": "models/llama3", "hash": "0123456789abcdef"}}
+  (tmp_path / "4" / "data" / "metadata").write_text(json.dumps(record))
+  with pytest.raises(CheckpointError, match=r"holds LoRA adapters, not a whole model \(its base "):
+    saved_run.restore_weights(saved_run.CheckpointRef(epath.Path(tmp_path), 4))
