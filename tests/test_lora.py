@@ -17,6 +17,7 @@ from etils import epath
 from flax import nnx
 
 from configs import default, llama_tiny
+from spmd import hlo_matmuls
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers.checkpoints import saved_run
@@ -26,7 +27,8 @@ from trainers.models import lora
 from trainers.planning import plan as plan_lib
 from trainers.planning import report, targets
 from trainers.step import trainable
-from trainers.step.state import make_state
+from trainers.step.loss import abstract_batch
+from trainers.step.state import build_model, make_state
 from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, make_task
 
@@ -225,3 +227,59 @@ def test_readers_of_whole_weights_refuse_a_lora_checkpoint(tmp_path):
   (tmp_path / "4" / "data" / "metadata").write_text(json.dumps(record))
   with pytest.raises(CheckpointError, match=r"holds LoRA adapters, not a whole model \(its base "):
     saved_run.restore_weights(saved_run.CheckpointRef(epath.Path(tmp_path), 4))
+
+
+def _tiny_llama_config(targets="q,k,v,o,gate,up,down", scan_layers=True):
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, seq_len=8)
+  config.model.scan_layers = scan_layers
+  config.global_batch = 8
+  config.lora.targets = targets
+  config.lora.rank = 4
+  config.lora.alpha = 12.0
+  return config
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_llama_adds_the_low_rank_products_as_the_merged_weights_would(scan_layers):
+  """The built-in Llama applies its adapters itself: equal, in float32, to `W + s A B`."""
+  config = _tiny_llama_config(scan_layers=scan_layers)
+  task = make_task(config)
+  setup = make_state(task.model, config, create_mesh("data=-1"))
+  assert setup.applies_lora and not setup.merges_adapters
+  params = jax.device_get(setup.init()["params"])
+  rng = np.random.default_rng(0)
+  for adapter in setup.adapters:  # B at zero would show nothing
+    params = lora._set(params, adapter.b_path, rng.normal(size=adapter.b_shape).astype(np.float32))
+  tokens = jnp.asarray(rng.integers(0, config.model.vocab_size, (2, 8)), jnp.int32)
+  applied = build_model(setup, params)(tokens)
+  plain = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
+  merged = nnx.merge(
+    plain, nnx.State(lora.base_weights(lora.merged(params, setup.adapters), setup.adapters))
+  )
+  np.testing.assert_allclose(applied, merged(tokens), rtol=2e-5, atol=2e-5)
+  base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))
+  assert not np.allclose(applied, base(tokens), atol=1e-3)
+
+
+def _matmul_flops(config):
+  task = make_task(config)
+  mesh = create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, ("data",)))
+  step = make_train_step(setup, task, config, mesh, ("data",))
+  return hlo_matmuls.matmul_flops(step.lower(state, batch).compile().as_text())
+
+
+def test_the_llama_computes_no_gradient_of_its_frozen_weights():
+  """A LoRA step's matmuls: forward and input gradients, no weight gradients (the issue's L3, in FLOPs)."""
+  config = _tiny_llama_config(targets="q,k,v,o,gate,up,down")
+  config.model.update(d_model=64, d_ff=128)
+  config.lora.rank = 1
+  lora_flops = _matmul_flops(config)
+  config.lora.targets = ""
+  full_flops = _matmul_flops(config)
+  assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)

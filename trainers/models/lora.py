@@ -19,13 +19,20 @@ convolution with W's window, B a 1x1 one) and the built-in Llama's query
 with W's logical names (the rank axis unnamed), so the mesh rules shard
 them as they shard W's input and output.
 
-Why the weight, not the activations: the adapter then works on any
-parameter of any NNX model, a user's `nnx.Linear`, `nnx.Einsum`, `nnx.Conv`
-or a bare `nnx.Param` read by its own code, with no change to the model's
-code or its parameter paths (an HF import, the mesh rules and a warm start
-see the same names). Its cost: each step forms `W + s A B` (`in * out * rank`
-multiply-adds per weight, small beside the tokens' `tokens * in * out`) and
-its weight-shaped gradient, from which A's and B's come.
+Two ways to apply them:
+
+- the weight (any model): the step hands the model `W + s A B` in W's
+  place (`merged`). It works on any parameter of any NNX model, a user's
+  `nnx.Linear`, `nnx.Einsum`, `nnx.Conv` or a bare `nnx.Param` read by its
+  own code, with no change to the model's code or its parameter paths (an
+  HF import, the mesh rules and a warm start see the same names). Its cost:
+  each step forms `W + s A B` (`in * out * rank` multiply-adds per weight)
+  and the gradient of that sum, a weight-shaped array, from which A's and
+  B's come; under bfloat16 the sum is rounded as W is.
+- the activations (a model with `applies_lora = True`, the built-in
+  Llama): its products add `s (x A) B` to `x W` themselves (`low_rank`), as
+  peft does. No weight-shaped array is formed and no gradient of a frozen
+  weight is computed.
 
 PEFT's names map one to one: layer N of `blocks/attn/query_lora_a`
 [layers, d_model, rank] is `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
@@ -59,7 +66,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-A_SUFFIX, B_SUFFIX = "_lora_a", "_lora_b"
+from trainers.models.layers import dense
+
+A_SUFFIX, B_SUFFIX, SCALE_SUFFIX = "_lora_a", "_lora_b", "_lora_scale"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +292,36 @@ def add_adapters(model: nnx.Module, adapters: Sequence[Adapter], seed: int) -> n
     ):
       metadata = {} if names is None else {"out_sharding": names, "eager_sharding": False}
       setattr(module, name, nnx.LoRAParam(value, **metadata))
+    # Static (no array): for a model that applies its adapters itself (`low_rank`).
+    setattr(module, adapter.path[-1] + SCALE_SUFFIX, adapter.scale)
   return model
+
+
+def low_rank(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> jax.Array | None:
+  """`scale * (x A) B` for the weight `name` of `module` when it has adapters, else None.
+
+  For a model that applies its adapters itself (class attribute
+  `applies_lora = True`, the built-in Llama): the weight's product `x W`
+  plus this is the adapted product, with no weight-shaped array formed and
+  no gradient of the frozen W. `x`'s last `contract` dims are W's inputs;
+  A and B are multiplied in `x`'s dtype, their gradients summed in float32
+  (`trainers.models.layers.dense`), as peft computes them under autocast.
+
+  Example:
+    >>> model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+    >>> model = add_adapters(model, find_adapters(model, LoRASettings(rank=2, targets=("kernel",))), 0)
+    >>> model.kernel_lora_b[...] = jnp.ones((2, 4))
+    >>> x = jnp.ones((3, 6))
+    >>> merged_kernel = _get(merged(nnx.to_pure_dict(nnx.state(model)), find_adapters(
+    ...   model, LoRASettings(rank=2, targets=("kernel",)))), ("kernel",))
+    >>> bool(jnp.allclose(x @ model.kernel[...] + low_rank(model, "kernel", x), x @ merged_kernel))
+    True
+  """
+  a = getattr(module, name + A_SUFFIX, None)
+  if a is None:
+    return None
+  h = dense(x, a[...], contract=contract)
+  return dense(h, getattr(module, name + B_SUFFIX)[...]) * getattr(module, name + SCALE_SUFFIX)
 
 
 def _get(tree: Mapping, path: Sequence[str], default: Any = KeyError) -> Any:

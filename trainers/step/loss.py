@@ -43,8 +43,9 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     # A model that casts its own weights gets them in float32: its products
     # return their gradients in float32 (`trainers.models.matmul`), which a
     # cast here would round to bfloat16 after the sums across devices.
-    # Adapters (`config.lora`) are merged into their weights first, in float32.
-    weights = lora.merged(params, setup.adapters) if setup.adapters else params
+    # Adapters (`config.lora`) are merged into their weights first, in float32,
+    # unless the model adds their products itself.
+    weights = lora.merged(params, setup.adapters) if setup.merges_adapters else params
     weights = weights if setup.casts_own_weights else policy.cast_params(weights)
     model = build_model(setup, weights, model_state, key, merged=True)
     policy.reach_modules(model)  # stock layers compute in the policy's dtype too

@@ -86,6 +86,14 @@ class StateSetup:
   # parameters that train (their A and B); None: every parameter trains.
   adapters: tuple[lora.Adapter, ...] = ()
   trainable_paths: frozenset[tuple[str, ...]] | None = None
+  # The model adds its adapters' products itself (`applies_lora`, the built-in
+  # Llama); else the step hands it each target weight as `W + s A B`.
+  applies_lora: bool = False
+
+  @property
+  def merges_adapters(self) -> bool:
+    """Whether the model is built with its target weights merged (`lora.merged`)."""
+    return bool(self.adapters) and not self.applies_lora
 
   @property
   def has_model_state(self) -> bool:
@@ -326,6 +334,7 @@ def make_state(
     casts_own_weights=bool(getattr(abstract_model, "casts_own_weights", False)),
     adapters=adapters,
     trainable_paths=paths,
+    applies_lora=bool(getattr(abstract_model, "applies_lora", False)),
   )
 
 
@@ -357,9 +366,10 @@ def build_model(
 
   `key` seeds the model's own RNG streams, if it has any (default: key 0).
   With adapters (`config.lora`) each target weight becomes `W + s A B`,
-  unless `merged` says `params` already hold it (`lora.merged`).
+  unless `merged` says `params` already hold it (`lora.merged`) or the
+  model applies its adapters itself (`StateSetup.applies_lora`).
   """
-  if setup.adapters and not merged:
+  if setup.merges_adapters and not merged:
     params = lora.merged(params, setup.adapters)
   states = [jax.tree.map(lambda x: x, setup.abstract_params)]
   nnx.replace_by_pure_dict(states[0], params)
