@@ -167,8 +167,7 @@ class Adapter:
   def a_names(self) -> tuple | None:
     if self.names is None:
       return None
-    s, i = self.stack, self.stack + self.inputs
-    return (*self.names[:i], None) if s or i else None
+    return (*self.names[: self.stack + self.inputs], None)
 
   def b_names(self) -> tuple | None:
     if self.names is None:
