@@ -7,6 +7,7 @@ sharded train state, written by every host for its own shards) and `data`
   manager.py       orbax's CheckpointManager, set up: judged step folders, barriers, handlers
   saver.py         asynchronous saves: the training thread only starts a host copy
   restore.py       resume, warm start or fresh, in that order
+  lora_base.py     the base weights a LoRA checkpoint's adapters were trained on: source and content hash
   reading.py       a checkpoint's saved tree, the same-model check, the weights alone
   damage.py        a checkpoint that cannot be restored, told apart from storage trouble
   step_folders.py  which step folders are checkpoints, the harness's unfinished saves, or another tool's

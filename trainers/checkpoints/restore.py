@@ -16,6 +16,12 @@ Resume order (decided in `restore_or_init`):
      follow; the optimizer, step and data start fresh;
   3. else a fresh initialisation.
 
+With LoRA (`trainable_paths`, the adapters' A and B) a checkpoint holds the
+adapters, their optimizer state and the counters, not the frozen weights:
+step 1 restores those and takes the frozen weights from step 2 or 3 (the
+same `init_from`, or the seed), and the run then checks that they are the
+ones the adapters were trained on (`trainers.checkpoints.lora_base`).
+
 What cannot be restored is a `CheckpointError` naming the step, the directory
 and what is wrong, raised before any state is used (never a partial restore):
 a step directory without orbax's commit marker (`commit_success.txt`, written
@@ -48,6 +54,7 @@ from trainers.checkpoints.reading import (
   saved_state_tree,
 )
 from trainers.hf import checkpoint as hf_checkpoint
+from trainers.step import trainable
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,7 @@ def restore_or_init(
   init: Callable[[], Any],
   init_from: str = "",
   init_with_weights: Callable[[dict[str, Any]], Any] | None = None,
+  trainable_paths: frozenset[tuple[str, ...]] | None = None,
 ) -> Restored:
   """Resumes, warm-starts or initialises, in the order in the module docstring.
 
@@ -132,8 +140,10 @@ def restore_or_init(
     CheckpointError: the checkpoint to restore is incomplete, damaged or of
       another model (see the module docstring).
   """
-  target = _abstract(abstract_state, shardings)
-  # 1. Our own latest finished checkpoint: everything, data position included.
+  full_target = _abstract(abstract_state, shardings)
+  target = saved_part(full_target, trainable_paths)
+  # 1. Our own latest finished checkpoint: everything, data position included
+  # (with LoRA, everything but the frozen weights, taken from 2 or 3).
   step = latest_committed_step(manager)
   if step is not None:
     what = checked_step(manager, str(manager.directory), step)
@@ -154,7 +164,34 @@ def restore_or_init(
     if not counted:
       log.warning("%s has no update count (saved by an older version): set to its step", what)
       state = dict(state, **{UPDATES: _replicated_scalar(step, target[UPDATES])})
+    if trainable_paths is not None:
+      initial = _initial(full_target, init, init_from, init_with_weights, trainable_paths)
+      _, frozen = trainable.split(initial.state["params"], trainable_paths)
+      state = dict(state, params=trainable.join(state["params"], frozen))
+      log.info("frozen weights from %s", initial.source)
     return Restored(state, dict(restored["data"]), f"checkpoint step {step}", step)
+  return _initial(full_target, init, init_from, init_with_weights, trainable_paths)
+
+
+def saved_part(state: Any, trainable_paths: frozenset[tuple[str, ...]] | None) -> Any:
+  """What a checkpoint holds of the state: all of it, or (LoRA) all but the frozen weights."""
+  if trainable_paths is None:
+    return state
+  return dict(state, params=trainable.split(state["params"], trainable_paths)[0])
+
+
+def _initial(
+  target: Any,
+  init: Callable[[], Any],
+  init_from: str,
+  init_with_weights: Callable[[dict[str, Any]], Any] | None,
+  trainable_paths: frozenset[tuple[str, ...]] | None,
+) -> Restored:
+  """Steps 2 and 3 of the module docstring: a warm start or a fresh state."""
+  # The weights to read are the model's own: a LoRA run's adapters are new.
+  params_target = target["params"]
+  if trainable_paths is not None:
+    params_target = trainable.split(params_target, trainable_paths)[1]
   # 2. Initial weights from a Hugging Face folder or another run: parameters
   # and model state only.
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
@@ -163,7 +200,7 @@ def restore_or_init(
         f"checkpoint.init_from={init_from!r} is a Hugging Face folder, which holds parameters "
         "only, but the model has other variables (model_state)"
       )
-    weights = {"params": hf_checkpoint.read_params(paths.user_path(init_from), target["params"])}
+    weights = {"params": hf_checkpoint.read_params(paths.user_path(init_from), params_target)}
     state = init_with_weights(weights) if init_with_weights else dict(init(), **weights)
     return Restored(state, None, f"init_from {init_from} (Hugging Face)", 0)
   if init_from:
@@ -183,6 +220,7 @@ def restore_or_init(
         )
       what = "checkpoint.init_from " + checked_step(other, str(directory), other_step)
       wanted = {k: target[k] for k in WEIGHTS if k in target}
+      wanted["params"] = params_target
       weights = restore_weights(other, other_step, wanted, what, WARM_START_ADVICE)
     if init_with_weights is not None:
       state = init_with_weights(weights)

@@ -42,7 +42,7 @@ from etils import epath
 
 from spmd import multihost
 from trainers import paths
-from trainers.checkpoints import reading, step_folders
+from trainers.checkpoints import lora_base, reading, step_folders
 from trainers.checkpoints.damage import CheckpointError
 from trainers.checkpoints.manager import read_only_manager
 from trainers.checkpoints.restore import checked_step
@@ -285,8 +285,22 @@ def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) ->
   The same partial restore as a warm start's (`reading.restore_weights`).
 
   Raises:
-    CheckpointError: the step is unfinished, damaged or of another model.
+    CheckpointError: the step is unfinished, damaged or of another model,
+      or holds LoRA adapters without their base weights.
   """
+  _refuse_lora(ref)
   with _manager(ref.directory) as manager:
     what = checked_step(manager, str(ref.directory), ref.step)
     return reading.restore_weights(manager, ref.step, target, what)
+
+
+def _refuse_lora(ref: CheckpointRef) -> None:
+  """A LoRA checkpoint holds adapters, not a model: no reader of whole weights can use it yet."""
+  record = ref.path / "data" / "metadata"
+  base = json.loads(record.read_text()).get(lora_base.KEY) if record.exists() else None
+  if base is not None:
+    raise CheckpointError(
+      f"checkpoint step {ref.step} in {ref.directory} holds LoRA adapters, not a whole model "
+      f"(its base weights: {lora_base.BaseWeights(**base)}); exporting, sampling and "
+      "evaluating from a LoRA checkpoint are not implemented yet"
+    )

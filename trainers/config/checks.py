@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
+from flax import nnx
 
 from spmd import rules
 from trainers.config import defaults
@@ -41,6 +42,7 @@ from trainers.data.prepare import tokenizer
 from trainers.evals.items import read_items
 from trainers.evals.specs import eval_specs
 from trainers.hooks import load_hooks, resolve_hook_specs
+from trainers.models import lora
 from trainers.reporting import tracking
 from trainers.step import optim
 from trainers.step.mesh import check_axes
@@ -171,6 +173,18 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     )
   for spec in eval_specs(config.evals):
     read_items(spec)  # every row, now: a bad one fails before data preparation
+  lora.settings_from_config(config.lora)  # rank, alpha, dropout, the patterns
+
+
+def check_lora_targets(config: ml_collections.ConfigDict) -> None:
+  """Raises `ValueError` when a `config.lora.targets` pattern matches no parameter of the model.
+
+  On the model's shapes only (`nnx.eval_shape`): nothing is initialised.
+  """
+  settings = lora.settings_from_config(config.lora)
+  if settings is not None:
+    task = make_task(config)
+    lora.find_adapters(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))), settings)
 
 
 def resolve(
@@ -185,4 +199,5 @@ def resolve(
   resolved.hooks = resolve_hook_specs(resolved.hooks, folder)
   check_values(resolved)
   load_hooks(resolved, make_task(resolved).hooks)  # the task checks its own section
+  check_lora_targets(resolved)
   return resolved

@@ -148,6 +148,16 @@ def get_config() -> ml_collections.ConfigDict:
   #       dict(kind="multiple_choice", path="arc.jsonl", layout="arc"))
   # Their keys are checked by trainers/evals/specs.py. None by default.
   config.evals = ml_collections.ConfigDict()
+  # LoRA (trainers/models/lora.py, docs/finetune.md): low-rank adapters beside the
+  # weights whose parameter path a pattern of `targets` matches (regexes, or a
+  # model's short names: the built-in Llama's q, k, v, o, gate, up, down). Only the
+  # adapters train and have optimizer state; the other weights are frozen in the
+  # compute dtype. () = off.
+  config.lora = ml_collections.ConfigDict()
+  config.lora.targets = ""  # comma-separated, e.g. "q,k,v,o,gate,up,down"
+  config.lora.rank = 16
+  config.lora.alpha = 16.0  # the adapters' scale is alpha / rank
+  config.lora.dropout = 0.0  # only 0.0 for now
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 200
   config.checkpoint.keep = 3  # the last K ...

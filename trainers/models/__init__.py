@@ -8,6 +8,8 @@
   mlp.py          `MLPClassifier`
   embedding.py    `lookup`: embedding rows laid out by the active rules, so
                   no mesh makes XLA copy whole activations
+  lora.py         LoRA adapters beside the chosen weights of any NNX model
+                  (`config.lora`)
 
 What the models share lives here: `param` creates an annotated parameter and
 `logical_axes` reads the annotations back as a tree shaped like the model's

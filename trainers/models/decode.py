@@ -191,12 +191,12 @@ def _attend(
 
 
 def _llama_layer(block: llama.Block, x, cache, layer, index, sin, cos, starts=None):
-  attn, dt = block.attn, x.dtype
+  attn = block.attn
   q, k, v = attn.project(block.attn_norm(x))
   q, k = llama.apply_rope(q, sin, cos), llama.apply_rope(k, sin, cos)
   cache = _write(cache, layer, index, k, v)
   y = _attend(q, cache, layer, index, starts)
-  x = constrain(x + dense(y, attn.out[...].astype(dt), contract=2), _RESIDUAL)
+  x = constrain(x + attn.output(y), _RESIDUAL)
   return constrain(x + block.mlp(block.mlp_norm(x)), _RESIDUAL), cache
 
 

@@ -59,6 +59,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from spmd.rules import constrain
-from trainers.models import attention, embedding, param
+from trainers.models import attention, embedding, lora, param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -250,6 +251,13 @@ def _add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
   return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
 
 
+def _product(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> jax.Array:
+  """`x` times the weight `name` of `module`, plus its LoRA adapters' product if it has them."""
+  y = dense(x, getattr(module, name)[...], contract=contract)
+  delta = lora.low_rank(module, name, x, contract)
+  return y if delta is None else y + delta
+
+
 class Attention(nnx.Module):
   """Grouped-query causal self-attention with RoPE and an optional segment mask."""
 
@@ -274,9 +282,9 @@ class Attention(nnx.Module):
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries, keys and values of `x` [batch, length, d_model], before RoPE."""
     # `dense` multiplies each weight in x's dtype (the compute dtype).
-    q = dense(x, self.query[...])
-    k = dense(x, self.key[...])
-    v = dense(x, self.value[...])
+    q = _product(self, "query", x)
+    k = _product(self, "key", x)
+    v = _product(self, "value", x)
     if self.qkv_bias:
       q, k, v = (
         _add_bias(y, b[...])
@@ -293,7 +301,11 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     y = attention.attend(q, k, v, segment_ids, kernel=self.kernel)
     y = constrain(y, ("batch", "length", "heads", "kv"))
-    return checkpoint_name(dense(y, self.out[...], contract=2), "attention_out")
+    return checkpoint_name(self.output(y), "attention_out")
+
+  def output(self, y: jax.Array) -> jax.Array:
+    """The output projection of the attended values `y` [batch, length, heads, head_dim]."""
+    return _product(self, "out", y, contract=2)
 
 
 class MLP(nnx.Module):
@@ -314,9 +326,9 @@ class MLP(nnx.Module):
     lead = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     names = (("batch", "length"), "mlp")
-    gate = checkpoint_name(constrain(dense(tokens, self.gate[...]), names), "mlp_gate")
-    up = checkpoint_name(constrain(dense(tokens, self.up[...]), names), "mlp_up")
-    return dense(jax.nn.silu(gate) * up, self.down[...]).reshape(*lead, -1)
+    gate = checkpoint_name(constrain(_product(self, "gate", tokens), names), "mlp_gate")
+    up = checkpoint_name(constrain(_product(self, "up", tokens), names), "mlp_up")
+    return _product(self, "down", jax.nn.silu(gate) * up).reshape(*lead, -1)
 
 
 class Block(nnx.Module):
@@ -355,6 +367,22 @@ class Llama(nnx.Module):
   """
 
   casts_own_weights = True
+  # `config.lora.targets`' short names, and the query, key and value's one
+  # input dim (embed; the others contract all but their last), for
+  # `trainers.models.lora`.
+  lora_targets: ClassVar[dict[str, str]] = {
+    "q": r"attn/query$",
+    "k": r"attn/key$",
+    "v": r"attn/value$",
+    "o": r"attn/out$",
+    "gate": r"mlp/gate$",
+    "up": r"mlp/up$",
+    "down": r"mlp/down$",
+  }
+  lora_input_dims: ClassVar[dict[str, int]] = {r"attn/(query|key|value)$": 1}
+  # Its products add the adapters' low-rank product themselves (`lora.low_rank`):
+  # no merged weight, no gradient of a frozen one.
+  applies_lora = True
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config

@@ -68,6 +68,17 @@ class KVCachePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAPlan:
+  """`config.lora`'s saving: what trains, and the state full fine-tuning would hold, per device."""
+
+  rank: int
+  targets: int  # weights with adapters
+  trainable_params: int  # the adapters' A and B
+  full_params_bytes: int  # every parameter in its stored dtype, as full fine-tuning holds it
+  full_optimizer_bytes: int  # the optimizer's state over every parameter, plus the counters
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything `spmd-plan` reports."""
 
@@ -102,6 +113,7 @@ class Plan:
   # the compile's log (stderr and libtpu's log folder).
   fallbacks: list[compiler_log.Fallback] = dataclasses.field(default_factory=list)
   attention: list[str] = dataclasses.field(default_factory=list)  # the kernels the step traced
+  lora: LoRAPlan | None = None  # None: no config.lora
 
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)

@@ -45,10 +45,11 @@ from spmd import rules as rules_lib
 from spmd.layout import batch_sharding, data_layout
 from trainers.models import attention, decode
 from trainers.planning import advice
-from trainers.planning.figures import Compute, KVCachePlan, Memory, Plan
+from trainers.planning.figures import Compute, KVCachePlan, LoRAPlan, Memory, Plan
 from trainers.planning.targets import Target
 from trainers.reporting import chips
 from trainers.reporting.throughput import step_compute_dtype
+from trainers.step import trainable
 from trainers.step.loss import abstract_batch
 from trainers.step.mesh import build_mesh
 from trainers.step.state import make_state
@@ -187,6 +188,27 @@ def make_plan(
     compile_error=step.compile_error,
     fallbacks=fallbacks,
     attention=[k.describe() for k in kernels],
+    lora=_lora_plan(config, task, setup, mesh, batch_axes),
+  )
+
+
+def _lora_plan(config, task, setup, mesh, batch_axes) -> LoRAPlan | None:
+  """With `config.lora`: what trains, and the state of full fine-tuning (shapes only, no compile)."""
+  if not setup.adapters:
+    return None
+  full_config = ml_collections.ConfigDict(config.to_dict())
+  full_config.lora.targets = ""
+  full = make_state(task.model, full_config, mesh, batch_axes, task.optimizer)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), full.abstract, full.shardings
+  )
+  trained = trainable.split(setup.abstract["params"], setup.trainable_paths)[0]
+  return LoRAPlan(
+    rank=setup.adapters[0].rank,
+    targets=len(setup.adapters),
+    trainable_params=sum(math.prod(p.shape) for p in jax.tree.leaves(trained)),
+    full_params_bytes=per_device_bytes(state["params"]),
+    full_optimizer_bytes=per_device_bytes({k: v for k, v in state.items() if k != "params"}),
   )
 
 

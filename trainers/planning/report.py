@@ -75,6 +75,27 @@ def _verdict(plan: Plan) -> str:
   )
 
 
+def _lora_rows(plan: Plan) -> list[str]:
+  """With `config.lora`: what trains, and the state against full fine-tuning's."""
+  lora = getattr(plan, "lora", None)
+  if lora is None:
+    return []
+  m = plan.memory
+  full = lora.full_params_bytes + lora.full_optimizer_bytes
+  return [
+    f"lora          rank {lora.rank} on {lora.targets} weights: {lora.trainable_params / 1e6:,.2f}M "
+    f"parameters train ({lora.trainable_params / plan.num_params:.2%}); the rest frozen",
+    f"  state per device {_bytes(m.state_bytes)} (parameters {_bytes(m.params_bytes)}, optimizer "
+    f"{_bytes(m.optimizer_bytes)}); full fine-tuning: {_bytes(full)} (parameters "
+    f"{_bytes(lora.full_params_bytes)}, optimizer {_bytes(lora.full_optimizer_bytes)}): "
+    + (
+      f"LoRA saves {_bytes(full - m.state_bytes)}"
+      if full >= m.state_bytes
+      else f"LoRA holds {_bytes(m.state_bytes - full)} more (adapters this large save nothing)"
+    ),
+  ]
+
+
 def format_plan(plan: Plan, config_name: str = "") -> str:
   """The plan as a table for people."""
   m, c = plan.memory, plan.compute
@@ -89,6 +110,7 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
     f"data          {plan.hosts_feeding} distinct row blocks, {plan.rows_per_host} rows per host"
     + (" (estimate)" if plan.estimated else ""),
     *(f"attention     {line}" for line in getattr(plan, "attention", [])),
+    *_lora_rows(plan),
     "memory per device"
     + (
       ""

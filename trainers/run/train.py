@@ -31,8 +31,9 @@ from etils import epath
 import spmd
 from spmd import multihost
 from trainers import paths
+from trainers.checkpoints import lora_base
 from trainers.checkpoints.manager import make_manager
-from trainers.checkpoints.restore import restore_or_init
+from trainers.checkpoints.restore import restore_or_init, saved_part
 from trainers.checkpoints.saver import Saver
 from trainers.data.read import pipeline
 from trainers.evals.encoding import run_encoder
@@ -50,7 +51,7 @@ from trainers.run.out_of_memory import step_must_fit
 from trainers.run.preemption import PreemptionWatch
 from trainers.run.startup import save_run_files
 from trainers.run.watchdog import ProgressWatchdog
-from trainers.step import task_metrics
+from trainers.step import task_metrics, trainable
 from trainers.step.eval_step import make_eval_step
 from trainers.step.gradient_reduction import flat_gradient_reduction, per_device_blocker
 from trainers.step.mesh import build_mesh
@@ -130,6 +131,7 @@ def _train_and_evaluate(
 
   # 3. State: resume, warm start or fresh (order in trainers/checkpoints/restore.py).
   manager, restored = _restore(config, workdir, setup)
+  checkpointed = _checkpointed(config, setup, restored)
   if chief:
     _log_start(workdir, mesh, restored.source)
 
@@ -156,6 +158,7 @@ def _train_and_evaluate(
     eval_batches,
     tracker,
     evals,
+    checkpointed,
   )
   watch = PreemptionWatch()
   loop = _loop_state(config, setup, restored.step, restored.state, mesh, workdir, throughput)
@@ -226,8 +229,31 @@ def _restore(config, workdir: epath.Path, setup: StateSetup):
     setup.init,
     config.checkpoint.init_from,
     setup.init_with_weights,
+    setup.trainable_paths,
   )
   return manager, restored
+
+
+def _checkpointed(config, setup: StateSetup, restored) -> Callable:
+  """`(state, data position) -> (what a checkpoint saves of them)`.
+
+  Everything, or with LoRA the state less its frozen weights, and the data
+  record naming those weights (`lora_base`), whose hash is taken here, once a
+  run. A resume checks that the checkpoint's adapters were trained on them.
+  """
+  if not setup.adapters:
+    return lambda state, data: (state, data)
+  frozen = trainable.split(restored.state["params"], setup.trainable_paths)[1]
+  source = config.checkpoint.init_from or f"fresh init (seed {config.seed})"
+  base = lora_base.BaseWeights(source, lora_base.content_hash(frozen))
+  log.info("LoRA base weights: %s", base)
+  if restored.data_state is not None:  # resumed from our own checkpoint
+    lora_base.check_same_base(restored.data_state.get(lora_base.KEY), base, restored.source)
+
+  def checkpointed(state, data):
+    return saved_part(state, setup.trainable_paths), dict(data, **{lora_base.KEY: base.to_dict()})
+
+  return checkpointed
 
 
 def _log_start(workdir: epath.Path, mesh, source: str) -> None:
@@ -293,6 +319,7 @@ def _make_hooks(
   eval_batches: pipeline.GlobalBatches,
   tracker: tracking.Tracker,
   evals: EvalRunner | None = None,
+  checkpointed: Callable = lambda state, data: (state, data),
 ) -> _RunHooks:
   """The built-in hooks (metrics, eval, checkpoints, profile), then the task's and the config's, and their wrappers."""
   chief = jax.process_index() == 0
@@ -308,7 +335,7 @@ def _make_hooks(
   # Saves and evals are timed by their own budgets, not by the step limit.
   def save(step, state):
     with watchdog.phase(*save_budget):
-      return saver.save(step, state, train_batches.state(step).to_dict())
+      return saver.save(step, *checkpointed(state, train_batches.state(step).to_dict()))
 
   def wait_for_saves():
     with watchdog.phase(*save_budget):

@@ -2,6 +2,7 @@
 
 mesh.py                the run's mesh and the axes that split the batch
 state.py               the train state, created directly sharded on the global mesh
+trainable.py           which parameters train: all, or (LoRA) the adapters, the rest frozen
 optim.py               the optimizer from the config: optax by name, a schedule, clipping, a decay mask
 loss.py                the task's loss as the steps call it, on the model rebuilt from the state
 train_step.py          the train step: gradients, the update if finite, metrics; one `sharded_jit`

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from spmd import rules as rules_lib
+from trainers.models import lora
 from trainers.step.precision import Precision
 from trainers.step.state import StateSetup, build_model
 from trainers.step.task_metrics import check_names
@@ -42,8 +43,11 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     # A model that casts its own weights gets them in float32: its products
     # return their gradients in float32 (`trainers.models.matmul`), which a
     # cast here would round to bfloat16 after the sums across devices.
-    weights = params if setup.casts_own_weights else policy.cast_params(params)
-    model = build_model(setup, weights, model_state, key)
+    # Adapters (`config.lora`) are merged into their weights first, in float32,
+    # unless the model adds their products itself.
+    weights = lora.merged(params, setup.adapters) if setup.merges_adapters else params
+    weights = weights if setup.casts_own_weights else policy.cast_params(weights)
+    model = build_model(setup, weights, model_state, key, merged=True)
     policy.reach_modules(model)  # stock layers compute in the policy's dtype too
     batch = policy.cast_batch(batch)
     if train:

@@ -46,8 +46,9 @@ from flax import nnx
 
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
-from trainers.step import optim
-from trainers.step.precision import check_precision
+from trainers.models import lora
+from trainers.step import optim, trainable
+from trainers.step.precision import Precision, check_precision
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,18 @@ class StateSetup:
   # (`casts_own_weights`, the built-in models): the policy then hands it
   # float32 parameters, so their gradients never pass through bfloat16.
   casts_own_weights: bool = False
+  # `config.lora`: the adapters (`trainers.models.lora`), and the paths of the
+  # parameters that train (their A and B); None: every parameter trains.
+  adapters: tuple[lora.Adapter, ...] = ()
+  trainable_paths: frozenset[tuple[str, ...]] | None = None
+  # The model adds its adapters' products itself (`applies_lora`, the built-in
+  # Llama); else the step hands it each target weight as `W + s A B`.
+  applies_lora: bool = False
+
+  @property
+  def merges_adapters(self) -> bool:
+    """Whether the model is built with its target weights merged (`lora.merged`)."""
+    return bool(self.adapters) and not self.applies_lora
 
   @property
   def has_model_state(self) -> bool:
@@ -221,6 +234,26 @@ def make_state(
 
     return run
 
+  precision = check_precision(config.train.get("precision", "float32"))
+  settings = lora.settings_from_config(config.get("lora"))
+  adapters: tuple[lora.Adapter, ...] = ()
+  paths = None
+  if settings is not None:
+    plain = in_context(nnx.eval_shape)(lambda: model_fn(nnx.Rngs(config.seed)))
+    adapters = tuple(lora.find_adapters(plain, settings))
+    paths = lora.adapter_paths(adapters)
+    base_fn = model_fn
+
+    def model_fn(rngs):
+      return lora.add_adapters(base_fn(rngs), adapters, config.seed)
+
+  def frozen_in_compute_dtype(params):
+    # Frozen weights are only read: held in the compute dtype, they cost its bytes.
+    if paths is None:
+      return params
+    train, frozen = trainable.split(params, paths)
+    return trainable.join(train, Precision(precision).cast_params(frozen))
+
   abstract_model = in_context(nnx.eval_shape)(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef, abstract_params, abstract_rng, abstract_rest = nnx.split(
     abstract_model, nnx.Param, nnx.RngState, ...
@@ -233,9 +266,10 @@ def make_state(
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def around(weights):
+    params = frozen_in_compute_dtype(lora.with_adapters(weights["params"], adapters, config.seed))
     state = {
-      "params": weights["params"],
-      "opt_state": tx.init(weights["params"]),
+      "params": params,
+      "opt_state": tx.init(trainable.split(params, paths)[0]),
       "step": jnp.zeros((), jnp.int32),
       "updates": jnp.zeros((), jnp.int32),
       "bad_steps": jnp.zeros((), jnp.int32),
@@ -256,7 +290,11 @@ def make_state(
   # From each leaf's own shape: moments follow their parameters, factored ones
   # and a task's own state are split too (trainers/step/optim.py).
   opt_shardings = optim.opt_state_shardings(
-    abstract["opt_state"], abstract["params"], param_shardings, mesh, batch_axes
+    abstract["opt_state"],
+    trainable.split(abstract["params"], paths)[0],
+    trainable.split(param_shardings, paths)[0],
+    mesh,
+    batch_axes,
   )
   shardings = {
     "params": param_shardings,
@@ -271,6 +309,9 @@ def make_state(
   init = in_context(jitted)
   init.lower = in_context(jitted.lower)  # for memory analysis (what each device holds)
   weight_shardings = {k: shardings[k] for k in ("params", "model_state") if k in shardings}
+  # A warm start's weights are the base model's: a LoRA run's adapters start fresh.
+  if paths is not None:
+    weight_shardings["params"] = trainable.split(param_shardings, paths)[1]
   # The weights are donated: the state's parameters are their buffers, not copies.
   init_with_weights = in_context(
     jax.jit(around, in_shardings=(weight_shardings,), out_shardings=shardings, donate_argnums=0)
@@ -289,8 +330,11 @@ def make_state(
     placement=rows + [(f"model_state/{p}", s, w) for p, s, w in rest_rows],
     mesh=mesh,
     rules=rules,
-    precision=check_precision(config.train.get("precision", "float32")),
+    precision=precision,
     casts_own_weights=bool(getattr(abstract_model, "casts_own_weights", False)),
+    adapters=adapters,
+    trainable_paths=paths,
+    applies_lora=bool(getattr(abstract_model, "applies_lora", False)),
   )
 
 
@@ -312,12 +356,21 @@ def _rng_values(abstract_rng: Any, key: jax.Array) -> Any:
 
 
 def build_model(
-  setup: StateSetup, params: Any, model_state: Any = None, key: jax.Array | None = None
+  setup: StateSetup,
+  params: Any,
+  model_state: Any = None,
+  key: jax.Array | None = None,
+  merged: bool = False,
 ) -> nnx.Module:
   """The NNX model with these values (inside or outside jit).
 
   `key` seeds the model's own RNG streams, if it has any (default: key 0).
+  With adapters (`config.lora`) each target weight becomes `W + s A B`,
+  unless `merged` says `params` already hold it (`lora.merged`) or the
+  model applies its adapters itself (`StateSetup.applies_lora`).
   """
+  if setup.merges_adapters and not merged:
+    params = lora.merged(params, setup.adapters)
   states = [jax.tree.map(lambda x: x, setup.abstract_params)]
   nnx.replace_by_pure_dict(states[0], params)
   if jax.tree.leaves(setup.abstract_rng_state):

@@ -27,6 +27,7 @@ import optax
 
 import spmd
 from spmd.partition import NamedSpec
+from trainers.step import trainable
 from trainers.step.gradient_reduction import (
   flat_gradient_reduction,
   per_device_blocker,
@@ -111,7 +112,8 @@ def make_train_step(
   (`flat_gradient_reduction`); None decides it here.
   """
   check_micro_batches(config, mesh, batch_axes)
-  value_and_grad = jax.value_and_grad(loss_fn(setup, task, train=True), has_aux=True)
+  # With `config.lora`, gradients of the adapters only (`trainers.step.trainable`).
+  value_and_grad = trainable.value_and_grad(loss_fn(setup, task, train=True), setup.trainable_paths)
   branch = branch_on_nonfinite(config, mesh)
   if flat_reduce is None:
     blocker = per_device_blocker(setup, task, config.global_batch)
@@ -119,7 +121,7 @@ def make_train_step(
   sums_and_grads = _batch_sums_and_grads(value_and_grad, task, config.train.micro_batches)
   if flat_reduce:
     sums_and_grads = summed_as_one_vector(sums_and_grads, mesh, batch_axes)
-  update_if_finite = _update_if_finite(setup.tx, branch)
+  update_if_finite = _update_if_finite(setup.tx, branch, setup.trainable_paths)
 
   def train_step(state, batch):
     params, opt_state = state["params"], state["opt_state"]
@@ -225,18 +227,22 @@ def _accumulated(value_and_grad: Callable, micro: int, params, model_state, batc
   return loss_sum, weight, sums, model_state, grads
 
 
-def _update_if_finite(tx: optax.GradientTransformation, branch: bool) -> Callable:
+def _update_if_finite(
+  tx: optax.GradientTransformation, branch: bool, paths: frozenset | None = None
+) -> Callable:
   """`(finite, grads, opt_state, params, new_model_state, old_model_state) -> (params, opt_state, model_state)`.
 
   The optimizer's update when `finite`, else the old parameters, optimizer
   state and model state: through `lax.cond` when `branch`, else a select
-  over every leaf (see `branch_on_nonfinite`).
+  over every leaf (see `branch_on_nonfinite`). Only the parameters at
+  `paths` (None: all) are updated; the rest pass through as they are.
   """
 
   def update(operands):
     grads, opt_state, params, new_model_state, _ = operands
-    updates, new_opt = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt, new_model_state
+    train, frozen = trainable.split(params, paths)
+    updates, new_opt = tx.update(grads, opt_state, train)
+    return trainable.join(optax.apply_updates(train, updates), frozen), new_opt, new_model_state
 
   def keep(operands):
     _, opt_state, params, _, old_model_state = operands

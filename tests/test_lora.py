@@ -1,0 +1,285 @@
+"""LoRA (`config.lora`): adapters on a user's own NNX model and on the built-in Llama.
+
+Only the adapters train: the optimizer's state is theirs alone, the frozen
+weights come out of the steps bit for bit (in the compute dtype), step 0's
+loss is the base model's (B starts at zero), and both A and B get gradients.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from etils import epath
+from flax import nnx
+
+from configs import default, llama_tiny
+from spmd import hlo_matmuls
+from spmd.layout import batch_sharding
+from spmd.mesh import create_mesh
+from trainers.checkpoints import saved_run
+from trainers.checkpoints.damage import CheckpointError
+from trainers.config.checks import check_values, resolve
+from trainers.models import lora
+from trainers.planning import plan as plan_lib
+from trainers.planning import report, targets
+from trainers.step import trainable
+from trainers.step.loss import abstract_batch
+from trainers.step.state import build_model, make_state
+from trainers.step.train_step import make_train_step
+from trainers.tasks import Task, make_task
+
+
+class ConvNet(nnx.Module):
+  """A user's model: a convolution, then a dense layer (nothing of the built-in models)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+    self.dense = nnx.Linear(8 * 4 * 4, 5, rngs=rngs)
+
+  def __call__(self, x):
+    y = nnx.relu(self.conv(x))
+    return self.dense(y.reshape(y.shape[0], -1))
+
+
+def _loss(model, batch, rngs, train):
+  logits = model(batch["x"]).astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  return (losses * batch["mask"]).sum(), batch["mask"].sum(), {}
+
+
+def _task() -> Task:
+  return Task(
+    model=ConvNet,
+    loss=_loss,
+    prepare_data=lambda data_dir: "none",
+    record_template={"x": np.zeros((4, 4, 3), np.float32), "y": np.int32(0)},
+    to_example=lambda record: dict(record, mask=np.float32(1)),
+  )
+
+
+def _conv_config(precision="float32", targets="conv/kernel,dense/kernel"):
+  config = default.get_config()
+  config.global_batch = 8
+  config.train.precision = precision
+  config.train.warmup_steps = 0
+  config.train.learning_rate = 1e-2
+  config.lora.targets = targets
+  config.lora.rank = 2
+  config.lora.alpha = 6.0
+  return config
+
+
+def _conv_batch(mesh):
+  rng = np.random.default_rng(0)
+  spec = batch_sharding(mesh, ("data",))
+  return {
+    "x": jax.device_put(rng.normal(size=(8, 4, 4, 3)).astype(np.float32), spec),
+    "y": jax.device_put(rng.integers(0, 5, 8).astype(np.int32), spec),
+    "mask": jax.device_put(np.ones(8, np.float32), spec),
+  }
+
+
+def _base_loss(setup, state, task, batch):
+  """The loss of the model without adapters (its base weights as stored)."""
+  model = nnx.merge(
+    nnx.split(task.model(nnx.Rngs(0)))[0],
+    nnx.State(lora.base_weights(jax.device_get(state["params"]), setup.adapters)),
+  )
+  loss_sum, weight, _ = task.loss(model, jax.device_get(batch), None, True)
+  return float(loss_sum / weight)
+
+
+def _leaves(tree):
+  return {
+    jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+  }
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_only_adapters_train_on_a_users_conv_net(precision):
+  config, task = _conv_config(precision), _task()
+  mesh = create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)
+  state = setup.init()
+  train, frozen = trainable.split(state["params"], setup.trainable_paths)
+  assert sorted(_leaves(train)) == [
+    "['conv']['kernel_lora_a']",
+    "['conv']['kernel_lora_b']",
+    "['dense']['kernel_lora_a']",
+    "['dense']['kernel_lora_b']",
+  ]
+  # A conv kernel [3, 3, 3, 8]: A [3, 3, 3, r], B [r, 8]; B starts at zero.
+  assert train["conv"]["kernel_lora_a"].shape == (3, 3, 3, 2)
+  assert train["conv"]["kernel_lora_b"].shape == (2, 8)
+  assert not np.asarray(train["conv"]["kernel_lora_b"]).any()
+  compute = jnp.dtype(precision)
+  assert {x.dtype for x in jax.tree.leaves(frozen)} == {compute}
+  assert {x.dtype for x in jax.tree.leaves(train)} == {jnp.dtype(jnp.float32)}
+  # The optimizer's state holds the adapters' moments and nothing of the frozen weights.
+  adapter_size = sum(x.size for x in jax.tree.leaves(train))
+  moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+  assert sum(x.size for x in moments) == 2 * adapter_size  # adamw: mu and nu
+
+  batch = _conv_batch(mesh)
+  base = _base_loss(setup, state, task, batch)
+  frozen_before, train_before = _leaves(frozen), _leaves(train)  # the step donates the state
+  step = make_train_step(setup, task, config, mesh, ("data",))
+  state, metrics = step(state, batch)
+  assert float(metrics["loss"]) == pytest.approx(base, rel=1e-2 if precision != "float32" else 1e-6)
+  state, metrics = step(state, batch)
+  after, frozen_after = trainable.split(state["params"], setup.trainable_paths)
+  for name, value in frozen_before.items():
+    np.testing.assert_array_equal(_leaves(frozen_after)[name], value, err_msg=name)
+  # Both A and B moved: B from its zeros after the first step, A after the second.
+  for name, value in train_before.items():
+    assert not np.array_equal(_leaves(after)[name], value), name
+  assert float(metrics["loss"]) < base
+
+
+def test_llama_targets_by_short_name():
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, seq_len=8)
+  config.model.scan_layers = True  # stacked: A and B take the "layers" dim too
+  config.lora.targets = "q,k,v,o,gate,up,down"
+  config.lora.rank = 4
+  mesh = create_mesh("data=2,fsdp=4")
+  setup = make_state(make_task(config).model, config, mesh)
+  shapes = {"/".join(p): (a.a_shape, a.b_shape) for a in setup.adapters for p in [a.path]}
+  assert shapes["blocks/attn/query"] == ((2, 32, 4), (2, 4, 4, 8))
+  assert shapes["blocks/attn/out"] == ((2, 4, 8, 4), (2, 4, 32))
+  assert shapes["blocks/mlp/down"] == ((2, 64, 4), (2, 4, 32))
+  assert len(shapes) == 7
+  # Sharded by the weight's own logical names: A's input dims, B's output dims.
+  params = setup.shardings["params"]["blocks"]
+  spec = lambda sharding: tuple(sharding.spec) + (None,) * 4  # noqa: E731
+  assert spec(params["attn"]["query_lora_a"])[:3] == (*spec(params["attn"]["query"])[:2], None)
+  assert spec(params["mlp"]["down_lora_b"])[2] == spec(params["mlp"]["down"])[2]
+  assert spec(params["attn"]["query"])[1] == "fsdp"  # so the check above checks something
+
+
+@pytest.mark.parametrize(
+  "settings, message",
+  [
+    (dict(rank=0), "lora.rank=0 must be a positive integer"),
+    (dict(alpha=-1.0), "lora.alpha=-1.0 must be a number > 0"),
+    (dict(dropout=0.1), "lora.dropout=0.1 is not implemented yet"),
+    (dict(targets="q,(v"), "lora.targets: '(v' is not a regex"),
+  ],
+)
+def test_bad_settings_are_named(settings, message):
+  config = _conv_config()
+  config.lora.update(settings)
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    check_values(config)
+
+
+def test_a_target_that_matches_nothing_is_named():
+  config = llama_tiny.get_config()
+  config.lora.targets = "q,qkv_proj"
+  with pytest.raises(
+    ValueError, match="lora.targets: 'qkv_proj' matches no parameter of the model"
+  ):
+    resolve(config)  # which calls check_lora_targets
+
+
+def test_spmd_plan_shows_the_saving():
+  """Llama, rank 4 on all seven projections, bf16, FSDP over 8 H100 stand-ins: state only."""
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16)
+  config.model.scan_layers = True
+  config.mesh.ici = "data=1,fsdp=-1,tensor=1"
+  config.train.precision = "bfloat16"
+  config.lora.targets = "q,k,v,o,gate,up,down"
+  config.lora.rank = 4
+  plan = plan_lib.make_plan(config, targets.gpu_target("h100", 8), compile_step=False)
+  d, f, layers, r = 64, 128, 2, 4
+  # Per layer: q [d, 4, 16] and o [4, 16, d] have A or B of d x r and 64 x r; k, v
+  # [d, 2, 16]: d x r + r x 32; gate, up [d, f] and down [f, d]: (d + f) x r each.
+  adapters = layers * r * (2 * (d + 64) + 2 * (d + 32) + 3 * (d + f))
+  assert plan.lora.trainable_params == adapters and plan.lora.targets == 7
+  # The same state on the 8 CPU devices, split into the adapters and the frozen weights.
+  setup = make_state(make_task(config).model, config, create_mesh(config.mesh.ici))
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  train, frozen = trainable.split(state["params"], setup.trainable_paths)
+  assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+  counters = 5 * 4  # adam's count, the schedule's, step, updates, bad_steps (int32)
+  # adamw's two float32 moments, of the adapters alone.
+  assert plan.memory.optimizer_bytes == 2 * plan_lib.per_device_bytes(train) + counters
+  # Full fine-tuning: every weight in float32 with its two moments.
+  full_params = 2 * plan_lib.per_device_bytes(frozen)
+  assert plan.lora.full_params_bytes == full_params
+  assert plan.lora.full_optimizer_bytes == 2 * full_params + counters
+  text = report.format_plan(plan)
+  assert re.search(r"lora +rank 4 on 7 weights: [\d.]+M parameters train \([\d.]+%\)", text), text
+  assert "full fine-tuning: " in text
+
+
+def test_readers_of_whole_weights_refuse_a_lora_checkpoint(tmp_path):
+  """spmd-export, spmd-sample and --mode=eval read a checkpoint's weights through one function."""
+  (tmp_path / "4" / "data").mkdir(parents=True)
+  record = {"next_step": 4, "lora_base": {"source": "models/llama3", "hash": "0123456789abcdef"}}
+  (tmp_path / "4" / "data" / "metadata").write_text(json.dumps(record))
+  with pytest.raises(CheckpointError, match=r"holds LoRA adapters, not a whole model \(its base "):
+    saved_run.restore_weights(saved_run.CheckpointRef(epath.Path(tmp_path), 4))
+
+
+def _tiny_llama_config(targets="q,k,v,o,gate,up,down", scan_layers=True):
+  config = llama_tiny.get_config()
+  config.model.update(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, seq_len=8)
+  config.model.scan_layers = scan_layers
+  config.global_batch = 8
+  config.lora.targets = targets
+  config.lora.rank = 4
+  config.lora.alpha = 12.0
+  return config
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_llama_adds_the_low_rank_products_as_the_merged_weights_would(scan_layers):
+  """The built-in Llama applies its adapters itself: equal, in float32, to `W + s A B`."""
+  config = _tiny_llama_config(scan_layers=scan_layers)
+  task = make_task(config)
+  setup = make_state(task.model, config, create_mesh("data=-1"))
+  assert setup.applies_lora and not setup.merges_adapters
+  params = jax.device_get(setup.init()["params"])
+  rng = np.random.default_rng(0)
+  for adapter in setup.adapters:  # B at zero would show nothing
+    params = lora._set(params, adapter.b_path, rng.normal(size=adapter.b_shape).astype(np.float32))
+  tokens = jnp.asarray(rng.integers(0, config.model.vocab_size, (2, 8)), jnp.int32)
+  applied = build_model(setup, params)(tokens)
+  plain = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
+  merged = nnx.merge(
+    plain, nnx.State(lora.base_weights(lora.merged(params, setup.adapters), setup.adapters))
+  )
+  np.testing.assert_allclose(applied, merged(tokens), rtol=2e-5, atol=2e-5)
+  base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))
+  assert not np.allclose(applied, base(tokens), atol=1e-3)
+
+
+def _matmul_flops(config):
+  task = make_task(config)
+  mesh = create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)
+  state = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, ("data",)))
+  step = make_train_step(setup, task, config, mesh, ("data",))
+  return hlo_matmuls.matmul_flops(step.lower(state, batch).compile().as_text())
+
+
+def test_the_llama_computes_no_gradient_of_its_frozen_weights():
+  """A LoRA step's matmuls: forward and input gradients, no weight gradients (the issue's L3, in FLOPs)."""
+  config = _tiny_llama_config(targets="q,k,v,o,gate,up,down")
+  config.model.update(d_model=64, d_ff=128)
+  config.lora.rank = 1
+  lora_flops = _matmul_flops(config)
+  config.lora.targets = ""
+  full_flops = _matmul_flops(config)
+  assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)
