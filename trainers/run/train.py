@@ -235,6 +235,8 @@ def _restore(config, workdir: epath.Path, setup: StateSetup):
     setup.trainable_paths,
     peft.initial_adapters(config.lora.init_from, setup.adapters) if config.lora.init_from else None,
   )
+  if config.lora.init_from and restored.data_state is None:  # not resumed: the folder's adapters
+    restored.source += f", LoRA adapters from {config.lora.init_from}"
   return manager, restored
 
 
