@@ -29,8 +29,9 @@ from configs import hf
 from spmd.errors import UserError
 from tests.data_fixtures import training_data
 from tests.test_hf_weights import _config, _imported, _logits
-from trainers.checkpoints import export_cli, peft, saved_run
+from trainers.checkpoints import export_cli, hf_export, lora_export, peft, saved_run
 from trainers.checkpoints.damage import CheckpointError
+from trainers.config import resolve
 from trainers.hf.layouts import layout_for
 from trainers.hf.safetensors_files import TensorFile
 from trainers.models import lora
@@ -253,3 +254,32 @@ def test_a_run_from_a_folder_it_cannot_reproduce_stops_before_its_data(run, tmp_
   with pytest.raises(UserError, match=r"use_dora=True are not implemented"):
     train_and_evaluate(_run_config(run["folder"], data, folder), str(tmp_path / "run"))
   assert not (tmp_path / "no_data").exists()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_merged_weights_give_peft_logits(family, tmp_path):
+  """The merge on each family (qwen2: biases, tied embeddings), the adapters read from its folder."""
+  folder = f"{FIXTURES}/{family}"
+  config = hf.get_config(folder)
+  config.lora.targets, config.lora.rank, config.lora.alpha = "q,k,v,o,gate,up,down", 4, 12.0
+  run = lora_export.run_adapters(config, "--merge-lora")
+  adapters: dict = {}
+  for path, value in peft.read_adapters(f"{folder}_lora", run.adapters).items():
+    node = adapters
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  merged = lora_export.MergedWeights(pathlib.Path(folder), hf_export.InMemoryWeights(adapters), run)
+  hf_export.write_weights(tmp_path, merged, np.dtype(np.float32), hf_export.DEFAULT_MAX_SHARD_BYTES)
+  shutil.copy(f"{folder}/config.json", tmp_path / "config.json")
+  shutil.copy(f"{folder}/golden_tokens.npy", tmp_path / "golden_tokens.npy")
+  shutil.copy(f"{folder}_lora/golden_logits.npy", tmp_path / "golden_logits.npy")
+  logits, golden = _logits(_imported(tmp_path, _config(folder)), tmp_path)
+  np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_init_from_needs_the_targets_and_the_base():
+  config = hf.get_config(f"{FIXTURES}/llama3")
+  config.lora.init_from = f"{FIXTURES}/llama3_lora"
+  with pytest.raises(ValueError, match=r"lora.init_from=.* set lora.targets, lora.rank"):
+    resolve(config)
