@@ -12,6 +12,9 @@ adapters. From it: `spmd-export --format=peft` (the folder's tensors, bit
 for bit), `--format=safetensors --merge-lora` (peft's logits from the
 merged model), and the sampling and `--mode=eval` restore (peft's logits
 with the adapters applied, the base checked by its hash).
+
+Its own run, not a shared one: no other test starts from a peft folder, and
+one in-process step (about 20 s) is cheaper than a multi-process job.
 """
 
 from __future__ import annotations
