@@ -15,4 +15,6 @@ sharded train state, written by every host for its own shards) and `data`
   saved_arrays.py  a step's weights read by index ranges, a block at a time (the HF export's reader)
   export.py        the trained weights as one plain-array file; `export_cli.py` is `spmd-export`
   hf_export.py     a Llama run's weights as a Hugging Face folder (`spmd-export --format=safetensors`)
+  peft.py          LoRA adapters in peft's folder format: names, layout, adapter_config.json, read back
+  lora_export.py   a LoRA run's adapters as a peft folder (`--format=peft`), or merged (`--merge-lora`)
 """

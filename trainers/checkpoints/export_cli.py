@@ -10,7 +10,13 @@ that module describes the file and loads it back (`load_params`, `load_model`).
 writes a Llama run's checkpoint as a folder `transformers` loads
 (`trainers.checkpoints.hf_export`: config.json, model.safetensors or shards with their
 index, the tokenizer files), in the dtype of the files it was imported from
-unless `--dtype` says otherwise.
+unless `--dtype` says otherwise. A LoRA run's checkpoint holds adapters, not a model:
+
+  spmd-export --format=peft --workdir=W [--out=DIR]
+
+writes them as a `peft` adapter folder (adapter_config.json, adapter_model.safetensors;
+`trainers.checkpoints.peft`), and `--format=safetensors --merge-lora` the model with
+them merged into the base weights the run started from (`trainers.checkpoints.lora_export`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import sys
 import numpy as np
 
 from spmd import errors
-from trainers.checkpoints import export, hf_export
+from trainers.checkpoints import export, hf_export, lora_export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +42,12 @@ def _main(argv: list[str]) -> None:
   parser.add_argument(
     "--out", default=None, help="default: <workdir>/export/params_step_N.npz (hf_step_N/)"
   )
-  parser.add_argument("--format", choices=("npz", "safetensors"), default="npz")
+  parser.add_argument("--format", choices=("npz", "safetensors", "peft"), default="npz")
+  parser.add_argument(
+    "--merge-lora",
+    action="store_true",
+    help="safetensors, a LoRA run: the base weights with the adapters merged in",
+  )
   parser.add_argument(
     "--dtype",
     default=None,
@@ -47,6 +58,19 @@ def _main(argv: list[str]) -> None:
     "--max-shard-size", default="5GB", help="safetensors: the largest file before sharding"
   )
   args = parser.parse_args(argv)
+  if args.merge_lora and args.format != "safetensors":
+    parser.error(f"--merge-lora writes --format=safetensors, not --format={args.format}")
+  if args.format == "peft":
+    with errors.user_input(ValueError, FileNotFoundError):
+      adapters = lora_export.export_peft(
+        args.workdir, args.out, step=args.step, checkpoint=args.checkpoint
+      )
+    print(
+      f"spmd-export: step {adapters.step}, {adapters.parameters:,} adapter parameters -> "
+      f"{adapters.folder} ({', '.join(adapters.files)})",
+      flush=True,
+    )
+    return
   if args.format == "safetensors":
     with errors.user_input(ValueError, FileNotFoundError):
       done = hf_export.export(
@@ -56,6 +80,7 @@ def _main(argv: list[str]) -> None:
         checkpoint=args.checkpoint,
         dtype=args.dtype,
         max_shard_bytes=hf_export.parse_size(args.max_shard_size),
+        weights_of=lora_export.merged_weights if args.merge_lora else None,
       )
     print(
       f"spmd-export: step {done.step}, {done.parameters:,} parameters in {done.dtype} -> "

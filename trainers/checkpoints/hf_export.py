@@ -45,7 +45,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -310,8 +310,13 @@ def export(
   dtype: str | None = None,
   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
   read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
+  weights_of: Callable[[Any, saved_run.CheckpointRef], Any] | None = None,
 ) -> HFExport:
   """Writes the Llama run's checkpoint as a Hugging Face folder (see the module docstring).
+
+  `weights_of(config, ref)`: what to write in place of the checkpoint's
+  saved weights, read as `SavedWeights` reads (a LoRA run's merged model,
+  `trainers.checkpoints.lora_export.merged_weights`).
 
   Raises:
     ValueError: the run is not a Llama, `dtype` is not one of `EXPORT_DTYPES`,
@@ -325,6 +330,11 @@ def export(
     raise ValueError(
       f"--format=safetensors writes Llama-family models; the run's task is {config.task!r}"
     )
+  if weights_of is None and config.get("lora") and config.lora.targets:
+    raise ValueError(
+      "the run trained LoRA adapters (config.lora): --format=peft writes them as a peft "
+      "folder, --merge-lora the model with them merged into its base weights"
+    )
   fields = dataclasses.asdict(llama_config(config))
   init_from = config.checkpoint.init_from
   source = (
@@ -333,7 +343,8 @@ def export(
   dtype = dtype or _source_dtype(source)
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
   ref = saved_run.find_checkpoint(workdir, checkpoint, step)
-  saved = SavedWeights(ref)  # read a block at a time, whatever mesh saved it
+  # Read a block at a time, whatever mesh saved it.
+  saved = SavedWeights(ref) if weights_of is None else weights_of(config, ref)
   folder = (
     paths.user_path(out) if out else paths.user_path(workdir) / EXPORT_DIR / f"hf_step_{ref.step}"
   )

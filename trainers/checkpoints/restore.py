@@ -20,7 +20,9 @@ With LoRA (`trainable_paths`, the adapters' A and B) a checkpoint holds the
 adapters, their optimizer state and the counters, not the frozen weights:
 step 1 restores those and takes the frozen weights from step 2 or 3 (the
 same `init_from`, or the seed), and the run then checks that they are the
-ones the adapters were trained on (`trainers.checkpoints.lora_base`).
+ones the adapters were trained on (`trainers.checkpoints.lora_base`). In
+step 2 the adapters start from `initial_adapters` where given (a peft
+folder, `config.lora.init_from`), else A random and B zero.
 
 What cannot be restored is a `CheckpointError` naming the step, the directory
 and what is wrong, raised before any state is used (never a partial restore):
@@ -128,8 +130,13 @@ def restore_or_init(
   init_from: str = "",
   init_with_weights: Callable[[dict[str, Any]], Any] | None = None,
   trainable_paths: frozenset[tuple[str, ...]] | None = None,
+  initial_adapters: Callable[[Any], Any] | None = None,
 ) -> Restored:
   """Resumes, warm-starts or initialises, in the order in the module docstring.
+
+  `initial_adapters(target)`: with LoRA, the adapters a warm start begins
+  with, as global arrays shaped, typed and sharded as `target` (the
+  adapters' part of the parameters); None: A random, B zero.
 
   `init_with_weights(weights)`, for a warm start, is the initial state built
   around the restored weights (`trainers.step.state.StateSetup.init_with_weights`:
@@ -165,12 +172,15 @@ def restore_or_init(
       log.warning("%s has no update count (saved by an older version): set to its step", what)
       state = dict(state, **{UPDATES: _replicated_scalar(step, target[UPDATES])})
     if trainable_paths is not None:
-      initial = _initial(full_target, init, init_from, init_with_weights, trainable_paths)
+      # The frozen weights only: the adapters are the checkpoint's.
+      initial = initial_state(full_target, init, init_from, init_with_weights, trainable_paths)
       _, frozen = trainable.split(initial.state["params"], trainable_paths)
       state = dict(state, params=trainable.join(state["params"], frozen))
       log.info("frozen weights from %s", initial.source)
     return Restored(state, dict(restored["data"]), f"checkpoint step {step}", step)
-  return _initial(full_target, init, init_from, init_with_weights, trainable_paths)
+  return initial_state(
+    full_target, init, init_from, init_with_weights, trainable_paths, initial_adapters
+  )
 
 
 def saved_part(state: Any, trainable_paths: frozenset[tuple[str, ...]] | None) -> Any:
@@ -180,18 +190,27 @@ def saved_part(state: Any, trainable_paths: frozenset[tuple[str, ...]] | None) -
   return dict(state, params=trainable.split(state["params"], trainable_paths)[0])
 
 
-def _initial(
+def initial_state(
   target: Any,
   init: Callable[[], Any],
   init_from: str,
   init_with_weights: Callable[[dict[str, Any]], Any] | None,
   trainable_paths: frozenset[tuple[str, ...]] | None,
+  initial_adapters: Callable[[Any], Any] | None = None,
 ) -> Restored:
   """Steps 2 and 3 of the module docstring: a warm start or a fresh state."""
-  # The weights to read are the model's own: a LoRA run's adapters are new.
+  # The weights to read are the model's own: a LoRA run's adapters are new
+  # (or read by `initial_adapters`).
   params_target = target["params"]
   if trainable_paths is not None:
-    params_target = trainable.split(params_target, trainable_paths)[1]
+    adapters_target, params_target = trainable.split(params_target, trainable_paths)
+
+  def with_adapters(weights: dict[str, Any]) -> dict[str, Any]:
+    if initial_adapters is None:
+      return weights
+    adapters = initial_adapters(adapters_target)
+    return dict(weights, params=trainable.join(adapters, weights["params"]))
+
   # 2. Initial weights from a Hugging Face folder or another run: parameters
   # and model state only.
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
@@ -201,6 +220,7 @@ def _initial(
         "only, but the model has other variables (model_state)"
       )
     weights = {"params": hf_checkpoint.read_params(paths.user_path(init_from), params_target)}
+    weights = with_adapters(weights)
     state = init_with_weights(weights) if init_with_weights else dict(init(), **weights)
     return Restored(state, None, f"init_from {init_from} (Hugging Face)", 0)
   if init_from:
@@ -221,7 +241,7 @@ def _initial(
       what = "checkpoint.init_from " + checked_step(other, str(directory), other_step)
       wanted = {k: target[k] for k in WEIGHTS if k in target}
       wanted["params"] = params_target
-      weights = restore_weights(other, other_step, wanted, what, WARM_START_ADVICE)
+      weights = with_adapters(restore_weights(other, other_step, wanted, what, WARM_START_ADVICE))
     if init_with_weights is not None:
       state = init_with_weights(weights)
     else:

@@ -45,9 +45,10 @@ from trainers import paths
 from trainers.checkpoints import lora_base, reading, step_folders
 from trainers.checkpoints.damage import CheckpointError
 from trainers.checkpoints.manager import read_only_manager
-from trainers.checkpoints.restore import checked_step
+from trainers.checkpoints.restore import checked_step, initial_state
 from trainers.checkpoints.step_folders import COMMIT_MARKER, step_of
 from trainers.config import resolve
+from trainers.step import trainable
 from trainers.step.precision import PRECISIONS
 from trainers.tasks import BUILTIN_TASKS
 
@@ -294,13 +295,53 @@ def restore_weights(ref: CheckpointRef, target: dict[str, Any] | None = None) ->
     return reading.restore_weights(manager, ref.step, target, what)
 
 
-def _refuse_lora(ref: CheckpointRef) -> None:
-  """A LoRA checkpoint holds adapters, not a model: no reader of whole weights can use it yet."""
+def _lora_record(ref: CheckpointRef) -> dict | None:
+  """The base weights a LoRA checkpoint names (`lora_base`), or None for a whole model's."""
   record = ref.path / "data" / "metadata"
-  base = json.loads(record.read_text()).get(lora_base.KEY) if record.exists() else None
+  return json.loads(record.read_text()).get(lora_base.KEY) if record.exists() else None
+
+
+def _refuse_lora(ref: CheckpointRef) -> None:
+  """A LoRA checkpoint holds adapters, not a model: a reader of whole weights alone cannot use it."""
+  base = _lora_record(ref)
   if base is not None:
     raise CheckpointError(
       f"checkpoint step {ref.step} in {ref.directory} holds LoRA adapters, not a whole model "
-      f"(its base weights: {lora_base.BaseWeights(**base)}); exporting, sampling and "
-      "evaluating from a LoRA checkpoint are not implemented yet"
+      f"(its base weights: {lora_base.BaseWeights(**base)}); --format=npz and spmd-sample --cpu "
+      "cannot read it: spmd-export --format=peft or --merge-lora, spmd-sample on the run's "
+      "mesh and --mode=eval can"
     )
+
+
+def restore_run_weights(ref: CheckpointRef, setup: Any, config: ml_collections.ConfigDict) -> Any:
+  """`ref`'s weights on `setup`'s mesh (`trainers.step.state.StateSetup`): what evals and sampling read.
+
+  A whole model's checkpoint: `restore_weights` into the setup's shardings.
+  With LoRA (`setup.adapters`): the checkpoint's adapters, and the frozen
+  weights from where the run took them (`checkpoint.init_from`, or the
+  seed), checked against the base the checkpoint names (its content hash,
+  `lora_base`), as a resume checks them.
+
+  Raises:
+    CheckpointError: as `restore_weights`, or the base weights are not the
+      ones the adapters were trained on.
+  """
+  target = weights_target(setup.abstract, setup.shardings)
+  if not setup.adapters:
+    return restore_weights(ref, target)
+  paths = setup.trainable_paths
+  with _manager(ref.directory) as manager:
+    what = checked_step(manager, str(ref.directory), ref.step)
+    part = dict(target, params=trainable.split(target["params"], paths)[0])
+    adapters = reading.restore_weights(manager, ref.step, part, what)
+  full = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
+  )
+  init_from = config.checkpoint.init_from
+  initial = initial_state(full, setup.init, init_from, setup.init_with_weights, paths)
+  frozen = trainable.split(initial.state["params"], paths)[1]
+  source = init_from or f"fresh init (seed {config.seed})"
+  lora_base.check_same_base(
+    _lora_record(ref), lora_base.BaseWeights(source, lora_base.content_hash(frozen)), what
+  )
+  return dict(adapters, params=trainable.join(adapters["params"], frozen))

@@ -173,7 +173,13 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     )
   for spec in eval_specs(config.evals):
     read_items(spec)  # every row, now: a bad one fails before data preparation
-  lora.settings_from_config(config.lora)  # rank, alpha, dropout, the patterns
+  settings = lora.settings_from_config(config.lora)  # rank, alpha, dropout, the patterns
+  if config.lora.init_from and (settings is None or not config.checkpoint.init_from):
+    raise ValueError(
+      f"lora.init_from={config.lora.init_from!r} starts adapters on the base weights they were "
+      "trained on: set lora.targets, lora.rank and lora.alpha as the folder has them, and "
+      "checkpoint.init_from to the base model's folder"
+    )
 
 
 def check_lora_targets(config: ml_collections.ConfigDict) -> None:

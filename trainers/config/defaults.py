@@ -158,6 +158,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora.rank = 16
   config.lora.alpha = 16.0  # the adapters' scale is alpha / rank
   config.lora.dropout = 0.0  # only 0.0 for now
+  # A peft adapter folder (adapter_config.json, adapter_model.safetensors) to start
+  # the adapters from, on the base weights of checkpoint.init_from; "" = A random, B 0.
+  config.lora.init_from = ""
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 200
   config.checkpoint.keep = 3  # the last K ...

@@ -170,9 +170,7 @@ def _evaluate_run(
       "data": batches.fingerprint,
     },
   )
-  weights = saved_run.restore_weights(
-    ref, saved_run.weights_target(setup.abstract, setup.shardings)
-  )
+  weights = saved_run.restore_run_weights(ref, setup, config)  # a LoRA run's with its base
   eval_step = make_eval_step(setup, task, mesh, batch_axes)
   with watchdog.phase("an eval", config.eval_timeout_s, "eval_timeout_s"):
     metrics = evaluate_batches(eval_step, batches, weights, config.eval_batches)

@@ -29,9 +29,9 @@ import ml_collections
 from etils import epath
 
 import spmd
-from spmd import multihost
+from spmd import errors, multihost
 from trainers import paths
-from trainers.checkpoints import lora_base
+from trainers.checkpoints import lora_base, peft
 from trainers.checkpoints.manager import make_manager
 from trainers.checkpoints.restore import restore_or_init, saved_part
 from trainers.checkpoints.saver import Saver
@@ -122,6 +122,9 @@ def _train_and_evaluate(
   setup = make_state(task.model, config, mesh, batch_axes, task.optimizer)
   metric_names = task_metrics.loss_metric_names(setup, task, config.global_batch)
   evals = EvalRunner.build(config, setup, task, batch_axes)  # its files read, before any data
+  if config.lora.init_from:  # a peft folder we cannot reproduce is refused before any data
+    with errors.user_input(ValueError, FileNotFoundError):
+      peft.check_folder(paths.user_path(config.lora.init_from), setup.adapters)
   train_batches, eval_batches = _open_run_data(config, task, workdir, mesh, batch_axes, watchdog)
   if evals is not None:
     # Process 0 copies the run's tokenizer into the workdir once the data is
@@ -230,7 +233,10 @@ def _restore(config, workdir: epath.Path, setup: StateSetup):
     config.checkpoint.init_from,
     setup.init_with_weights,
     setup.trainable_paths,
+    peft.initial_adapters(config.lora.init_from, setup.adapters) if config.lora.init_from else None,
   )
+  if config.lora.init_from and restored.data_state is None:  # not resumed: the folder's adapters
+    restored.source += f", LoRA adapters from {config.lora.init_from}"
   return manager, restored
 
 

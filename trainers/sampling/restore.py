@@ -88,9 +88,7 @@ def restore_model(
       "or --cpu decodes on one CPU device"
     ) from e
   setup = make_state(make_task(config).model, config, mesh, batch_axes)
-  weights = saved_run.restore_weights(
-    ref, saved_run.weights_target(setup.abstract, setup.shardings)
-  )
+  weights = saved_run.restore_run_weights(ref, setup, config)  # a LoRA run's with its base
   model = build_model(setup, weights["params"], weights.get("model_state"))
   model.eval()
   multiple = math.prod(mesh.shape[a] for a in batch_axes)

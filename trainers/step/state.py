@@ -316,6 +316,22 @@ def make_state(
   init_with_weights = in_context(
     jax.jit(around, in_shardings=(weight_shardings,), out_shardings=shardings, donate_argnums=0)
   )
+  if paths is not None:
+    # Or the base's weights with the adapters' own (`lora.init_from`, a peft folder).
+    with_adapters = in_context(
+      jax.jit(
+        around,
+        in_shardings=(dict(weight_shardings, params=param_shardings),),
+        out_shardings=shardings,
+        donate_argnums=0,
+      )
+    )
+    base_only = init_with_weights
+
+    def init_with_weights(weights):
+      has_adapters = trainable.split(weights["params"], paths)[0]
+      return (with_adapters if has_adapters else base_only)(weights)
+
   return StateSetup(
     graphdef=graphdef,
     abstract_params=abstract_params,
