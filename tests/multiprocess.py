@@ -46,5 +46,37 @@ def run_worker(
   )
 
 
+def run_trainer(
+  args: list[str],
+  *,
+  num_processes: int,
+  devices_per_process: int,
+  cache: str,
+  timeout_s: float = 240,
+  env: dict[str, str] | None = None,
+) -> LocalJobResult:
+  """`spmd-train ARGS` (`python -m trainers.run.train_cli`) as a job of `num_processes`.
+
+  `cache`: the compilation cache the test's runs share, so each layout
+  compiles once. Not checked: a test of a refusal reads the result itself.
+  """
+  extra = {
+    "PYTHONPATH": str(ROOT),
+    "SPMD_AGREEMENT_TIMEOUT_S": "60",
+    "JAX_COMPILATION_CACHE_DIR": cache,
+    **(env or {}),
+  }
+  return run_local(
+    [sys.executable, "-m", "trainers.run.train_cli", *args],
+    num_processes=num_processes,
+    devices_per_process=devices_per_process,
+    timeout_s=timeout_s,
+    grace_s=10,
+    echo=False,
+    cwd=str(ROOT),
+    env=extra,
+  )
+
+
 def assert_ok(result: LocalJobResult) -> None:
   assert result.ok, result.report()

@@ -178,7 +178,9 @@ def test_the_shapes_are_the_issues_llamas_and_their_figures_are_the_charts():
     assert 300e6 <= s["params"] <= 1e9 and 1024 <= s["seq_len"] <= 4096, (name, s)
     # The MXU's width: every matmul dimension a multiple of 128.
     assert s["d_model"] // s["num_heads"] == 128 and s["d_ff"] % 256 == 0, (name, s)
-    assert s["rows"] * s["seq_len"] >= 16384, (name, s)  # tokens enough to keep the MXU busy
+    # Tokens enough to keep the MXU busy: the MHA shape's 6 x 2048 ran at 59.3 %
+    # MFU on the chip, faster than at 8 rows (56.9 %), where memory was tight.
+    assert s["rows"] * s["seq_len"] >= 12288, (name, s)
   assert shapes["mha"]["num_kv_heads"] == shapes["mha"]["num_heads"]
   assert shapes["long"]["seq_len"] == 4096
   figures = {shape.figure for shape in tpu_shapes.SHAPES.values()}

@@ -15,13 +15,11 @@ same bytes.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from launch.local import run_local
-from tests.multiprocess import ROOT
+from tests.multiprocess import ROOT, run_trainer
 from tests.shared_runs import llama_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,19 +31,8 @@ TIMED = ("seconds", "tokens_per_s")
 
 
 def _launch(data: dict, args: list[str], processes: int, devices: int):
-  result = run_local(
-    [sys.executable, "-m", "trainers.run.train_cli", *args],
-    num_processes=processes,
-    devices_per_process=devices,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={
-      "PYTHONPATH": str(ROOT),
-      "SPMD_AGREEMENT_TIMEOUT_S": "60",
-      "JAX_COMPILATION_CACHE_DIR": data["cache"],
-    },
+  result = run_trainer(
+    args, num_processes=processes, devices_per_process=devices, cache=data["cache"]
   )
   assert result.ok, result.report()
   return result

@@ -17,13 +17,11 @@ import json
 import re
 import shutil
 import struct
-import sys
 
 import pytest
 
-from launch.local import run_local
 from tests.data_fixtures import training_data
-from tests.multiprocess import ROOT
+from tests.multiprocess import ROOT, run_trainer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -32,9 +30,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama3"
 
 def _train(data, workdir, folder, num_processes, devices, *overrides):
   command = [
-    sys.executable,
-    "-m",
-    "trainers.run.train_cli",
     f"--config={ROOT / 'configs' / 'hf.py'}:{folder}",
     f"--workdir={workdir}",
     f"--config.data.dir={data['dir']}",
@@ -55,15 +50,12 @@ def _train(data, workdir, folder, num_processes, devices, *overrides):
     "--config.lora.alpha=8.0",
     *overrides,
   ]
-  return run_local(
+  return run_trainer(
     command,
     num_processes=num_processes,
     devices_per_process=devices,
+    cache=data["cache"],
     timeout_s=300,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
   )
 
 
