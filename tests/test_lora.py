@@ -32,7 +32,8 @@ from trainers.models import lora
 from trainers.planning import plan as plan_lib
 from trainers.planning import report, targets
 from trainers.step import trainable
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, model_weights
+from trainers.step.precision import Precision
 from trainers.step.state import build_model, make_state
 from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, make_task
@@ -356,32 +357,29 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
   neither differentiated nor carried through the scan), the frozen weights
   stay bfloat16 and bit for bit, and the adapters float32, as with one batch.
   """
+  config = _tiny_llama_config()
+  config.train.precision = "bfloat16"
+  config.global_batch = 16
+  config.train.optimizer, config.train.momentum = "sgd", 0.0  # the update is the gradient
+  config.train.warmup_steps, config.train.learning_rate = 0, 1.0
+  config.train.weight_decay = 0.0
+  task, mesh = make_task(config), create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)  # micro_batches changes the step alone
+  before = _with_random_b(setup, jax.device_get(setup.init()["params"]))
+  tokens = np.random.default_rng(1).integers(1, config.model.vocab_size, (16, 9), np.int32)
+  rows = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((16, 8), np.int32),
+    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
+    "mask": np.ones((16, 8), np.float32),
+  }
+  batch = jax.device_put(rows, batch_sharding(mesh, ("data",)))
   results = {}
   for micro in (1, 2):
-    config = _tiny_llama_config()
-    config.train.precision = "bfloat16"
     config.train.micro_batches = micro
-    config.global_batch = 16
-    config.train.optimizer, config.train.momentum = "sgd", 0.0  # the update is the gradient
-    config.train.warmup_steps, config.train.learning_rate = 0, 1.0
-    config.train.weight_decay = 0.0
-    task = make_task(config)
-    mesh = create_mesh("data=-1")
-    setup = make_state(task.model, config, mesh)
     state = setup.init()
-    state["params"] = jax.device_put(
-      _with_random_b(setup, jax.device_get(state["params"])), setup.shardings["params"]
-    )
-    before = jax.device_get(state["params"])
-    tokens = np.random.default_rng(1).integers(1, config.model.vocab_size, (16, 9), np.int32)
-    rows = {
-      "inputs": tokens[:, :-1],
-      "targets": tokens[:, 1:],
-      "segment_ids": np.ones((16, 8), np.int32),
-      "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
-      "mask": np.ones((16, 8), np.float32),
-    }
-    batch = jax.device_put(rows, batch_sharding(mesh, ("data",)))
+    state["params"] = jax.device_put(before, setup.shardings["params"])
     state, metrics = make_train_step(setup, task, config, mesh, ("data",))(state, batch)
     train, frozen = trainable.split(jax.device_get(state["params"]), setup.trainable_paths)
     assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
@@ -398,3 +396,20 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
     np.testing.assert_allclose(
       _leaves(two_moved)[name], value, rtol=2e-2, atol=2e-3 * np.abs(value).max(), err_msg=name
     )
+
+
+def test_the_weights_a_merging_model_is_built_with_are_the_steps_under_bfloat16():
+  """A model handed `W + s A B` (a user's): merged in float32, then cast as W is.
+
+  The train step, the eval step and the evals' scorer build the model
+  through `model_weights`; casting A and B first and merging after would
+  hand the scorer float32 weights, computed otherwise than in training.
+  """
+  config, task = _conv_config("bfloat16"), _task()
+  setup = make_state(task.model, config, create_mesh("data=-1"))
+  assert setup.merges_adapters and not setup.casts_own_weights
+  params = _with_random_b(setup, jax.device_get(setup.init()["params"]))
+  weights = model_weights(setup, Precision("bfloat16"), params)
+  expected = lora.merged(params, setup.adapters)["conv"]["kernel"].astype(jnp.bfloat16)
+  assert weights["conv"]["kernel"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(weights["conv"]["kernel"], expected)
