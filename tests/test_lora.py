@@ -286,9 +286,12 @@ def test_the_llama_computes_no_gradient_of_its_frozen_weights():
   config.model.update(d_model=64, d_ff=128)
   config.lora.rank = 1
   lora_flops = _matmul_flops(config)
+  lora_model_flops = make_task(config).flops_per_step  # the MFU a LoRA run reports counts these
   config.lora.targets = ""
   full_flops = _matmul_flops(config)
   assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)
+  model_ratio = lora_model_flops / make_task(config).flops_per_step
+  assert model_ratio == pytest.approx(lora_flops / full_flops, abs=0.1), model_ratio
 
 
 EVALS = "examples/evals"
