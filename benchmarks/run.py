@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, D1-D3, I1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -21,6 +21,10 @@ counts and process layouts):
                                     M1-xla the same with XLA's attention
   M2      benchmarks/pod_flops.py   compiled FLOPs per device of llama3_8b on v5p-256
                                     (libtpu), fsdp_tp vs pure FSDP: nothing timed
+  L1      benchmarks/lora_memory.py Llama-3-8B's bytes per device on v5e-8 (pure FSDP,
+                                    8192 tokens, one row a device, libtpu), LoRA rank 16
+                                    on the 7 projections ÷ full fine-tuning; goal: full
+                                    does not fit and LoRA does, by the plan's verdicts
   D1-D3   benchmarks/data_prep.py   data.sources prepared by 4 processes: the largest
                                     share of tokens, peak RSS and time to the first
                                     step as a generated corpus grows 4x
@@ -79,6 +83,7 @@ BENCHMARKS = [
   ("llama", ("P10",), {}),
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
+  ("lora_memory", ("L1",), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),
 ]

@@ -323,6 +323,25 @@ def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
   assert rows["M1-xla"]["detail"].startswith("xla: "), rows["M1-xla"]["detail"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
+def test_the_lora_memory_figure_flips_the_verdicts_on_one_layer_of_llama3_8b(tmp_path):
+  # L1 compiles Llama-3-8B for v5e-8 twice (minutes). One of its layers at 256
+  # tokens on one v5e chip keeps its 128k-row tables (1.27B parameters): full
+  # fine-tuning's float32 state alone (16 B a parameter) overflows the chip and
+  # LoRA's bf16 weights do not, so both verdicts are the compiler's, as L1's.
+  out = tmp_path / "l1.json"
+  shrunk = ["--topology=v5e-1", "--num-layers=1", "--seq-len=256"]
+  done = _run_module("benchmarks.lora_memory", *shrunk, f"--json={out}")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  [row] = json.loads(out.read_text())
+  assert row["id"] == "L1" and 0 < row["value"] < 0.5 and row["meets_goal"] is True, row
+  assert row["goal"] == "full does not fit, LoRA fits"
+  lora, full = row["detail"].split("; full ")
+  assert lora.startswith("LoRA ") and "fits (by the compiler)" in lora, row["detail"]
+  assert "does not fit (by the compiler)" in full, row["detail"]
+
+
 def test_a_figure_without_a_goal_shows_a_dash():
   r = common.row("P3-gpu", "MFU", 0.41, None, False, "detail", "machine")
   assert r["meets_goal"] is None and r["goal"] == "—"
