@@ -208,6 +208,7 @@ def largest(
     if args.topology:
       entry[f"{mode}_plan"] = planned(config, args.topology)
       print(f"{size.name} {mode}: plan {entry[f'{mode}_plan']}", flush=True)
+      _keep(args, entries)
       if entry[f"{mode}_plan"]["fits"] is False:
         continue
     folder = work / "folders" / size.name
@@ -217,9 +218,16 @@ def largest(
     finally:
       shutil.rmtree(folder, ignore_errors=True)  # gigabytes a size
     print(f"{size.name} {mode}: run {entry[mode]}", flush=True)
+    _keep(args, entries)
     if "error" not in entry[mode]:
       return size
   return None
+
+
+def _keep(args: argparse.Namespace, entries: dict) -> None:
+  """The sizes so far in `--out`.partial: a run stopped by its time limit keeps what it measured."""
+  if args.out:
+    Path(args.out + ".partial").write_text(json.dumps(entries, indent=1, default=str))
 
 
 def _params(config) -> int:
