@@ -39,11 +39,20 @@ SHAPE = dict(
 RESULT = "hf_import_result:"
 
 
-def write_folder(folder: str, layers: int, seed: int = 0, vocab_size: int | None = None) -> int:
+def write_folder(
+  folder: str,
+  layers: int,
+  seed: int = 0,
+  vocab_size: int | None = None,
+  shape: dict | None = None,
+  max_position_embeddings: int = 2048,
+) -> int:
   """A random bf16 Llama folder with `layers` layers, one shard per layer; its parameter count.
 
   `vocab_size` replaces `SHAPE`'s (the embedding and output tables are most
-  of a one-layer folder: a test shrinks them).
+  of a one-layer folder: a test shrinks them); `shape` replaces `SHAPE`
+  whole (config.json's fields, `head_dim` among them when it is not
+  hidden_size / heads: `benchmarks.tpu_lora`'s family).
   """
   import ml_dtypes
 
@@ -51,19 +60,21 @@ def write_folder(folder: str, layers: int, seed: int = 0, vocab_size: int | None
 
   os.makedirs(folder, exist_ok=True)
   rng = np.random.default_rng(seed)
-  shape = dict(SHAPE, vocab_size=vocab_size or SHAPE["vocab_size"])
+  shape = dict(shape or SHAPE)
+  shape["vocab_size"] = vocab_size or shape["vocab_size"]
   d, f, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-  head_dim = d // SHAPE["num_attention_heads"]
-  kv = SHAPE["num_key_value_heads"] * head_dim
+  head_dim = shape.get("head_dim", d // shape["num_attention_heads"])
+  q = shape["num_attention_heads"] * head_dim
+  kv = shape["num_key_value_heads"] * head_dim
 
   def random(*shape):
     return (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
 
   shapes = {
-    "self_attn.q_proj.weight": (d, d),
+    "self_attn.q_proj.weight": (q, d),
     "self_attn.k_proj.weight": (kv, d),
     "self_attn.v_proj.weight": (kv, d),
-    "self_attn.o_proj.weight": (d, d),
+    "self_attn.o_proj.weight": (d, q),
     "mlp.gate_proj.weight": (f, d),
     "mlp.up_proj.weight": (f, d),
     "mlp.down_proj.weight": (d, f),
@@ -94,7 +105,7 @@ def write_folder(folder: str, layers: int, seed: int = 0, vocab_size: int | None
     "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": max_position_embeddings,
     "torch_dtype": "bfloat16",
     **shape,
   }

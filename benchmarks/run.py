@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, D1-D3, I1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -21,6 +21,10 @@ counts and process layouts):
                                     M1-xla the same with XLA's attention
   M2      benchmarks/pod_flops.py   compiled FLOPs per device of llama3_8b on v5p-256
                                     (libtpu), fsdp_tp vs pure FSDP: nothing timed
+  L1      benchmarks/lora_memory.py Llama-3-8B's bytes per device on v5e-8 (pure FSDP,
+                                    8192 tokens, one row a device, libtpu), LoRA rank 16
+                                    on the 7 projections ÷ full fine-tuning; goal: full
+                                    does not fit and LoRA does, by the plan's verdicts
   D1-D3   benchmarks/data_prep.py   data.sources prepared by 4 processes: the largest
                                     share of tokens, peak RSS and time to the first
                                     step as a generated corpus grows 4x
@@ -40,16 +44,18 @@ agree with `latest.json`. With `--only`, only those figures are replaced
 (each row keeps its own date).
 
 The chip's figures (P4-tpu, P9, P11, PL1-PL3, P9 at two more shapes, P9-mha
-and P9-long, the decode speeds S1 and S2 and the eval speed E1: `TPU_FIGURES`)
-come from the JSON of the TPU check (`benchmarks/tpu_check.sh` on a TPU
-machine), of the shapes' runs (`benchmarks/tpu_shapes.sh`), of
-`benchmarks.tpu_sample` and of `benchmarks.tpu_evals`, merged without running
+and P9-long, the decode speeds S1 and S2, the eval speed E1 and LoRA's L2
+and L3: `TPU_FIGURES`) come from the JSON of the TPU check
+(`benchmarks/tpu_check.sh` on a TPU machine), of the shapes' runs
+(`benchmarks/tpu_shapes.sh`), of `benchmarks.tpu_sample`, of
+`benchmarks.tpu_evals` and of `benchmarks.tpu_lora`, merged without running
 anything here:
 
   python -m benchmarks.run --from-tpu-check=tpu_check.json [--only=P9,P11] --update-readme
   python -m benchmarks.run --from-tpu-check=tpu_shapes.json --only=P9-mha,P9-long --update-readme
   python -m benchmarks.run --from-tpu-check=tpu_sample.json --only=S1,S2 --update-readme
   python -m benchmarks.run --from-tpu-check=e1.json --only=E1 --update-readme
+  python -m benchmarks.run --from-tpu-check=tpu_lora.json --only=L2,L3 --update-readme
 
 `make bench` runs and replaces the CPU figures and keeps the chip's.
 """
@@ -79,12 +85,27 @@ BENCHMARKS = [
   ("llama", ("P10",), {}),
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
+  ("lora_memory", ("L1",), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),
 ]
 # Measured on a TPU chip by benchmarks/tpu_check.py, and P9 at the shapes of
 # benchmarks/tpu_shapes.py (its SHAPES' figures), merged by --from-tpu-check.
-TPU_FIGURES = ("P4-tpu", "P9", "P9-mha", "P9-long", "P11", "PL1", "PL2", "PL3", "S1", "S2", "E1")
+TPU_FIGURES = (
+  "P4-tpu",
+  "P9",
+  "P9-mha",
+  "P9-long",
+  "P11",
+  "PL1",
+  "PL2",
+  "PL3",
+  "S1",
+  "S2",
+  "E1",
+  "L2",
+  "L3",
+)
 LATEST = os.path.join(ROOT, "benchmarks", "latest.json")
 README = os.path.join(ROOT, "README.md")
 PERFORMANCE_DOC = os.path.join(ROOT, "docs", "performance.md")
@@ -160,6 +181,8 @@ def tpu_rows(report: dict) -> list[dict]:
   figure = _chip_figure(report)
   if report.get("figure") == "E1":  # benchmarks.tpu_evals' report
     return [eval_row(report)]
+  if report.get("figure") == "L2":  # benchmarks.tpu_lora's: L2 and L3
+    return lora_rows(report)
   if isinstance(report.get("rows"), list):  # benchmarks.tpu_sample's: a row a batch size
     return sample_rows(report)
   if "rows" not in report:  # the shapes' report: no row counts of the check
@@ -327,6 +350,68 @@ def eval_row(report: dict) -> dict:
     f"{e['pass_s']:.2f} s a pass, {e['tokens_per_s']:,.0f} against {report['train_tokens_per_s']:,.0f} "
     "tokens/s",
   )
+
+
+def lora_rows(report: dict) -> list[dict]:
+  """L2 and L3 from `benchmarks.tpu_lora`'s report: the largest LoRA fine-tune, LoRA's step ÷ full's.
+
+  Example:
+    >>> report = {"device_kind": "TPU v5 lite", "jax": "0.10.2", "date": "2026-12-07",
+    ...   "command": "python3 -m benchmarks.tpu_lora --out=/x/l.json", "figure": "L2", "rows": 4,
+    ...   "seq_len": 2048, "rank": 16, "sizes": {"d1024_l16": {"d_model": 1024, "num_layers": 16,
+    ...   "params": 5.06e8, "full_plan": {"fits": True}}, "d2048_l8": {"d_model": 2048,
+    ...   "num_layers": 8, "params": 9.8e8, "full_plan": {"fits": False}}},
+    ...   "l2": {"size": "d3072_l28", "params": 4.27e9, "tokens_per_s": 4100.0, "mfu": 0.41,
+    ...          "step_s": 2.0}, "full_stops": {"size": "d1024_l16", "params": 5.06e8,
+    ...   "next": {"size": "d2048_l8", "params": 9.8e8, "full_plan": {"fits": False}}},
+    ...   "l3": {"size": "d1024_l16", "params": 5.06e8, "lora_step_s": 0.3, "full_step_s": 0.4,
+    ...          "value": 0.75}}
+    >>> [(r["id"], r["value"], r["meets_goal"]) for r in lora_rows(report)]
+    [('L2', 4.27, True), ('L3', 0.75, True)]
+    >>> lora_rows(report)[0]["detail"].split("step; ")[-1]
+    'full fine-tuning stops at d1024_l16 (0.51B), below d2048_l8 (0.98B), which does not fit'
+  """
+  figure = _chip_figure(report)
+  rows, seq = report["rows"], report["seq_len"]
+  out = []
+  full = report.get("full_stops")
+  stops = "full fine-tuning runs no size of the family"
+  if full:
+    stops = f"full fine-tuning stops at {full['size']} ({full['params'] / 1e9:.2f}B)"
+    above = full.get("next")
+    if above:
+      stops += f", below {above['size']} ({above['params'] / 1e9:.2f}B), which does not fit"
+  if report.get("l2"):
+    l2 = report["l2"]
+    out.append(
+      figure(
+        "L2",
+        f"the largest Llama LoRA fine-tunes on one TPU chip from an HF folder of bf16 weights "
+        f"(rank {report['rank']} on the 7 projections, {rows} rows x {seq} tokens), in billions "
+        "of parameters",
+        l2["params"] / 1e9,
+        4.0,
+        False,
+        f"{l2['size']} (Llama 3's proportions): {l2['tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{l2['mfu']:.1%} on forward + input-gradient FLOPs, {l2['step_s'] * 1e3:.0f} ms a "
+        f"step; {stops}",
+      )
+    )
+  if report.get("l3"):
+    l3 = report["l3"]
+    out.append(
+      figure(
+        "L3",
+        f"the LoRA step ÷ the full fine-tuning step on one TPU chip, same Llama and rows "
+        f"({rows} x {seq} tokens)",
+        l3["value"],
+        0.8,
+        True,
+        f"{l3['size']} ({l3['params'] / 1e9:.2f}B), the largest that full fine-tuning runs: "
+        f"{l3['lora_step_s'] * 1e3:.1f} vs {l3['full_step_s'] * 1e3:.1f} ms",
+      )
+    )
+  return out
 
 
 def shape_rows(report: dict) -> list[dict]:

@@ -138,7 +138,25 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   e1.update(value=3.75, config="configs/x.py", train_tokens_per_s=36792.5)
   e1["eval"] = {"items": 1000, "choices": 4, "scored_tokens": 920246, "rows": 456}
   e1["eval"].update(row_fill=1.0, pass_s=6.7, tokens_per_s=138055.1)
-  for name, report, figures in (("s.json", sample, "S1,S2"), ("e1.json", e1, "E1")):
+  lora = {
+    **header,
+    "command": "python3 -m benchmarks.tpu_lora --out=/x/l.json",
+    "figure": "L2",
+    "rows": 4,
+    "seq_len": 2048,
+    "rank": 16,
+    "l2": {"size": "d3072_l28", "params": 4.27e9, "tokens_per_s": 4100.0, "mfu": 0.4, "step_s": 2},
+    "full_stops": {"size": "d1024_l16", "params": 5.06e8},
+    "l3": {
+      "size": "d1024_l16",
+      "params": 5.06e8,
+      "lora_step_s": 0.3,
+      "full_step_s": 0.4,
+      "value": 0.75,
+    },
+  }
+  reports = (("s.json", sample, "S1,S2"), ("e1.json", e1, "E1"), ("l.json", lora, "L2,L3"))
+  for name, report, figures in reports:
     (tmp_path / name).write_text(json.dumps(report))
     argv = ["run", f"--from-tpu-check={tmp_path / name}", f"--only={figures}", "--update-readme"]
     monkeypatch.setattr(sys, "argv", argv)
@@ -148,6 +166,7 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   assert set(chip) == set(run.TPU_FIGURES), sorted(chip)
   assert chip["S1"]["value"] == 0.7998 and not chip["S1"]["meets_goal"], chip["S1"]
   assert chip["E1"]["value"] == 3.75 and chip["E1"]["meets_goal"], chip["E1"]
+  assert chip["L2"]["value"] == 4.27 and chip["L3"]["meets_goal"], (chip["L2"], chip["L3"])
   assert [r for r in rows if r["id"] not in run.TPU_FIGURES] == cpu_rows
   assert chip["P9"]["value"] == 0.61 and chip["P9"]["meets_goal"]
   assert (
@@ -155,7 +174,8 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
   )
   assert "`benchmarks/tpu_check.sh --tuning=t.json`" in chip["P11"]["machine"]
-  from_check = [r for r in chip.values() if r["id"] not in ("P9-mha", "P9-long", "S1", "S2", "E1")]
+  others = ("P9-mha", "P9-long", "S1", "S2", "E1", "L2", "L3")
+  from_check = [r for r in chip.values() if r["id"] not in others]
   assert all(r["date"] == "2026-12-05" for r in from_check)
   assert chip["P9-mha"]["meets_goal"] and not chip["P9-long"]["meets_goal"]
   assert chip["P9-long"]["date"] == "2026-12-07" and chip["P9-long"]["value"] == 0.57
@@ -187,20 +207,30 @@ def test_the_shapes_are_the_issues_llamas_and_their_figures_are_the_charts():
   assert figures <= set(run.TPU_FIGURES), figures
 
 
-def test_the_shapes_mfu_is_spmd_trains_own_after_the_compile_and_merges(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_chip_runs(tmp_path_factory):
+  """A corpus and a workdir whose prepared data the `--tiny` chip scripts share (read, not changed)."""
+  from tests.data_fixtures import write_training_text
+
+  root = tmp_path_factory.mktemp("tiny_chip_runs")
+  # Enough files that the default 2 % holds one out for the run's eval.
+  return {"source": write_training_text(root, files=100, words=200), "workdir": root / "runs"}
+
+
+def test_the_shapes_mfu_is_spmd_trains_own_after_the_compile_and_merges(
+  tmp_path, monkeypatch, tiny_chip_runs
+):
   """P9-mha's CPU path (`benchmarks.tpu_shapes --tiny`), in this process: no process started.
 
   The figure is the run's own `mfu` from metrics.jsonl, without the first
   log interval's step (the compile's), and `--from-tpu-check` merges it.
   """
   from benchmarks import tpu_shapes
-  from tests.data_fixtures import write_training_text
   from tests.session_settings import compilation_cache_dir
   from trainers.reporting.metrics import read_metrics
 
-  # Enough files that the default 2 % holds one out for the run's eval.
-  source = write_training_text(tmp_path, files=100, words=200)
-  out, runs = tmp_path / "tpu_shapes.json", tmp_path / "runs"
+  source, runs = tiny_chip_runs["source"], tiny_chip_runs["workdir"]
+  out = tmp_path / "tpu_shapes.json"
   shapes = ["--tiny", "--shapes=mha", "--steps=2", f"--out={out}", f"--workdir={runs}"]
   tpu_shapes.main([*shapes, f"--data_source={source}", f"--cache_dir={compilation_cache_dir()}"])
   mha = json.loads(out.read_text())["shapes"]["mha"]
@@ -217,6 +247,43 @@ def test_the_shapes_mfu_is_spmd_trains_own_after_the_compile_and_merges(tmp_path
   (row,) = json.loads(latest.read_text())
   assert row["id"] == "P9-mha" and row["value"] == round(mha["mfu"], 4), row
   assert "| P9-mha |" in doc.read_text()
+
+
+def test_the_lora_chip_script_finds_its_sizes_and_merges_l2_and_l3(
+  tmp_path, monkeypatch, tiny_chip_runs
+):
+  """`benchmarks.tpu_lora --tiny` in this process: the search, the runs from HF folders, the rows.
+
+  Two sizes, no plan (the chip's plan is libtpu's, `--topology`): the
+  larger runs under LoRA, then without it, so L2 is its LoRA run and L3
+  the two runs' step times; `--from-tpu-check` merges both rows.
+  """
+  from benchmarks import tpu_lora
+  from tests.session_settings import compilation_cache_dir
+
+  source, runs = tiny_chip_runs["source"], tiny_chip_runs["workdir"]
+  out = tmp_path / "tpu_lora.json"
+  args = ["--tiny", "--steps=2", f"--out={out}", f"--workdir={runs}"]
+  tpu_lora.main([*args, f"--data_source={source}", f"--cache_dir={compilation_cache_dir()}"])
+  report = json.loads(out.read_text())
+  largest = tpu_lora.TINY_FAMILY[-1].name
+  assert report["l2"]["size"] == report["full_stops"]["size"] == largest, report
+  size = report["sizes"][largest]
+  assert "error" not in size["lora"] and "error" not in size["full"], size
+  assert report["l3"]["value"] == size["lora"]["step_s"] / size["full"]["step_s"]
+  assert not (runs / "folders" / largest).exists()  # gigabytes on the chip
+  latest, doc = tmp_path / "latest.json", tmp_path / "doc.md"
+  latest.write_text("[]")
+  doc.write_text("<!-- bench:start -->\nold\n<!-- bench:end -->\n")
+  monkeypatch.setattr(run, "LATEST", str(latest))
+  monkeypatch.setattr(run, "TABLE_DOCS", (str(doc),))
+  monkeypatch.setattr(sys, "argv", ["run", f"--from-tpu-check={out}", "--update-readme"])
+  run.main()
+  rows = {r["id"]: r for r in json.loads(latest.read_text())}
+  assert set(rows) == {"L2", "L3"}, rows
+  assert rows["L2"]["value"] == round(size["params"] / 1e9, 4) and not rows["L2"]["meets_goal"]
+  assert f"full fine-tuning stops at {largest}" in rows["L2"]["detail"], rows["L2"]["detail"]
+  assert "| L3 |" in doc.read_text()
 
 
 def test_alternate_takes_medians_of_rounds_in_both_orders():
@@ -323,6 +390,25 @@ def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
   assert set(rows) == {"M1", "M1-xla"} and rows["M1"]["value"] > 0 and rows["M1-xla"]["value"] > 0
   assert rows["M1"]["detail"].startswith("splash: "), rows["M1"]["detail"]
   assert rows["M1-xla"]["detail"].startswith("xla: "), rows["M1-xla"]["detail"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
+def test_the_lora_memory_figure_flips_the_verdicts_on_one_layer_of_llama3_8b(tmp_path):
+  # L1 compiles Llama-3-8B for v5e-8 twice (minutes). One of its layers at 256
+  # tokens on one v5e chip keeps its 128k-row tables (1.27B parameters): full
+  # fine-tuning's float32 state alone (16 B a parameter) overflows the chip and
+  # LoRA's bf16 weights do not, so both verdicts are the compiler's, as L1's.
+  out = tmp_path / "l1.json"
+  shrunk = ["--topology=v5e-1", "--num-layers=1", "--seq-len=256"]
+  done = _run_module("benchmarks.lora_memory", *shrunk, f"--json={out}")
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  [row] = json.loads(out.read_text())
+  assert row["id"] == "L1" and 0 < row["value"] < 0.5 and row["meets_goal"] is True, row
+  assert row["goal"] == "full does not fit, LoRA fits"
+  lora, full = row["detail"].split("; full ")
+  assert lora.startswith("LoRA ") and "fits (by the compiler)" in lora, row["detail"]
+  assert "does not fit (by the compiler)" in full, row["detail"]
 
 
 def test_a_figure_without_a_goal_shows_a_dash():

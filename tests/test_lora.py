@@ -3,6 +3,8 @@
 Only the adapters train: the optimizer's state is theirs alone, the frozen
 weights come out of the steps bit for bit (in the compute dtype), step 0's
 loss is the base model's (B starts at zero), and both A and B get gradients.
+With the rest of a run: `config.evals` score and decode the adapted model,
+and micro-batches under the bfloat16 policy train the adapters as one batch.
 """
 
 import json
@@ -10,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -23,11 +26,14 @@ from spmd.mesh import create_mesh
 from trainers.checkpoints import saved_run
 from trainers.checkpoints.damage import CheckpointError
 from trainers.config.checks import check_values, resolve
+from trainers.evals import encoding
+from trainers.evals.runner import EvalRunner
 from trainers.models import lora
 from trainers.planning import plan as plan_lib
 from trainers.planning import report, targets
 from trainers.step import trainable
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, model_weights
+from trainers.step.precision import Precision
 from trainers.step.state import build_model, make_state
 from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, make_task
@@ -280,6 +286,133 @@ def test_the_llama_computes_no_gradient_of_its_frozen_weights():
   config.model.update(d_model=64, d_ff=128)
   config.lora.rank = 1
   lora_flops = _matmul_flops(config)
+  lora_model_flops = make_task(config).flops_per_step  # the MFU a LoRA run reports counts these
   config.lora.targets = ""
   full_flops = _matmul_flops(config)
   assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)
+  model_ratio = lora_model_flops / make_task(config).flops_per_step
+  assert model_ratio == pytest.approx(lora_flops / full_flops, abs=0.1), model_ratio
+
+
+EVALS = "examples/evals"
+
+
+def _with_random_b(setup, params, seed=0):
+  """`params` with every adapter's B random (at zero the adapters would change nothing)."""
+  rng = np.random.default_rng(seed)
+  for adapter in setup.adapters:
+    b = 0.05 * rng.normal(size=adapter.b_shape).astype(np.float32)
+    params = lora._set(params, adapter.b_path, b)
+  return params
+
+
+def _run_evals(config, params, workdir):
+  """`config.evals` on these parameters through the run's own `EvalRunner` (8 CPU devices)."""
+  task = make_task(config)
+  setup = make_state(task.model, config, create_mesh("data=-1"))
+  params = jax.device_put(params, setup.shardings["params"])
+  runner = EvalRunner.build(config, setup, task, ("data",))
+  runner.prepare(encoding.byte_encoder(config.model.vocab_size))
+  metrics = runner({"params": params}, step=1, workdir=str(workdir))
+  completions = (workdir / "evals" / "complete" / "step_1.jsonl").read_text()
+  return {
+    k: v for k, v in metrics.items() if not k.endswith(("seconds", "tokens_per_s"))
+  }, completions
+
+
+def test_evals_of_a_lora_run_see_its_adapters(tmp_path):
+  """`config.evals` (multiple choice and generation) on a LoRA state: the merged model's scores.
+
+  The evals build the model from the state's parameters; with adapters they
+  must score and decode the adapted model (the Llama adds `s (x A) B`, the
+  KV-cache decoder too), not the frozen base. Float32, so the two agree to
+  rounding; the base's scores differ.
+  """
+  config = _tiny_llama_config()
+  config.model.seq_len = 64  # the eval rows' window
+  config.train.precision = "float32"
+  config.evals.code = ml_collections.ConfigDict(
+    dict(kind="multiple_choice", path=f"{EVALS}/choices.jsonl", layout="plain", delimiter=" ")
+  )
+  config.evals.complete = ml_collections.ConfigDict(
+    dict(kind="generation", path=f"{EVALS}/prompts.jsonl", max_new_tokens=6, stop=["\n"])
+  )
+  setup = make_state(make_task(config).model, config, create_mesh("data=-1"))
+  params = _with_random_b(setup, jax.device_get(setup.init()["params"]))
+  adapted, adapted_text = _run_evals(config, params, tmp_path / "lora")
+  plain = config.copy_and_resolve_references()
+  plain.lora.targets = ""
+  merged = lora.base_weights(lora.merged(params, setup.adapters), setup.adapters)
+  same, same_text = _run_evals(plain, merged, tmp_path / "merged")
+  base, _ = _run_evals(plain, lora.base_weights(params, setup.adapters), tmp_path / "base")
+  assert adapted.keys() == same.keys() and "evals/complete/exact_match" in adapted
+  for key, value in same.items():
+    assert adapted[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
+  assert adapted_text == same_text
+  key = "evals/code/answer_loglikelihood"
+  assert abs(adapted[key] - base[key]) > 1e-3, (adapted[key], base[key])
+
+
+def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
+  """`train.micro_batches` with LoRA under the bfloat16 policy: one batch's step, the base untouched.
+
+  The accumulated gradients are the adapters' alone (the frozen weights are
+  neither differentiated nor carried through the scan), the frozen weights
+  stay bfloat16 and bit for bit, and the adapters float32, as with one batch.
+  """
+  config = _tiny_llama_config()
+  config.train.precision = "bfloat16"
+  config.global_batch = 16
+  config.train.optimizer, config.train.momentum = "sgd", 0.0  # the update is the gradient
+  config.train.warmup_steps, config.train.learning_rate = 0, 1.0
+  config.train.weight_decay = 0.0
+  task, mesh = make_task(config), create_mesh("data=-1")
+  setup = make_state(task.model, config, mesh)  # micro_batches changes the step alone
+  before = _with_random_b(setup, jax.device_get(setup.init()["params"]))
+  tokens = np.random.default_rng(1).integers(1, config.model.vocab_size, (16, 9), np.int32)
+  rows = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((16, 8), np.int32),
+    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
+    "mask": np.ones((16, 8), np.float32),
+  }
+  batch = jax.device_put(rows, batch_sharding(mesh, ("data",)))
+  results = {}
+  for micro in (1, 2):
+    config.train.micro_batches = micro
+    state = setup.init()
+    state["params"] = jax.device_put(before, setup.shardings["params"])
+    state, metrics = make_train_step(setup, task, config, mesh, ("data",))(state, batch)
+    train, frozen = trainable.split(jax.device_get(state["params"]), setup.trainable_paths)
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(train)} == {jnp.dtype(jnp.float32)}
+    for name, value in _leaves(trainable.split(before, setup.trainable_paths)[1]).items():
+      np.testing.assert_array_equal(_leaves(frozen)[name], value, err_msg=name)
+    moved = jax.tree.map(jnp.subtract, train, trainable.split(before, setup.trainable_paths)[0])
+    results[micro] = (jax.device_get(metrics), moved)
+  (one, one_moved), (two, two_moved) = results[1], results[2]
+  for key in ("loss", "grad_norm", "weight"):
+    assert float(two[key]) == pytest.approx(float(one[key]), rel=2e-3), key
+  for name, value in _leaves(one_moved).items():
+    assert np.abs(value).max() > 0, name
+    np.testing.assert_allclose(
+      _leaves(two_moved)[name], value, rtol=2e-2, atol=2e-3 * np.abs(value).max(), err_msg=name
+    )
+
+
+def test_the_weights_a_merging_model_is_built_with_are_the_steps_under_bfloat16():
+  """A model handed `W + s A B` (a user's): merged in float32, then cast as W is.
+
+  The train step, the eval step and the evals' scorer build the model
+  through `model_weights`; casting A and B first and merging after would
+  hand the scorer float32 weights, computed otherwise than in training.
+  """
+  config, task = _conv_config("bfloat16"), _task()
+  setup = make_state(task.model, config, create_mesh("data=-1"))
+  assert setup.merges_adapters and not setup.casts_own_weights
+  params = _with_random_b(setup, jax.device_get(setup.init()["params"]))
+  weights = model_weights(setup, Precision("bfloat16"), params)
+  expected = lora.merged(params, setup.adapters)["conv"]["kernel"].astype(jnp.bfloat16)
+  assert weights["conv"]["kernel"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(weights["conv"]["kernel"], expected)

@@ -47,7 +47,7 @@ from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from spmd.rules import constrain
 from trainers.step.eval_step import eval_inputs
-from trainers.step.loss import specs_of
+from trainers.step.loss import model_weights, specs_of
 from trainers.step.precision import Precision
 from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
@@ -128,9 +128,10 @@ def mesh_scorer(
   shards = math.prod(mesh.shape[a] for a in batch_axes) if mesh is not None else 1
 
   def score(inputs, batch):
-    params = inputs["params"]
-    weights = params if setup.casts_own_weights else policy.cast_params(params)
-    model = build_model(setup, weights, inputs.get("model_state"))
+    # As the train step builds it: adapters merged (where the model does not
+    # add them itself) before the policy's cast, not after it.
+    weights = model_weights(setup, policy, inputs["params"])
+    model = build_model(setup, weights, inputs.get("model_state"), merged=True)
     policy.reach_modules(model)
     model.eval()
     active = rules_lib.activation_rules(setup.rules, mesh) if mesh is not None else nullcontext()

@@ -477,7 +477,7 @@ def param_count(config: LlamaConfig) -> int:
   return embeddings + config.num_layers * per_layer + d
 
 
-def flops_per_token(config: LlamaConfig) -> float:
+def flops_per_token(config: LlamaConfig, adapter_params: int | None = None) -> float:
   """Training FLOPs per token (forward + backward), PaLM's accounting, for MFU.
 
   `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, Chowdhery et al. 2022,
@@ -490,12 +490,23 @@ def flops_per_token(config: LlamaConfig) -> float:
   subtracted; grouped-query attention saves no attention FLOPs). Norms,
   RoPE, softmax and SiLU are not counted.
 
+  With LoRA (`adapter_params`: the adapters' A and B, which alone train) no
+  weight gradient of a frozen matrix is computed (the model adds
+  `s (x A) B` itself, `applies_lora`): 2 FLOPs per matmul parameter forward
+  and 2 for the input gradient, 6 per adapter parameter, and the attention
+  as before (its backward is all input gradients).
+
   Example:
     >>> config = LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
     ...                      seq_len=16)
     >>> flops_per_token(config)  # 6 * (25696 - 256 * 32) + 12 * 1 * 32 * 16
     111168.0
+    >>> flops_per_token(config, adapter_params=1000)  # 4 * 17504 + 6 * 1000 + 6144
+    82160.0
   """
   output = config.d_model * config.vocab_size
   non_embedding = param_count(config) - output * (1 if config.tie_embeddings else 2) + output
-  return float(6 * non_embedding + 12 * config.num_layers * config.d_model * config.seq_len)
+  attention = 12 * config.num_layers * config.d_model * config.seq_len
+  if adapter_params is not None:
+    return float(4 * non_embedding + 6 * adapter_params + attention)
+  return float(6 * non_embedding + attention)

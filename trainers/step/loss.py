@@ -32,6 +32,20 @@ def step_key(seed: int, step: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
+def model_weights(setup: StateSetup, policy: Precision, params: Any) -> Any:
+  """The parameters the model is built with (`build_model(..., merged=True)`) under `policy`.
+
+  A model that casts its own weights gets them in float32: its products
+  return their gradients in float32 (`trainers.models.matmul`), which a
+  cast here would round to bfloat16 after the sums across devices. Adapters
+  (`config.lora`) are merged into their weights first, in float32, then
+  cast as the weight is, unless the model adds their products itself: the
+  train step, the eval step and the evals' scorer all see the same weights.
+  """
+  weights = lora.merged(params, setup.adapters) if setup.merges_adapters else params
+  return weights if setup.casts_own_weights else policy.cast_params(weights)
+
+
 def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
   """`(params, model_state, batch, key) -> (loss_sum, (weight, metric_sums, model_state))`."""
 
@@ -40,14 +54,7 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
   def loss(params, model_state, batch, key):
     # The casts sit inside the differentiated function, so the gradients
     # come back in the parameters' own (float32) dtype (`step.precision`).
-    # A model that casts its own weights gets them in float32: its products
-    # return their gradients in float32 (`trainers.models.matmul`), which a
-    # cast here would round to bfloat16 after the sums across devices.
-    # Adapters (`config.lora`) are merged into their weights first, in float32,
-    # unless the model adds their products itself.
-    weights = lora.merged(params, setup.adapters) if setup.merges_adapters else params
-    weights = weights if setup.casts_own_weights else policy.cast_params(weights)
-    model = build_model(setup, weights, model_state, key, merged=True)
+    model = build_model(setup, model_weights(setup, policy, params), model_state, key, merged=True)
     policy.reach_modules(model)  # stock layers compute in the policy's dtype too
     batch = policy.cast_batch(batch)
     if train:

@@ -21,13 +21,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import ml_collections
+from flax import nnx
 
 from trainers import paths
 from trainers.hf import checkpoint as hf_checkpoint
 from trainers.hf import model_config as hf_config
-from trainers.models import llama
+from trainers.models import llama, lora
 from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
 from trainers.tasks.lm_data import lm_data
@@ -108,6 +110,16 @@ def next_token_loss(model, batch: Batch, rngs, train: bool):
   return chunked_cross_entropy_sums(hidden, model.unembedding(), batch["targets"], batch["mask"])
 
 
+def _adapter_params(config: ml_collections.ConfigDict, model_config) -> int | None:
+  """With `config.lora`: the adapters' parameter count (their shapes only), else None."""
+  settings = lora.settings_from_config(config.get("lora"))
+  if settings is None:
+    return None
+  abstract = nnx.eval_shape(lambda: llama.Llama(model_config, rngs=nnx.Rngs(0)))
+  adapters = lora.find_adapters(abstract, settings)
+  return sum(math.prod(a.a_shape) + math.prod(a.b_shape) for a in adapters)
+
+
 def make_task(config: ml_collections.ConfigDict) -> Task:
   """The Llama task for `config` (sizes from `config.model`, data as the LM task's)."""
   model_config = llama_config(config)
@@ -123,6 +135,8 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     loss=next_token_loss,
     **data.fields,
     label_classes={"targets": model_config.vocab_size},
-    flops_per_step=llama.flops_per_token(model_config) * config.global_batch * seq_len,
+    flops_per_step=llama.flops_per_token(model_config, _adapter_params(config, model_config))
+    * config.global_batch
+    * seq_len,
     report=report,
   )
