@@ -158,6 +158,10 @@ def _chip_command(report: dict) -> str:
   return " ".join(words)
 
 
+# Issue 60's goal for the check model at 8 rows (it was 0.6 at 7 rows before).
+P9_GOAL = 0.62
+
+
 def tpu_rows(report: dict) -> list[dict]:
   """The table's rows for the chip's figures in a JSON `report` of `tpu_check` or `tpu_shapes`.
 
@@ -169,12 +173,12 @@ def tpu_rows(report: dict) -> list[dict]:
 
   Example:
     >>> report = {"device_kind": "TPU v5 lite", "jax": "0.10.2", "date": "2026-12-05",
-    ...   "command": "benchmarks/tpu_check.sh --out=/x/c.json", "p9_mfu": 0.6, "rows": {
+    ...   "command": "benchmarks/tpu_check.sh --out=/x/c.json", "p9_mfu": 0.61, "rows": {
     ...   "8": {"plan": {"fits": True, "total_bytes": 10, "step_time_s_range": [0.4, 0.6]},
     ...         "device": {"compiled": True, "total_bytes": 10, "step_s": 0.5, "tokens_per_s": 3.0},
     ...         "verdicts_agree": True, "pl1": 1.0, "pl2_in_range": True}}}
     >>> [(r["id"], r["value"], r["meets_goal"]) for r in tpu_rows(report)]
-    [('P9', 0.6, True), ('PL1', 1.0, True), ('PL2', 0.5, True), ('PL3', 1.0, True)]
+    [('P9', 0.61, False), ('PL1', 1.0, True), ('PL2', 0.5, True), ('PL3', 1.0, True)]
     >>> tpu_rows(report)[0]["machine"]
     'TPU v5 lite, 1 chip, jax 0.10.2: `benchmarks/tpu_check.sh`'
   """
@@ -199,7 +203,7 @@ def tpu_rows(report: dict) -> list[dict]:
         "P9",
         "MFU of the 501M Llama's train step on one TPU chip (bf16, splash; PaLM's FLOPs ÷ the chip's peak)",
         report["p9_mfu"],
-        0.6,
+        P9_GOAL,
         False,
         f"configs/llama_tpu_check.py, {first_rows} rows x {report.get('seq_len', 2048)} tokens: "
         f"{dev['step_s'] * 1e3:.1f} ms a step, {dev['tokens_per_s']:,.0f} tokens/s; {setting}",

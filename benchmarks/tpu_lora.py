@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--workdir", default="/tmp/spmd_tpu_lora", help="folders, runs, data")
   parser.add_argument("--data_source", default="", help="data.source (default: the stdlib)")
   parser.add_argument("--cache_dir", default="", help="the compilation cache (default: config's)")
+  parser.add_argument(
+    "--sizes", default="", help="only these sizes of the family, e.g. d1024_l8,d3072_l32"
+  )
   parser.add_argument("--out", default="")
   args = parser.parse_args(argv)
   if args.steps < 2:
@@ -314,6 +317,12 @@ def main(argv: list[str] | None = None) -> dict:
     args.topology = "" if "--topology" not in " ".join(argv or sys.argv[1:]) else args.topology
     args.seq_len = min(args.seq_len, TINY["seq_len"])  # tpu_shapes' too: one corpus for both
     args.rows = max(args.rows, len(jax.devices()))  # a row a CPU device at least
+  if args.sizes:  # a search the plan has narrowed on another machine
+    names = args.sizes.split(",")
+    unknown = sorted(set(names) - {s.name for s in family})
+    if unknown:
+      parser.error(f"--sizes: {unknown} not in the family {[s.name for s in family]}")
+    family = [s for s in family if s.name in names]
   started = time.perf_counter()
   report = {
     **common.chip_header("python3 -m benchmarks.tpu_lora", argv),

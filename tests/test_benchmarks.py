@@ -58,7 +58,7 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     "date": "2026-12-05",
     "command": "benchmarks/tpu_check.sh --tuning=/root/out/t.json --out=/root/out/c.json",
     "tuning": {"splash_fused_bwd": True},
-    "p9_mfu": 0.61,
+    "p9_mfu": 0.625,
     "p4": 0.98,
     "trainer": {"steps": 30, "tokens_per_s": 35e3, "real_token_share": 1.0},
     "p11": {
@@ -168,7 +168,7 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   assert chip["E1"]["value"] == 3.75 and chip["E1"]["meets_goal"], chip["E1"]
   assert chip["L2"]["value"] == 4.27 and chip["L3"]["meets_goal"], (chip["L2"], chip["L3"])
   assert [r for r in rows if r["id"] not in run.TPU_FIGURES] == cpu_rows
-  assert chip["P9"]["value"] == 0.61 and chip["P9"]["meets_goal"]
+  assert chip["P9"]["value"] == 0.625 and chip["P9"]["meets_goal"]  # goal 0.62
   assert (
     chip["PL3"]["value"] == 1.0
     and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
