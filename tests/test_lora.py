@@ -32,7 +32,7 @@ from trainers.models import lora
 from trainers.planning import plan as plan_lib
 from trainers.planning import report, targets
 from trainers.step import trainable
-from trainers.step.loss import abstract_batch, model_weights
+from trainers.step.loss import abstract_batch, loss_fn, model_weights, step_key
 from trainers.step.precision import Precision
 from trainers.step.state import build_model, make_state
 from trainers.step.train_step import make_train_step
@@ -172,14 +172,15 @@ def test_llama_targets_by_short_name():
   [
     (dict(rank=0), "lora.rank=0 must be a positive integer"),
     (dict(alpha=-1.0), "lora.alpha=-1.0 must be a number > 0"),
-    (dict(dropout=0.1), "lora.dropout=0.1 is not implemented yet"),
+    (dict(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
+    (dict(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
     (dict(targets="q,(v"), "lora.targets: '(v' is not a regex"),
   ],
 )
 def test_bad_settings_are_named(settings, message):
   config = _conv_config()
   config.lora.update(settings)
-  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     check_values(config)
 
 
@@ -285,9 +286,10 @@ def test_the_llama_computes_no_gradient_of_its_frozen_weights():
   config = _tiny_llama_config(targets="q,k,v,o,gate,up,down")
   config.model.update(d_model=64, d_ff=128)
   config.lora.rank = 1
+  config.lora.dropout = 0.1  # dropped inputs multiply A alone: no frozen weight's gradient
   lora_flops = _matmul_flops(config)
   lora_model_flops = make_task(config).flops_per_step  # the MFU a LoRA run reports counts these
-  config.lora.targets = ""
+  config.lora.targets, config.lora.dropout = "", 0.0
   full_flops = _matmul_flops(config)
   assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)
   model_ratio = lora_model_flops / make_task(config).flops_per_step
@@ -399,6 +401,80 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
     np.testing.assert_allclose(
       _leaves(two_moved)[name], value, rtol=2e-2, atol=2e-3 * np.abs(value).max(), err_msg=name
     )
+
+
+def _token_rows(config, rows, seed=1):
+  tokens = np.random.default_rng(seed).integers(1, config.model.vocab_size, (rows, 9), np.int32)
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((rows, 8), np.int32),
+    "positions": np.tile(np.arange(8, dtype=np.int32), (rows, 1)),
+    "mask": np.ones((rows, 8), np.float32),
+  }
+
+
+def test_dropout_drops_the_adapters_input_in_training_only():
+  """`lora.dropout` on the Llama: the train loss moves, the eval loss does not, keys from the step.
+
+  At the same weights (B random: at zero the adapters add nothing) and in
+  float32: the train-mode loss with dropout differs from the loss without,
+  the eval-mode losses are equal bit for bit (evals, sampling and export
+  build the model in eval mode), the same (seed, step) key gives the same
+  loss and another step another. Gradients are the adapters' alone.
+  """
+  assert jax.config.jax_threefry_partitionable  # the masks' bits, whatever the mesh
+  config = _tiny_llama_config()
+  config.train.precision = "float32"
+  task, mesh = make_task(config), create_mesh("data=-1")
+  plain = make_state(task.model, config, mesh)
+  config.lora.dropout = 0.5
+  dropped = make_state(task.model, config, mesh)
+  assert jax.tree.leaves(dropped.abstract_rng_state) and dropped.abstract == plain.abstract
+  params = _with_random_b(plain, jax.device_get(plain.init()["params"]))
+  batch = jax.device_put(_token_rows(config, 8), batch_sharding(mesh, ("data",)))
+
+  def loss(setup, train):
+    step = jax.jit(loss_fn(setup, task, train))
+
+    def at(n):
+      loss_sum, (weight, _, _) = step(params, None, batch, step_key(config.seed, jnp.int32(n)))
+      return float(loss_sum / weight)
+
+    return at
+
+  without = loss(plain, True)(1)
+  assert loss(dropped, False)(1) == without  # eval mode: no dropout, the same computation
+  trained = loss(dropped, True)
+  with_dropout = trained(1)
+  assert abs(with_dropout - without) > 1e-3, (with_dropout, without)
+  assert trained(1) == with_dropout
+  assert trained(2) != with_dropout
+  # Gradients of the adapters alone (the compiled step's matmuls:
+  # `test_the_llama_computes_no_gradient_of_its_frozen_weights`, with dropout).
+  value_and_grad = trainable.value_and_grad(loss_fn(dropped, task, True), dropped.trainable_paths)
+  _, grads = jax.eval_shape(value_and_grad, params, None, batch, step_key(config.seed, 1))
+  adapters = trainable.split(params, dropped.trainable_paths)[0]
+  assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+
+
+def test_dropout_needs_a_model_that_shows_the_adapters_input():
+  """A model handed `W + s A B` (a user's conv net) never shows `x`: dropout is refused, named."""
+  config, task = _conv_config(), _task()
+  config.lora.dropout = 0.1
+  with pytest.raises(ValueError, match=r"^lora.dropout=0.1 needs a model that applies its "):
+    make_state(task.model, config, create_mesh("data=-1"))
+  config = _tiny_llama_config()
+  config.lora.dropout = 0.1
+  settings = lora.settings_from_config(config.lora)
+  model = nnx.eval_shape(lambda: make_task(config).model(nnx.Rngs(0)))
+  lora.check_dropout(settings, model)  # the Llama applies its adapters itself
+  jax.config.update("jax_threefry_partitionable", False)
+  try:
+    with pytest.raises(ValueError, match=r"needs jax_threefry_partitionable=True"):
+      lora.check_dropout(settings, model)
+  finally:
+    jax.config.update("jax_threefry_partitionable", True)
 
 
 def test_the_weights_a_merging_model_is_built_with_are_the_steps_under_bfloat16():
