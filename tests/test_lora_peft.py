@@ -120,12 +120,25 @@ def test_settings_not_implemented_are_refused_naming_them(tmp_path, setting, val
   assert named in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_a_folder_of_another_rank_or_other_modules_is_refused():
+def test_a_folder_of_another_rank_dropout_or_other_modules_is_refused(tmp_path):
   folder = f"{FIXTURES}/llama3"
   model = _imported(folder, _config(folder))
   other = lora.LoRASettings(rank=8, alpha=12.0, targets=SETTINGS.targets)
-  with pytest.raises(ValueError, match=r"r=4, lora_alpha=12, but config.lora has rank=8"):
+  with pytest.raises(
+    ValueError, match=r"r=4, lora_alpha=12, lora_dropout=0, but config.lora has rank=8, alpha=12, "
+  ):
     peft.read_adapters(f"{folder}_lora", lora.find_adapters(model, other))
+  dropped = lora.LoRASettings(rank=4, alpha=12.0, dropout=0.05, targets=SETTINGS.targets)
+  with pytest.raises(ValueError, match=r"lora_dropout=0, but .* dropout=0.05: set them as"):
+    peft.read_adapters(f"{folder}_lora", lora.find_adapters(model, dropped))
+  # What our export writes for a run with dropout, a folder with it is read with it.
+  written = peft.adapter_config(dropped, lora.find_adapters(model, dropped), "")
+  assert written["lora_dropout"] == 0.05
+  with_dropout = tmp_path / "adapter"
+  shutil.copytree(f"{folder}_lora", with_dropout)
+  config = json.loads((with_dropout / peft.CONFIG_FILE).read_text())
+  (with_dropout / peft.CONFIG_FILE).write_text(json.dumps({**config, "lora_dropout": 0.05}))
+  assert peft.read_adapters(with_dropout, lora.find_adapters(model, dropped))
   fewer = lora.LoRASettings(rank=4, alpha=12.0, targets=("q", "v"))
   with pytest.raises(
     ValueError,
