@@ -1,12 +1,14 @@
 """LoRA from a Hugging Face folder through `spmd-train`: saved on 2 x 2, resumed on 1 x 4.
 
-One job trains the fixture's Llama with adapters on all seven projections,
-2 processes x 2 devices, 4 steps, a checkpoint every 2. Its checkpoints hold
-the adapters and their optimizer state, not the frozen weights, and name
-the base by path and content hash. Its step-2 checkpoint resumed by 1
-process x 4 devices (the frozen weights read from the folder again) gives
-steps 3 and 4 bit for bit; resumed with a folder whose weights differ in
-one value, it is refused, naming both.
+One job trains the fixture's Llama with adapters on all seven projections
+and `lora.dropout` 0.1, 2 processes x 2 devices, 4 steps, a checkpoint
+every 2. Its checkpoints hold the adapters and their optimizer state, not
+the frozen weights, and name the base by path and content hash; its peft
+export carries the dropout. Its step-2 checkpoint resumed by 1 process x 4
+devices (the frozen weights read from the folder again) gives steps 3 and 4
+bit for bit, dropout masks included (drawn from the seed and the step, the
+same bits on any mesh); resumed with a folder whose weights differ in one
+value, it is refused, naming both.
 
 Its own job, not a shared run: no other test trains adapters.
 """
@@ -22,6 +24,7 @@ import pytest
 
 from tests.data_fixtures import training_data
 from tests.multiprocess import ROOT, run_trainer
+from trainers.checkpoints import export_cli, peft
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -48,6 +51,8 @@ def _train(data, workdir, folder, num_processes, devices, *overrides):
     "--config.lora.targets=q,k,v,o,gate,up,down",
     "--config.lora.rank=4",
     "--config.lora.alpha=8.0",
+    # Masks drawn from (seed, step): the resume below is bit-identical with them.
+    "--config.lora.dropout=0.1",
     *overrides,
   ]
   return run_trainer(
@@ -85,6 +90,13 @@ def test_checkpoints_hold_the_adapters_and_name_the_base(saved):
   record = json.loads((step / "data" / "metadata").read_text())
   assert record["lora_base"]["source"] == str(saved["folder"])
   assert re.fullmatch(r"[0-9a-f]{16}", record["lora_base"]["hash"])
+
+
+def test_the_peft_export_carries_the_runs_dropout(saved, tmp_path):
+  out = tmp_path / "peft"
+  assert export_cli.main(["--format=peft", f"--workdir={saved['workdir']}", f"--out={out}"]) == 0
+  written = json.loads((out / peft.CONFIG_FILE).read_text())
+  assert written["lora_dropout"] == 0.1 and written["r"] == 4
 
 
 def test_resume_on_one_process_is_bit_identical(saved, tmp_path):
