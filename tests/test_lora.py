@@ -91,12 +91,15 @@ def _conv_batch(mesh):
 
 def _base_loss(setup, state, task, batch):
   """The loss of the model without adapters (its base weights as stored)."""
-  model = nnx.merge(
-    nnx.split(task.model(nnx.Rngs(0)))[0],
-    nnx.State(lora.base_weights(jax.device_get(state["params"]), setup.adapters)),
-  )
-  loss_sum, weight, _ = task.loss(model, jax.device_get(batch), None, True)
-  return float(loss_sum / weight)
+  graphdef = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
+
+  @jax.jit  # one program, not one per operation
+  def loss(params, batch):
+    model = nnx.merge(graphdef, nnx.State(lora.base_weights(params, setup.adapters)))
+    loss_sum, weight, _ = task.loss(model, batch, None, True)
+    return loss_sum / weight
+
+  return float(loss(jax.device_get(state["params"]), jax.device_get(batch)))
 
 
 def _leaves(tree):
@@ -107,6 +110,11 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_only_adapters_train_on_a_users_conv_net(precision):
+  """Two steps of a user's conv net, which takes its adapters merged (`W + s A B`).
+
+  Its own steps, not a shared run's: the only model here on the merged
+  path, and each precision is another step program.
+  """
   config, task = _conv_config(precision), _task()
   mesh = create_mesh("data=-1")
   setup = make_state(task.model, config, mesh)
@@ -259,14 +267,19 @@ def test_the_llama_adds_the_low_rank_products_as_the_merged_weights_would(scan_l
   for adapter in setup.adapters:  # B at zero would show nothing
     params = lora._set(params, adapter.b_path, rng.normal(size=adapter.b_shape).astype(np.float32))
   tokens = jnp.asarray(rng.integers(0, config.model.vocab_size, (2, 8)), jnp.int32)
-  applied = build_model(setup, params)(tokens)
   plain = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
-  merged = nnx.merge(
-    plain, nnx.State(lora.base_weights(lora.merged(params, setup.adapters), setup.adapters))
-  )
-  np.testing.assert_allclose(applied, merged(tokens), rtol=2e-5, atol=2e-5)
-  base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))
-  assert not np.allclose(applied, base(tokens), atol=1e-3)
+
+  @jax.jit  # one program for the three forward passes, not one per operation
+  def logits(params):
+    applied = build_model(setup, params)(tokens)
+    weights = lora.base_weights(lora.merged(params, setup.adapters), setup.adapters)
+    merged = nnx.merge(plain, nnx.State(weights))(tokens)
+    base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))(tokens)
+    return applied, merged, base
+
+  applied, merged, base = logits(params)
+  np.testing.assert_allclose(applied, merged, rtol=2e-5, atol=2e-5)
+  assert not np.allclose(applied, base, atol=1e-3)
 
 
 def _matmul_flops(config):
@@ -308,18 +321,23 @@ def _with_random_b(setup, params, seed=0):
   return params
 
 
-def _run_evals(config, params, workdir):
-  """`config.evals` on these parameters through the run's own `EvalRunner` (8 CPU devices)."""
+def _eval_runner(config):
+  """`params, workdir -> (metrics, completions)`: `config.evals` through the run's own
+  `EvalRunner` (8 CPU devices), built once, so parameters of one model share its programs."""
   task = make_task(config)
   setup = make_state(task.model, config, create_mesh("data=-1"))
-  params = jax.device_put(params, setup.shardings["params"])
   runner = EvalRunner.build(config, setup, task, ("data",))
   runner.prepare(encoding.byte_encoder(config.model.vocab_size))
-  metrics = runner({"params": params}, step=1, workdir=str(workdir))
-  completions = (workdir / "evals" / "complete" / "step_1.jsonl").read_text()
-  return {
-    k: v for k, v in metrics.items() if not k.endswith(("seconds", "tokens_per_s"))
-  }, completions
+
+  def run(params, workdir):
+    params = jax.device_put(params, setup.shardings["params"])
+    metrics = runner({"params": params}, step=1, workdir=str(workdir))
+    completions = (workdir / "evals" / "complete" / "step_1.jsonl").read_text()
+    return {
+      k: v for k, v in metrics.items() if not k.endswith(("seconds", "tokens_per_s"))
+    }, completions
+
+  return run
 
 
 def test_evals_of_a_lora_run_see_its_adapters(tmp_path):
@@ -341,12 +359,13 @@ def test_evals_of_a_lora_run_see_its_adapters(tmp_path):
   )
   setup = make_state(make_task(config).model, config, create_mesh("data=-1"))
   params = _with_random_b(setup, jax.device_get(setup.init()["params"]))
-  adapted, adapted_text = _run_evals(config, params, tmp_path / "lora")
+  adapted, adapted_text = _eval_runner(config)(params, tmp_path / "lora")
   plain = config.copy_and_resolve_references()
   plain.lora.targets = ""
+  plain_evals = _eval_runner(plain)  # the merged model's and the base's: one model, two weights
   merged = lora.base_weights(lora.merged(params, setup.adapters), setup.adapters)
-  same, same_text = _run_evals(plain, merged, tmp_path / "merged")
-  base, _ = _run_evals(plain, lora.base_weights(params, setup.adapters), tmp_path / "base")
+  same, same_text = plain_evals(merged, tmp_path / "merged")
+  base, _ = plain_evals(lora.base_weights(params, setup.adapters), tmp_path / "base")
   assert adapted.keys() == same.keys() and "evals/complete/exact_match" in adapted
   for key, value in same.items():
     assert adapted[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
@@ -361,6 +380,8 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
   The accumulated gradients are the adapters' alone (the frozen weights are
   neither differentiated nor carried through the scan), the frozen weights
   stay bfloat16 and bit for bit, and the adapters float32, as with one batch.
+  Its own steps, not a shared run's: one step of each of two programs from
+  the same weights is the comparison.
   """
   config = _tiny_llama_config()
   config.train.precision = "bfloat16"
@@ -371,15 +392,7 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
   task, mesh = make_task(config), create_mesh("data=-1")
   setup = make_state(task.model, config, mesh)  # micro_batches changes the step alone
   before = _with_random_b(setup, jax.device_get(setup.init()["params"]))
-  tokens = np.random.default_rng(1).integers(1, config.model.vocab_size, (16, 9), np.int32)
-  rows = {
-    "inputs": tokens[:, :-1],
-    "targets": tokens[:, 1:],
-    "segment_ids": np.ones((16, 8), np.int32),
-    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
-    "mask": np.ones((16, 8), np.float32),
-  }
-  batch = jax.device_put(rows, batch_sharding(mesh, ("data",)))
+  batch = jax.device_put(_token_rows(config, 16), batch_sharding(mesh, ("data",)))
   results = {}
   for micro in (1, 2):
     config.train.micro_batches = micro
@@ -421,7 +434,8 @@ def test_dropout_drops_the_adapters_input_in_training_only():
   float32: the train-mode loss with dropout differs from the loss without,
   the eval-mode losses are equal bit for bit (evals, sampling and export
   build the model in eval mode), the same (seed, step) key gives the same
-  loss and another step another. Gradients are the adapters' alone.
+  loss and another step another. Gradients are the adapters' alone. No
+  run: the loss function alone, jitted, at fixed weights.
   """
   assert jax.config.jax_threefry_partitionable  # the masks' bits, whatever the mesh
   config = _tiny_llama_config()

@@ -170,7 +170,12 @@ def _run_config(folder, data, adapter_folder):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """One step from the llama3 folder and its peft adapters, in this process (8 CPU devices)."""
+  """One step from the llama3 folder and its peft adapters, in this process (8 CPU devices).
+
+  Its own run (see the module's docstring): learning rate 0, so its
+  checkpoint holds the folder's adapters bit for bit, which a run that
+  learns (tests/test_lora_resume.py's) cannot give.
+  """
   root = tmp_path_factory.mktemp("peft_run")
   folder = root / "llama3"
   shutil.copytree(f"{FIXTURES}/llama3", folder)
@@ -262,6 +267,7 @@ def test_sampling_on_other_base_weights_is_refused(run):
 
 
 def test_a_run_from_a_folder_it_cannot_reproduce_stops_before_its_data(run, tmp_path):
+  """Its own run, refused before any data is prepared or step compiled: the refusal is the claim."""
   folder = tmp_path / "adapter"
   shutil.copytree(f"{FIXTURES}/llama3_lora", folder)
   config = json.loads((folder / peft.CONFIG_FILE).read_text())
