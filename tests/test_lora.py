@@ -18,6 +18,7 @@ import optax
 import pytest
 from etils import epath
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import default, llama_tiny
 from spmd import hlo_matmuls
@@ -470,6 +471,22 @@ def test_dropout_drops_the_adapters_input_in_training_only():
   _, grads = jax.eval_shape(value_and_grad, params, None, batch, step_key(config.seed, 1))
   adapters = trainable.split(params, dropped.trainable_paths)[0]
   assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+
+
+def test_dropout_masks_are_the_same_bits_on_any_mesh():
+  """What a resume on another host count relies on: each mask element comes from the key and
+  its index alone, however the input is split (JAX's partitionable threefry)."""
+  assert jax.config.jax_threefry_partitionable
+  x = jnp.ones((16, 8, 32), jnp.bfloat16)
+  key = jax.random.key(3)
+  whole = np.asarray(jax.jit(lambda x: lora.dropout(x, 0.25, key))(x))
+  assert 0 < (whole == 0).mean() < 0.5
+  for ici, spec in (("data=8", P("data")), ("data=2,fsdp=4", P("data", None, "fsdp"))):
+    sharding = jax.sharding.NamedSharding(create_mesh(ici), spec)
+    drop = jax.jit(lambda x: lora.dropout(x, 0.25, key), out_shardings=sharding)
+    split = drop(jax.device_put(x, sharding))
+    assert split.sharding.spec == spec
+    np.testing.assert_array_equal(np.asarray(split), whole, err_msg=ici)
 
 
 def test_dropout_needs_a_model_that_shows_the_adapters_input():
