@@ -354,7 +354,8 @@ def low_rank(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> 
   if a is None:
     return None
   rate = getattr(module, name + DROPOUT_SUFFIX, 0.0)
-  if rate and not getattr(module, "deterministic", True):
+  # Only when switched to training: a user's module may hold `deterministic=None`.
+  if rate and getattr(module, "deterministic", True) is False:
     x = dropout(x, rate, getattr(module, name + KEY_SUFFIX)[...])
   h = dense(x, a[...], contract=contract)
   return dense(h, getattr(module, name + B_SUFFIX)[...]) * getattr(module, name + SCALE_SUFFIX)
