@@ -18,6 +18,7 @@ import optax
 import pytest
 from etils import epath
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import default, llama_tiny
 from spmd import hlo_matmuls
@@ -32,7 +33,7 @@ from trainers.models import lora
 from trainers.planning import plan as plan_lib
 from trainers.planning import report, targets
 from trainers.step import trainable
-from trainers.step.loss import abstract_batch, model_weights
+from trainers.step.loss import abstract_batch, loss_fn, model_weights, step_key
 from trainers.step.precision import Precision
 from trainers.step.state import build_model, make_state
 from trainers.step.train_step import make_train_step
@@ -91,12 +92,15 @@ def _conv_batch(mesh):
 
 def _base_loss(setup, state, task, batch):
   """The loss of the model without adapters (its base weights as stored)."""
-  model = nnx.merge(
-    nnx.split(task.model(nnx.Rngs(0)))[0],
-    nnx.State(lora.base_weights(jax.device_get(state["params"]), setup.adapters)),
-  )
-  loss_sum, weight, _ = task.loss(model, jax.device_get(batch), None, True)
-  return float(loss_sum / weight)
+  graphdef = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
+
+  @jax.jit  # one program, not one per operation
+  def loss(params, batch):
+    model = nnx.merge(graphdef, nnx.State(lora.base_weights(params, setup.adapters)))
+    loss_sum, weight, _ = task.loss(model, batch, None, True)
+    return loss_sum / weight
+
+  return float(loss(jax.device_get(state["params"]), jax.device_get(batch)))
 
 
 def _leaves(tree):
@@ -107,6 +111,11 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_only_adapters_train_on_a_users_conv_net(precision):
+  """Two steps of a user's conv net, which takes its adapters merged (`W + s A B`).
+
+  Its own steps, not a shared run's: the only model here on the merged
+  path, and each precision is another step program.
+  """
   config, task = _conv_config(precision), _task()
   mesh = create_mesh("data=-1")
   setup = make_state(task.model, config, mesh)
@@ -172,14 +181,15 @@ def test_llama_targets_by_short_name():
   [
     (dict(rank=0), "lora.rank=0 must be a positive integer"),
     (dict(alpha=-1.0), "lora.alpha=-1.0 must be a number > 0"),
-    (dict(dropout=0.1), "lora.dropout=0.1 is not implemented yet"),
+    (dict(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
+    (dict(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
     (dict(targets="q,(v"), "lora.targets: '(v' is not a regex"),
   ],
 )
 def test_bad_settings_are_named(settings, message):
   config = _conv_config()
   config.lora.update(settings)
-  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     check_values(config)
 
 
@@ -258,14 +268,19 @@ def test_the_llama_adds_the_low_rank_products_as_the_merged_weights_would(scan_l
   for adapter in setup.adapters:  # B at zero would show nothing
     params = lora._set(params, adapter.b_path, rng.normal(size=adapter.b_shape).astype(np.float32))
   tokens = jnp.asarray(rng.integers(0, config.model.vocab_size, (2, 8)), jnp.int32)
-  applied = build_model(setup, params)(tokens)
   plain = nnx.split(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))))[0]
-  merged = nnx.merge(
-    plain, nnx.State(lora.base_weights(lora.merged(params, setup.adapters), setup.adapters))
-  )
-  np.testing.assert_allclose(applied, merged(tokens), rtol=2e-5, atol=2e-5)
-  base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))
-  assert not np.allclose(applied, base(tokens), atol=1e-3)
+
+  @jax.jit  # one program for the three forward passes, not one per operation
+  def logits(params):
+    applied = build_model(setup, params)(tokens)
+    weights = lora.base_weights(lora.merged(params, setup.adapters), setup.adapters)
+    merged = nnx.merge(plain, nnx.State(weights))(tokens)
+    base = nnx.merge(plain, nnx.State(lora.base_weights(params, setup.adapters)))(tokens)
+    return applied, merged, base
+
+  applied, merged, base = logits(params)
+  np.testing.assert_allclose(applied, merged, rtol=2e-5, atol=2e-5)
+  assert not np.allclose(applied, base, atol=1e-3)
 
 
 def _matmul_flops(config):
@@ -285,9 +300,10 @@ def test_the_llama_computes_no_gradient_of_its_frozen_weights():
   config = _tiny_llama_config(targets="q,k,v,o,gate,up,down")
   config.model.update(d_model=64, d_ff=128)
   config.lora.rank = 1
+  config.lora.dropout = 0.1  # dropped inputs multiply A alone: no frozen weight's gradient
   lora_flops = _matmul_flops(config)
   lora_model_flops = make_task(config).flops_per_step  # the MFU a LoRA run reports counts these
-  config.lora.targets = ""
+  config.lora.targets, config.lora.dropout = "", 0.0
   full_flops = _matmul_flops(config)
   assert lora_flops < 0.75 * full_flops, (lora_flops, full_flops)
   model_ratio = lora_model_flops / make_task(config).flops_per_step
@@ -306,18 +322,23 @@ def _with_random_b(setup, params, seed=0):
   return params
 
 
-def _run_evals(config, params, workdir):
-  """`config.evals` on these parameters through the run's own `EvalRunner` (8 CPU devices)."""
+def _eval_runner(config):
+  """`params, workdir -> (metrics, completions)`: `config.evals` through the run's own
+  `EvalRunner` (8 CPU devices), built once, so parameters of one model share its programs."""
   task = make_task(config)
   setup = make_state(task.model, config, create_mesh("data=-1"))
-  params = jax.device_put(params, setup.shardings["params"])
   runner = EvalRunner.build(config, setup, task, ("data",))
   runner.prepare(encoding.byte_encoder(config.model.vocab_size))
-  metrics = runner({"params": params}, step=1, workdir=str(workdir))
-  completions = (workdir / "evals" / "complete" / "step_1.jsonl").read_text()
-  return {
-    k: v for k, v in metrics.items() if not k.endswith(("seconds", "tokens_per_s"))
-  }, completions
+
+  def run(params, workdir):
+    params = jax.device_put(params, setup.shardings["params"])
+    metrics = runner({"params": params}, step=1, workdir=str(workdir))
+    completions = (workdir / "evals" / "complete" / "step_1.jsonl").read_text()
+    return {
+      k: v for k, v in metrics.items() if not k.endswith(("seconds", "tokens_per_s"))
+    }, completions
+
+  return run
 
 
 def test_evals_of_a_lora_run_see_its_adapters(tmp_path):
@@ -339,12 +360,13 @@ def test_evals_of_a_lora_run_see_its_adapters(tmp_path):
   )
   setup = make_state(make_task(config).model, config, create_mesh("data=-1"))
   params = _with_random_b(setup, jax.device_get(setup.init()["params"]))
-  adapted, adapted_text = _run_evals(config, params, tmp_path / "lora")
+  adapted, adapted_text = _eval_runner(config)(params, tmp_path / "lora")
   plain = config.copy_and_resolve_references()
   plain.lora.targets = ""
+  plain_evals = _eval_runner(plain)  # the merged model's and the base's: one model, two weights
   merged = lora.base_weights(lora.merged(params, setup.adapters), setup.adapters)
-  same, same_text = _run_evals(plain, merged, tmp_path / "merged")
-  base, _ = _run_evals(plain, lora.base_weights(params, setup.adapters), tmp_path / "base")
+  same, same_text = plain_evals(merged, tmp_path / "merged")
+  base, _ = plain_evals(lora.base_weights(params, setup.adapters), tmp_path / "base")
   assert adapted.keys() == same.keys() and "evals/complete/exact_match" in adapted
   for key, value in same.items():
     assert adapted[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
@@ -359,6 +381,8 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
   The accumulated gradients are the adapters' alone (the frozen weights are
   neither differentiated nor carried through the scan), the frozen weights
   stay bfloat16 and bit for bit, and the adapters float32, as with one batch.
+  Its own steps, not a shared run's: one step of each of two programs from
+  the same weights is the comparison.
   """
   config = _tiny_llama_config()
   config.train.precision = "bfloat16"
@@ -369,15 +393,7 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
   task, mesh = make_task(config), create_mesh("data=-1")
   setup = make_state(task.model, config, mesh)  # micro_batches changes the step alone
   before = _with_random_b(setup, jax.device_get(setup.init()["params"]))
-  tokens = np.random.default_rng(1).integers(1, config.model.vocab_size, (16, 9), np.int32)
-  rows = {
-    "inputs": tokens[:, :-1],
-    "targets": tokens[:, 1:],
-    "segment_ids": np.ones((16, 8), np.int32),
-    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
-    "mask": np.ones((16, 8), np.float32),
-  }
-  batch = jax.device_put(rows, batch_sharding(mesh, ("data",)))
+  batch = jax.device_put(_token_rows(config, 16), batch_sharding(mesh, ("data",)))
   results = {}
   for micro in (1, 2):
     config.train.micro_batches = micro
@@ -399,6 +415,97 @@ def test_micro_batches_under_bfloat16_train_the_adapters_as_one_batch():
     np.testing.assert_allclose(
       _leaves(two_moved)[name], value, rtol=2e-2, atol=2e-3 * np.abs(value).max(), err_msg=name
     )
+
+
+def _token_rows(config, rows, seed=1):
+  tokens = np.random.default_rng(seed).integers(1, config.model.vocab_size, (rows, 9), np.int32)
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((rows, 8), np.int32),
+    "positions": np.tile(np.arange(8, dtype=np.int32), (rows, 1)),
+    "mask": np.ones((rows, 8), np.float32),
+  }
+
+
+def test_dropout_drops_the_adapters_input_in_training_only():
+  """`lora.dropout` on the Llama: the train loss moves, the eval loss does not, keys from the step.
+
+  At the same weights (B random: at zero the adapters add nothing) and in
+  float32: the train-mode loss with dropout differs from the loss without,
+  the eval-mode losses are equal bit for bit (evals, sampling and export
+  build the model in eval mode), the same (seed, step) key gives the same
+  loss and another step another. Gradients are the adapters' alone. No
+  run: the loss function alone, jitted, at fixed weights.
+  """
+  assert jax.config.jax_threefry_partitionable  # the masks' bits, whatever the mesh
+  config = _tiny_llama_config()
+  config.train.precision = "float32"
+  task, mesh = make_task(config), create_mesh("data=-1")
+  plain = make_state(task.model, config, mesh)
+  config.lora.dropout = 0.5
+  dropped = make_state(task.model, config, mesh)
+  assert jax.tree.leaves(dropped.abstract_rng_state) and dropped.abstract == plain.abstract
+  params = _with_random_b(plain, jax.device_get(plain.init()["params"]))
+  batch = jax.device_put(_token_rows(config, 8), batch_sharding(mesh, ("data",)))
+
+  def loss(setup, train):
+    step = jax.jit(loss_fn(setup, task, train))
+
+    def at(n):
+      loss_sum, (weight, _, _) = step(params, None, batch, step_key(config.seed, jnp.int32(n)))
+      return float(loss_sum / weight)
+
+    return at
+
+  without = loss(plain, True)(1)
+  assert loss(dropped, False)(1) == without  # eval mode: no dropout, the same computation
+  trained = loss(dropped, True)
+  with_dropout = trained(1)
+  assert abs(with_dropout - without) > 1e-3, (with_dropout, without)
+  assert trained(1) == with_dropout
+  assert trained(2) != with_dropout
+  # Gradients of the adapters alone (the compiled step's matmuls:
+  # `test_the_llama_computes_no_gradient_of_its_frozen_weights`, with dropout).
+  value_and_grad = trainable.value_and_grad(loss_fn(dropped, task, True), dropped.trainable_paths)
+  _, grads = jax.eval_shape(value_and_grad, params, None, batch, step_key(config.seed, 1))
+  adapters = trainable.split(params, dropped.trainable_paths)[0]
+  assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+
+
+def test_dropout_masks_are_the_same_bits_on_any_mesh():
+  """What a resume on another host count relies on: each mask element comes from the key and
+  its index alone, however the input is split (JAX's partitionable threefry)."""
+  assert jax.config.jax_threefry_partitionable
+  x = jnp.ones((16, 8, 32), jnp.bfloat16)
+  key = jax.random.key(3)
+  whole = np.asarray(jax.jit(lambda x: lora.dropout(x, 0.25, key))(x))
+  assert 0 < (whole == 0).mean() < 0.5
+  for ici, spec in (("data=8", P("data")), ("data=2,fsdp=4", P("data", None, "fsdp"))):
+    sharding = jax.sharding.NamedSharding(create_mesh(ici), spec)
+    drop = jax.jit(lambda x: lora.dropout(x, 0.25, key), out_shardings=sharding)
+    split = drop(jax.device_put(x, sharding))
+    assert split.sharding.spec == spec
+    np.testing.assert_array_equal(np.asarray(split), whole, err_msg=ici)
+
+
+def test_dropout_needs_a_model_that_shows_the_adapters_input():
+  """A model handed `W + s A B` (a user's conv net) never shows `x`: dropout is refused, named."""
+  config, task = _conv_config(), _task()
+  config.lora.dropout = 0.1
+  with pytest.raises(ValueError, match=r"^lora.dropout=0.1 needs a model that applies its "):
+    make_state(task.model, config, create_mesh("data=-1"))
+  config = _tiny_llama_config()
+  config.lora.dropout = 0.1
+  settings = lora.settings_from_config(config.lora)
+  model = nnx.eval_shape(lambda: make_task(config).model(nnx.Rngs(0)))
+  lora.check_dropout(settings, model)  # the Llama applies its adapters itself
+  jax.config.update("jax_threefry_partitionable", False)
+  try:
+    with pytest.raises(ValueError, match=r"needs jax_threefry_partitionable=True"):
+      lora.check_dropout(settings, model)
+  finally:
+    jax.config.update("jax_threefry_partitionable", True)
 
 
 def test_the_weights_a_merging_model_is_built_with_are_the_steps_under_bfloat16():

@@ -120,12 +120,25 @@ def test_settings_not_implemented_are_refused_naming_them(tmp_path, setting, val
   assert named in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_a_folder_of_another_rank_or_other_modules_is_refused():
+def test_a_folder_of_another_rank_dropout_or_other_modules_is_refused(tmp_path):
   folder = f"{FIXTURES}/llama3"
   model = _imported(folder, _config(folder))
   other = lora.LoRASettings(rank=8, alpha=12.0, targets=SETTINGS.targets)
-  with pytest.raises(ValueError, match=r"r=4, lora_alpha=12, but config.lora has rank=8"):
+  with pytest.raises(
+    ValueError, match=r"r=4, lora_alpha=12, lora_dropout=0, but config.lora has rank=8, alpha=12, "
+  ):
     peft.read_adapters(f"{folder}_lora", lora.find_adapters(model, other))
+  dropped = lora.LoRASettings(rank=4, alpha=12.0, dropout=0.05, targets=SETTINGS.targets)
+  with pytest.raises(ValueError, match=r"lora_dropout=0, but .* dropout=0.05: set them as"):
+    peft.read_adapters(f"{folder}_lora", lora.find_adapters(model, dropped))
+  # What our export writes for a run with dropout, a folder with it is read with it.
+  written = peft.adapter_config(dropped, lora.find_adapters(model, dropped), "")
+  assert written["lora_dropout"] == 0.05
+  with_dropout = tmp_path / "adapter"
+  shutil.copytree(f"{folder}_lora", with_dropout)
+  config = json.loads((with_dropout / peft.CONFIG_FILE).read_text())
+  (with_dropout / peft.CONFIG_FILE).write_text(json.dumps({**config, "lora_dropout": 0.05}))
+  assert peft.read_adapters(with_dropout, lora.find_adapters(model, dropped))
   fewer = lora.LoRASettings(rank=4, alpha=12.0, targets=("q", "v"))
   with pytest.raises(
     ValueError,
@@ -157,7 +170,12 @@ def _run_config(folder, data, adapter_folder):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """One step from the llama3 folder and its peft adapters, in this process (8 CPU devices)."""
+  """One step from the llama3 folder and its peft adapters, in this process (8 CPU devices).
+
+  Its own run (see the module's docstring): learning rate 0, so its
+  checkpoint holds the folder's adapters bit for bit, which a run that
+  learns (tests/test_lora_resume.py's) cannot give.
+  """
   root = tmp_path_factory.mktemp("peft_run")
   folder = root / "llama3"
   shutil.copytree(f"{FIXTURES}/llama3", folder)
@@ -249,6 +267,7 @@ def test_sampling_on_other_base_weights_is_refused(run):
 
 
 def test_a_run_from_a_folder_it_cannot_reproduce_stops_before_its_data(run, tmp_path):
+  """Its own run, refused before any data is prepared or step compiled: the refusal is the claim."""
   folder = tmp_path / "adapter"
   shutil.copytree(f"{FIXTURES}/llama3_lora", folder)
   config = json.loads((folder / peft.CONFIG_FILE).read_text())

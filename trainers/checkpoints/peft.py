@@ -5,7 +5,7 @@
 writes DIR (default `W/export/peft_step_<N>/`) as `peft`'s `save_pretrained` does:
 
   adapter_config.json        peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha,
-                             target_modules (q_proj, ..., down_proj), bias "none",
+                             lora_dropout, target_modules (q_proj, ..., down_proj), bias "none",
                              fan_in_fan_out false, use_rslora false, use_dora false,
                              base_model_name_or_path (the run's checkpoint.init_from)
   adapter_model.safetensors  float32, one A and one B per adapted weight and layer:
@@ -181,6 +181,7 @@ def adapter_config(
     **_DEFAULTS,
     "base_model_name_or_path": base or None,
     "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+    "lora_dropout": float(settings.dropout),
     "r": settings.rank,
     "target_modules": sorted({module_name(a) for a in adapters}),
   }
@@ -220,7 +221,7 @@ def check_folder(folder: str | epath.Path, adapters: Sequence[Adapter]) -> Tenso
 
   Raises:
     ValueError: the folder's settings are not implemented (`read_config`),
-      its r or lora_alpha differ from the adapters', or its tensors are not
+      its r, lora_alpha or lora_dropout differ from the adapters', or its tensors are not
       theirs (missing, extra or of another shape; all named).
     FileNotFoundError: no adapter_config.json or adapter_model.safetensors.
   """
@@ -228,10 +229,19 @@ def check_folder(folder: str | epath.Path, adapters: Sequence[Adapter]) -> Tenso
   config = read_config(folder)
   if adapters:
     rank, alpha = adapters[0].rank, adapters[0].scale * adapters[0].rank
-    if config.get("r") != rank or not math.isclose(float(config.get("lora_alpha", 0)), alpha):
+    dropout = adapters[0].dropout
+    # peft's default lora_dropout is 0.0; a folder's dropout is part of the
+    # recipe it was trained with, continued here as r and alpha are.
+    theirs = float(config.get("lora_dropout") or 0.0)
+    if (
+      config.get("r") != rank
+      or not math.isclose(float(config.get("lora_alpha", 0)), alpha)
+      or not math.isclose(theirs, dropout)
+    ):
       raise ValueError(
         f"{folder / CONFIG_FILE}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
-        f"but config.lora has rank={rank}, alpha={alpha:g}: set them as the folder has them"
+        f"lora_dropout={theirs:g}, but config.lora has rank={rank}, alpha={alpha:g}, "
+        f"dropout={dropout:g}: set them as the folder has them"
       )
   planned = plan(adapters)
   if not (folder / WEIGHTS_FILE).exists():

@@ -183,14 +183,20 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 
 
 def check_lora_targets(config: ml_collections.ConfigDict) -> None:
-  """Raises `ValueError` when a `config.lora.targets` pattern matches no parameter of the model.
+  """Raises `ValueError` for a `config.lora` the model cannot take, naming the setting.
+
+  A `lora.targets` pattern that matches no parameter of the model, or
+  `lora.dropout` > 0 on a model that takes its adapters merged into its
+  weights (`lora.check_dropout`).
 
   On the model's shapes only (`nnx.eval_shape`): nothing is initialised.
   """
   settings = lora.settings_from_config(config.lora)
   if settings is not None:
     task = make_task(config)
-    lora.find_adapters(nnx.eval_shape(lambda: task.model(nnx.Rngs(0))), settings)
+    model = nnx.eval_shape(lambda: task.model(nnx.Rngs(0)))
+    lora.find_adapters(model, settings)
+    lora.check_dropout(settings, model)
 
 
 def resolve(

@@ -157,7 +157,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora.targets = ""  # comma-separated, e.g. "q,k,v,o,gate,up,down"
   config.lora.rank = 16
   config.lora.alpha = 16.0  # the adapters' scale is alpha / rank
-  config.lora.dropout = 0.0  # only 0.0 for now
+  # Of the adapters' input, in training only (peft's lora_dropout); models that
+  # apply their adapters themselves only (the built-in Llama).
+  config.lora.dropout = 0.0
   # A peft adapter folder (adapter_config.json, adapter_model.safetensors) to start
   # the adapters from, on the base weights of checkpoint.init_from; "" = A random, B 0.
   config.lora.init_from = ""

@@ -34,6 +34,17 @@ Two ways to apply them:
   peft does. No weight-shaped array is formed and no gradient of a frozen
   weight is computed.
 
+`lora.dropout` (peft's `lora_dropout`) drops the adapters' input in
+training, `x W + s dropout(x) A B`, never the frozen path's: on the second
+way only, as a mask on `x` (one per token and feature) is no edit of a
+weight every token shares; a model handed merged weights refuses it
+(`check_dropout`). Each adapted weight holds an `nnx.RngKey` (one per layer
+of a stack) that the step reseeds from the seed, the step and the
+micro-batch (`trainers.step.state.build_model`), so a resume draws the same
+masks, and JAX's partitionable threefry makes them the same bits on any
+mesh. The module is built in eval mode (`deterministic`): only the train
+step's `model.train()` drops anything; evals, sampling and exports never do.
+
 PEFT's names map one to one: layer N of `blocks/attn/query_lora_a`
 [layers, d_model, rank] is `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`,
 reshaped to [d_model, rank] and transposed (torch stores [rank, in]); `B` is
@@ -69,6 +80,9 @@ from flax import nnx
 from trainers.models.layers import dense
 
 A_SUFFIX, B_SUFFIX, SCALE_SUFFIX = "_lora_a", "_lora_b", "_lora_scale"
+# With `lora.dropout` > 0 (the adapters' input dropout, `low_rank`): the rate,
+# static, and an `nnx.RngKey` that the step reseeds from (seed, step, micro-batch).
+DROPOUT_SUFFIX, KEY_SUFFIX = "_lora_dropout", "_lora_key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +106,12 @@ class LoRASettings:
       raise ValueError(f"lora.rank={self.rank!r} must be a positive integer")
     if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
       raise ValueError(f"lora.alpha={self.alpha!r} must be a number > 0")
-    if self.dropout != 0:
-      raise ValueError(
-        f"lora.dropout={self.dropout!r} is not implemented yet (the adapters act on the "
-        "weight, not on its input); use 0.0"
-      )
+    if (
+      isinstance(self.dropout, bool)
+      or not isinstance(self.dropout, int | float)
+      or not 0 <= self.dropout < 1
+    ):
+      raise ValueError(f"lora.dropout={self.dropout!r} must be a number in [0, 1)")
     for pattern in self.targets:
       try:
         re.compile(pattern)
@@ -141,6 +156,7 @@ class Adapter:
   inputs: int  # the dims after them that the product contracts
   rank: int
   scale: float
+  dropout: float = 0.0  # of the adapter's input, in training (`low_rank`)
 
   @property
   def a_path(self) -> tuple[str, ...]:
@@ -181,6 +197,12 @@ class Adapter:
     a = a.astype(jnp.float32).reshape(*stack, math.prod(inputs), self.rank)
     b = b.astype(jnp.float32).reshape(*stack, self.rank, math.prod(outputs))
     return (self.scale * jnp.matmul(a, b)).reshape(self.shape)
+
+  def dropout_key(self, seed: int) -> jax.Array:
+    """A key for the input dropout, one per layer of a stack ([*stack] keys)."""
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32("/".join(self.path).encode()))
+    stack = self.shape[: self.stack]
+    return jax.random.split(key, stack) if stack else key
 
   def initial(self, seed: int) -> tuple[jax.Array, jax.Array]:
     """(A, B) at the start: A uniform(+-1/sqrt(fan_in)) from the seed and W's path, B zeros."""
@@ -254,6 +276,7 @@ def find_adapters(model: nnx.Module, settings: LoRASettings) -> list[Adapter]:
       inputs=inputs,
       rank=settings.rank,
       scale=settings.scale,
+      dropout=float(settings.dropout),
     )
   for given, regex in patterns:
     if not matched[given]:
@@ -293,6 +316,14 @@ def add_adapters(model: nnx.Module, adapters: Sequence[Adapter], seed: int) -> n
       setattr(module, name, nnx.LoRAParam(value, **metadata))
     # Static (no array): for a model that applies its adapters itself (`low_rank`).
     setattr(module, adapter.path[-1] + SCALE_SUFFIX, adapter.scale)
+    if adapter.dropout:
+      setattr(module, adapter.path[-1] + DROPOUT_SUFFIX, adapter.dropout)
+      # A key per layer of a stack; the step replaces it (`state.build_model`).
+      setattr(module, adapter.path[-1] + KEY_SUFFIX, nnx.RngKey(adapter.dropout_key(seed)))
+      if not hasattr(module, "deterministic"):
+        # NNX's switch, flipped by `model.train()` and `model.eval()`: built
+        # in eval mode, so only the train step's model drops anything.
+        module.deterministic = True
   return model
 
 
@@ -305,6 +336,9 @@ def low_rank(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> 
   no gradient of the frozen W. `x`'s last `contract` dims are W's inputs;
   A and B are multiplied in `x`'s dtype, their gradients summed in float32
   (`trainers.models.layers.dense`), as peft computes them under autocast.
+  With `lora.dropout` and the module in train mode (`model.train()`, the
+  train step only), A multiplies `dropout(x)`, as peft's `lora_dropout`
+  does; `x W` always takes `x` whole.
 
   Example:
     >>> model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
@@ -319,8 +353,60 @@ def low_rank(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> 
   a = getattr(module, name + A_SUFFIX, None)
   if a is None:
     return None
+  rate = getattr(module, name + DROPOUT_SUFFIX, 0.0)
+  # Only when switched to training: a user's module may hold `deterministic=None`.
+  if rate and getattr(module, "deterministic", True) is False:
+    x = dropout(x, rate, getattr(module, name + KEY_SUFFIX)[...])
   h = dense(x, a[...], contract=contract)
   return dense(h, getattr(module, name + B_SUFFIX)[...]) * getattr(module, name + SCALE_SUFFIX)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+  """`x` with each element zeroed with probability `rate`, the rest divided by `1 - rate`.
+
+  torch's (and peft's) inverted dropout, in `x`'s dtype. The mask is a
+  function of the key and the element's index alone, whatever the mesh:
+  JAX's partitionable threefry (`check_dropout` insists on it).
+
+  Example:
+    >>> y = dropout(jnp.ones((4, 1000)), 0.25, jax.random.key(0))
+    >>> sorted({float(v) for v in jnp.unique(y)}), round(float(y.mean()), 1)
+    ([0.0, 1.3333333730697632], 1.0)
+  """
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def check_dropout(settings: LoRASettings, model: Any) -> None:
+  """Raises `ValueError` when `lora.dropout` > 0 cannot be applied to `model` as peft does.
+
+  peft drops the adapters' input, `x W + s dropout(x) A B`. A model that
+  takes its adapters merged into its weights (`W + s A B`, any model
+  without `applies_lora`) never shows us `x`, and a mask on `x` (one per
+  token and feature) is no edit of a weight that every token shares. The
+  masks must also be the same bits on any mesh, so a resume on another
+  host count is bit-identical: JAX's partitionable threefry.
+
+  Example:
+    >>> check_dropout(LoRASettings(dropout=0.1, targets=("kernel",)),
+    ...               nnx.eval_shape(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0))))
+    Traceback (most recent call last):
+    ...
+    ValueError: lora.dropout=0.1 needs a model that applies its adapters itself (applies_lora, as the built-in Llama); Linear takes them merged into its weights (W + s A B), where the adapters' input is not seen: set lora.dropout=0.0
+  """
+  if not settings.dropout:
+    return
+  if not getattr(model, "applies_lora", False):
+    raise ValueError(
+      f"lora.dropout={settings.dropout!r} needs a model that applies its adapters itself "
+      f"(applies_lora, as the built-in Llama); {type(model).__name__} takes them merged into "
+      "its weights (W + s A B), where the adapters' input is not seen: set lora.dropout=0.0"
+    )
+  if not jax.config.jax_threefry_partitionable:
+    raise ValueError(
+      f"lora.dropout={settings.dropout!r} needs jax_threefry_partitionable=True (JAX's default "
+      "since 0.5), so that the masks are the same bits on any mesh and host count"
+    )
 
 
 def _get(tree: Mapping, path: Sequence[str], default: Any = KeyError) -> Any:

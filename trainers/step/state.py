@@ -241,6 +241,7 @@ def make_state(
   if settings is not None:
     plain = in_context(nnx.eval_shape)(lambda: model_fn(nnx.Rngs(config.seed)))
     adapters = tuple(lora.find_adapters(plain, settings))
+    lora.check_dropout(settings, plain)
     paths = lora.adapter_paths(adapters)
     base_fn = model_fn
 
@@ -355,13 +356,18 @@ def make_state(
 
 
 def _rng_values(abstract_rng: Any, key: jax.Array) -> Any:
-  """Fresh values for a model's own RNG streams: each key folded from `key` by its path."""
+  """Fresh values for a model's own RNG streams: each key folded from `key` by its path.
+
+  An array of keys (a stack of layers' streams) gets one key each, split
+  from its path's: the same key in every layer would draw the same masks.
+  """
 
   def fresh(path, var):
     name = jax.tree_util.keystr(path)
     if isinstance(var, nnx.RngKey):
       value = jax.random.fold_in(key, zlib.crc32(name.encode()))
-      value = jnp.broadcast_to(value, var.get_value().shape)
+      shape = var.get_value().shape
+      value = jax.random.split(value, shape) if shape else value
     else:  # nnx.RngCount
       value = jnp.zeros(var.get_value().shape, var.get_value().dtype)
     return var.replace(value)
