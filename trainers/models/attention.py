@@ -57,9 +57,11 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from spmd import context as context_lib
 from spmd import rules as rules_lib
 
 log = logging.getLogger(__name__)
@@ -420,6 +422,54 @@ def splash_attention(
   return placed(*args)
 
 
+def context_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
+) -> jax.Array:
+  """XLA attention with the sequence split over `context` (`spmd.context`), by the active rules.
+
+  Inside a `shard_map` over the rules' layout of the queries and keys
+  (rows, sequence, heads), each device all-gathers the keys and values
+  (and the segment ids) along the sequence's mesh axes and attends its own
+  queries to all of them, masked causally by the tokens' original places
+  (`spmd.context.token_index`: the step's balanced order) and by segment.
+  Query head i reads key/value head i // group, as in `xla_attention`.
+
+  Raises:
+    ValueError: the rules split head_dim, or split the rows or heads of the
+      queries and of the keys differently.
+  """
+  rules, mesh = rules_lib.active_rules()
+  q_spec = rules_lib.logical_to_spec(_Q_AXES, rules, mesh)
+  kv_spec = rules_lib.logical_to_spec(_KV_AXES, rules, mesh)
+  padded_q, padded_kv = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
+  if padded_q[3] is not None or padded_q[:3] != padded_kv[:3]:
+    raise ValueError(
+      f"attention across context shards needs the queries and keys/values split alike along "
+      f"rows, sequence and heads, and head_dim whole; the rules give queries {q_spec} and "
+      f"keys/values {kv_spec}"
+    )
+  rules_lib.check_divisible("attention queries", q.shape, q_spec, mesh)
+  rules_lib.check_divisible("attention keys", k.shape, kv_spec, mesh)
+  rows, sequence = padded_q[0], padded_q[1]
+  index = jnp.asarray(context_lib.token_index(q.shape[1]))
+
+  def local(q, k, v, q_index, k_index, ids=None):
+    k = jax.lax.all_gather(k, sequence, axis=1, tiled=True)
+    v = jax.lax.all_gather(v, sequence, axis=1, tiled=True)
+    mask = k_index[None, :] <= q_index[:, None]
+    if ids is not None:
+      all_ids = jax.lax.all_gather(ids, sequence, axis=1, tiled=True)
+      mask = mask & (ids[:, :, None] == all_ids[:, None, :])
+    return xla_attention(q, k, v, mask)
+
+  P = jax.sharding.PartitionSpec
+  args, specs = (q, k, v, index, index), (q_spec, kv_spec, kv_spec, P(sequence), P())
+  if segment_ids is not None:
+    args, specs = (*args, segment_ids), (*specs, P(rows, sequence))
+  placed = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec)
+  return placed(*args)
+
+
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """Causal attention by cuDNN's flash attention (GPU, bf16/fp16), through JAX's public API."""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -453,6 +503,17 @@ def attend(
       f"dividing heads; got {q.shape=} {k.shape=} {v.shape=}"
     )
   length = q.shape[1]
+  shards = context_lib.active_shards()
+  if shards > 1:
+    # Splash and cuDNN see whole sequences; across context shards XLA runs it.
+    if kernel == "splash":
+      raise ValueError(
+        f"model.attention='splash' does not run yet with the sequence split over {shards} "
+        "context devices; set model.attention='xla' or 'auto' (XLA attention across shards)"
+      )
+    choice = Choice("xla", kernel, f"the sequence split over {shards} context devices")
+    _announce(choice)
+    return context_attention(q, k, v, segment_ids)
   choice = choose_kernel(
     kernel,
     platform=current_platform(),
@@ -466,4 +527,13 @@ def attend(
     return splash_attention(q, k, v, segment_ids, block=choice.block, interpret=choice.interpret)
   if choice.kernel == "cudnn":
     return cudnn_attention(q, k, v)
+  index = context_lib.token_index(length)
+  if (index != np.arange(length)).any():
+    # A whole sequence in the balanced order (a shard_map made the mesh axes
+    # manual): masked by the tokens' original places.
+    index = jnp.asarray(index)
+    mask = index[None, :] <= index[:, None]
+    if segment_ids is not None:
+      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return xla_attention(q, k, v, mask)
   return xla_attention(q, k, v, causal_mask(segment_ids, length))

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from spmd import context
 from spmd import rules as rules_lib
 from trainers.models import lora
 from trainers.step.precision import Precision
@@ -64,7 +65,8 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     # The model's activation constraints (spmd.rules.constrain) take the
     # mesh and rules of the state; without a mesh they do nothing.
     active = rules_lib.activation_rules(setup.rules, setup.mesh) if setup.mesh else nullcontext()
-    with active:
+    batch, order = balanced(task, batch, setup)
+    with active, order:
       sums = task.loss(model, batch, nnx.Rngs(key), train)
     # Added up over micro-batches and eval batches in float32, whatever the
     # task computed them in.
@@ -77,6 +79,23 @@ def loss_fn(setup: StateSetup, task: Task, train: bool) -> Callable:
     return loss_sum, (weight, metric_sums, new_state)
 
   return loss
+
+
+def balanced(task: Task, batch: dict, setup: StateSetup) -> tuple[dict, Any]:
+  """`batch` with `task.sequence_features` in the load-balanced order, and the order's context.
+
+  When the rules split the sequence over `context` devices (`spmd.context`);
+  otherwise the batch as it is and a context that does nothing. The order
+  is never undone: the loss sums over tokens.
+  """
+  shards = context.shards_of(setup.rules, setup.mesh) if setup.mesh else 1
+  if shards == 1 or not task.sequence_features:
+    return batch, nullcontext()
+  reordered = {
+    name: context.to_balanced(value, shards) if name in task.sequence_features else value
+    for name, value in batch.items()
+  }
+  return reordered, context.order(shards)
 
 
 def abstract_batch(task: Task, global_batch: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:

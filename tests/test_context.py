@@ -1,0 +1,221 @@
+"""Context parallelism (`spmd.context`): sequences split over the mesh axis `context`.
+
+Exactness in one process on CPU devices: the loss and the gradients of the
+built-in Llama (grouped-query attention, packed documents with segment ids,
+float32 policy) and of a user's own model are the same with the sequence
+split over 4 context devices, or 2 data x 2 context, as with it whole. And
+the balanced order's point: the causal attention work each device does.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import llama_tiny
+from spmd import context, rules
+from spmd.layout import batch_sharding
+from spmd.mesh import create_mesh
+from trainers.models import attention
+from trainers.step.loss import loss_fn
+from trainers.step.mesh import build_mesh
+from trainers.step.state import make_state
+from trainers.tasks import Task, cross_entropy_sums, make_task
+from trainers.tasks.losses import chunked_cross_entropy_sums
+
+SEQ = 32
+ROWS = 4
+
+
+def test_the_balanced_order_gives_each_device_the_same_causal_work():
+  """(query block, key block) pairs with an unmasked entry, per device: max / mean."""
+  ratio = {}
+  for balanced in (False, True):
+    counts = context.causal_blocks(4096, 4, balanced=balanced, block=16)
+    ratio[balanced] = max(counts) / np.mean(counts)
+  assert ratio[True] == 1.0
+  assert 1.7 < ratio[False] <= 1.75, ratio
+  # Nothing is computed twice: the balanced total is the unsplit triangle's.
+  unsplit = context.causal_blocks(4096, 1, balanced=False, block=16)
+  assert sum(context.causal_blocks(4096, 4, balanced=True, block=16)) <= 1.02 * unsplit[0]
+
+
+def test_to_balanced_gives_device_i_chunks_i_and_2c_minus_1_minus_i():
+  x = np.arange(16)[None]
+  out = np.asarray(context.to_balanced(jnp.asarray(x), 4))
+  chunks = out.reshape(8, 2)[:, 0] // 2
+  assert chunks.tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+  assert (out[0] == context.balanced_order(16, 4)).all()
+  with pytest.raises(ValueError, match="must be a multiple of 8"):
+    context.to_balanced(jnp.ones((1, 12)), 4)
+
+
+def _packed(rows: int = ROWS, seq: int = SEQ, vocab: int = 128):
+  """A packed batch: documents of several lengths per row, their positions, some padding."""
+  rng = np.random.default_rng(0)
+  ids, positions = np.zeros((rows, seq), np.int32), np.zeros((rows, seq), np.int32)
+  for r in range(rows):
+    start, doc = 0, 1
+    while start < seq - 3:
+      n = int(rng.integers(3, seq // 2))
+      n = min(n, seq - 3 - start)
+      ids[r, start : start + n], positions[r, start : start + n] = doc, np.arange(n)
+      start, doc = start + n, doc + 1
+  tokens = rng.integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "mask": (ids != 0).astype(np.float32),
+    "segment_ids": ids,
+    "positions": positions,
+  }
+
+
+def test_attention_across_context_shards_equals_attention_on_one_device():
+  """GQA, packed rows, the balanced order: each device's queries against all gathered keys."""
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(2, SEQ, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, SEQ, 2, 8)), jnp.float32) for _ in range(2))
+  ids = jnp.asarray(_packed(rows=2)["segment_ids"])
+  expected = attention.xla_attention(q, k, v, attention.causal_mask(ids, SEQ))
+  mesh = create_mesh("data=2,context=4", devices=jax.devices()[:8])
+  shuffled = [context.to_balanced(x, 4) for x in (q, k, v, ids)]
+  with rules.activation_rules(rules.FSDP_TP, mesh), context.order(4):
+    with attention.recorded_choices() as choices:
+      got = jax.jit(lambda *a: attention.attend(*a, kernel="auto"))(*shuffled)
+    with pytest.raises(ValueError, match="model.attention='splash' does not run yet"):
+      attention.attend(*shuffled, kernel="splash")
+  assert choices[0].reason == "the sequence split over 4 context devices"
+  np.testing.assert_allclose(got, context.to_balanced(expected, 4), rtol=1e-5, atol=1e-6)
+
+
+def _llama_config(ici: str):
+  config = llama_tiny.get_config()
+  config.mesh.ici, config.mesh.rules = ici, "fsdp_tp"
+  config.model.update(
+    seq_len=SEQ, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=512
+  )
+  config.model.attention = "xla"
+  config.train.precision = "float32"
+  config.global_batch = ROWS
+  return config
+
+
+def _loss_and_grads(task, config, batch, devices):
+  """The step's loss (`loss_fn`: the balanced order at its entry) and its gradients."""
+  mesh, axes = build_mesh(config, devices)
+  setup = make_state(task.model, config, mesh, axes)
+  params = setup.init()["params"]
+  loss = loss_fn(setup, task, train=True)
+  placed = {k: jax.device_put(v, batch_sharding(mesh, axes)) for k, v in batch.items()}
+  grad = jax.jit(jax.value_and_grad(lambda p, b: loss(p, None, b, jax.random.key(0))[0]))
+  value, grads = grad(params, placed)
+  return float(value), jax.device_get(grads)
+
+
+def _assert_same(runs):
+  """The loss to rtol 1e-5; each gradient to rtol 1e-5 of its own largest entry.
+
+  A weight's gradient is a sum over the tokens, added in another order when
+  they sit on other devices: an entry that is a small difference of large
+  terms differs by float32 rounding of those terms (about 1e-6 of the
+  array's scale), so the tolerance is relative to each array's scale.
+  """
+  ref_loss, ref_grads = next(iter(runs.values()))
+  for name, (value, grads) in list(runs.items())[1:]:
+    np.testing.assert_allclose(value, ref_loss, rtol=1e-5, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+      scale = float(np.max(np.abs(b)))
+      np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{name} {jax.tree_util.keystr(path)}"
+      )
+
+
+def test_llama_loss_and_gradients_split_over_context_equal_the_whole_sequence():
+  devices = jax.devices()[:4]
+  batch = _packed()
+  runs = {}
+  for ici in ("data=4", "context=4", "data=2,context=2"):
+    config = _llama_config(ici)
+    runs[ici] = _loss_and_grads(make_task(config), config, batch, devices)
+  _assert_same(runs)
+
+
+class OwnModel(nnx.Module):
+  """A user's model: its own layers, its activations named by logical axes (length among them)."""
+
+  def __init__(self, vocab: int, width: int, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+    self.pos = nnx.Embed(SEQ, width, rngs=rngs)
+    self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+    self.out = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    # Learned positions at each token's place in its row, whatever the step's order.
+    places = jnp.asarray(context.token_index(tokens.shape[1]))
+    x = rules.constrain(self.embed(tokens) + self.pos(places), ("batch", "length", "embed"))
+    q, k, v = jnp.split(self.qkv(x).reshape(*tokens.shape, 3 * 2, -1), 3, axis=2)
+    y = attention.attend(q, k, v, kernel="xla").reshape(x.shape)
+    return rules.constrain(self.out(x + y), ("batch", "length", "vocab"))
+
+
+def _own_task():
+  def loss(model, batch, rngs, train):
+    del rngs, train
+    return cross_entropy_sums(model(batch["inputs"]), batch["targets"], batch["mask"])
+
+  return Task(
+    model=lambda rngs: OwnModel(128, 16, rngs),
+    loss=loss,
+    prepare_data=lambda data_dir: "unused",
+    record_template={"tokens": np.zeros(SEQ + 1, np.int32)},
+    to_example=lambda r: {"inputs": r["tokens"][:-1]},
+    sequence_features=("inputs", "targets", "mask"),
+  )
+
+
+def test_a_users_own_model_that_names_its_length_axis_is_exact_over_context():
+  devices = jax.devices()[:4]
+  batch = {k: v for k, v in _packed().items() if k in ("inputs", "targets")}
+  batch["mask"] = np.ones((ROWS, SEQ), np.float32)
+  runs = {}
+  for ici in ("data=4", "context=4", "data=2,context=2"):
+    config = _llama_config(ici)
+    config.mesh.rules = "fsdp"
+    runs[ici] = _loss_and_grads(_own_task(), config, batch, devices)
+  _assert_same(runs)
+
+
+def test_the_chunked_loss_splits_along_context_and_gathers_no_logits():
+  """Chunks of each device's own slice: equal sums and gradients, no [rows, length, vocab] gather."""
+  rng = np.random.default_rng(2)
+  hidden = jnp.asarray(rng.normal(size=(4, SEQ, 16)), jnp.float32)
+  unembed = jnp.asarray(rng.normal(size=(16, 96)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 96, (4, SEQ)), jnp.int32)
+  mask = jnp.asarray(rng.random((4, SEQ)) < 0.8, jnp.float32)
+
+  def sums(h, u):
+    loss_sum, _, metrics = chunked_cross_entropy_sums(h, u, labels, mask, chunk=2)
+    return loss_sum, metrics["accuracy"]
+
+  expected = jax.value_and_grad(lambda h, u: sums(h, u)[0], argnums=(0, 1))(hidden, unembed)
+  mesh = create_mesh("data=2,context=4", devices=jax.devices()[:8])
+
+  def split(h, u):
+    with rules.activation_rules(rules.FSDP_TP, mesh):
+      h = rules.constrain(h, ("batch", "length", "embed"))
+      return sums(h, u)[0]
+
+  step = jax.jit(jax.value_and_grad(split, argnums=(0, 1)))
+  text = step.lower(hidden, unembed).compile().as_text()
+  gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+  assert not [g for g in gathered if g.startswith("f32[4,32,96]") or ",96]" in g], gathered
+  got = step(hidden, unembed)
+  np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
+  for a, b in zip(got[1], expected[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
