@@ -87,6 +87,19 @@ FSDP_TP: Rules = (
 PRESETS: dict[str, Rules] = {"dp": DATA_PARALLEL, "fsdp": FSDP, "fsdp_tp": FSDP_TP}
 
 
+def whole_sequence(rules: Rules) -> Rules:
+  """`rules` with `length` on no mesh axis: each device holds whole sequences.
+
+  Decoding (a KV cache filled one token at a time) gathers the `context`
+  axis this way rather than split its cache.
+
+  Example:
+    >>> dict(whole_sequence(FSDP_TP))["length"] is None
+    True
+  """
+  return tuple((name, None if name == "length" else axes) for name, axes in rules)
+
+
 def preset(name: str) -> Rules:
   """A preset rule set by name: `dp`, `fsdp` or `fsdp_tp`."""
   try:

@@ -219,3 +219,17 @@ def test_the_chunked_loss_splits_along_context_and_gathers_no_logits():
   np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
   for a, b in zip(got[1], expected[1]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_decoding_on_a_context_mesh_gathers_the_sequence_and_makes_the_same_tokens():
+  from trainers.models import decode, llama
+
+  config = llama.LlamaConfig(
+    vocab_size=64, seq_len=16, num_layers=1, d_model=16, num_heads=4, num_kv_heads=2, d_ff=32
+  )
+  model = llama.Llama(config, rngs=nnx.Rngs(0))
+  prompt = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 5)), jnp.int32)
+  mesh = create_mesh("data=2,context=4", devices=jax.devices()[:8])
+  alone = decode.generate(model, prompt, 6)
+  on_mesh = decode.generate(model, prompt, 6, rules=rules.FSDP_TP, mesh=mesh)
+  assert np.asarray(on_mesh).tolist() == np.asarray(alone).tolist()
