@@ -19,12 +19,12 @@ from flax import nnx
 
 from configs import llama_tiny
 from spmd import context, rules
-from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from trainers.models import attention
-from trainers.step.loss import loss_fn
+from trainers.step.loss import batch_shardings
 from trainers.step.mesh import build_mesh
 from trainers.step.state import make_state
+from trainers.step.train_step import make_train_step
 from trainers.tasks import Task, cross_entropy_sums, make_task
 from trainers.tasks.losses import chunked_cross_entropy_sums
 
@@ -106,16 +106,33 @@ def _llama_config(ici: str):
   return config
 
 
-def _loss_and_grads(task, config, batch, devices):
-  """The step's loss (`loss_fn`: the balanced order at its entry) and its gradients."""
+LR = 1e4  # the update is -LR x the gradient: recovered to float32 rounding of the gradient
+
+
+def _loss_and_grads(task, config, devices):
+  """One train step (`make_train_step`: the balanced order at its entry) by SGD: loss, gradients.
+
+  The batch is placed as the run places it (`batch_shardings`: the sequence
+  features split along `context`), and the gradients are read back from
+  the update, so the test runs the step the trainer runs.
+  """
+  config.train.update(
+    optimizer="sgd", momentum=0.0, learning_rate=LR, schedule="constant", warmup_steps=0
+  )
+  config.train.update(grad_clip_norm=0.0, weight_decay=0.0)
   mesh, axes = build_mesh(config, devices)
   setup = make_state(task.model, config, mesh, axes)
-  params = setup.init()["params"]
-  loss = loss_fn(setup, task, train=True)
-  placed = {k: jax.device_put(v, batch_sharding(mesh, axes)) for k, v in batch.items()}
-  grad = jax.jit(jax.value_and_grad(lambda p, b: loss(p, None, b, jax.random.key(0))[0]))
-  value, grads = grad(params, placed)
-  return float(value), jax.device_get(grads)
+  state = setup.init()
+  before = jax.device_get(state["params"])
+  placement = batch_shardings(task, setup.rules, mesh, axes)
+  batch = {k: jax.device_put(v, placement[k]) for k, v in _batch_for(task).items()}
+  state, metrics = make_train_step(setup, task, config, mesh, axes)(state, batch)
+  grads = jax.tree.map(lambda b, a: (b - a) / LR, before, jax.device_get(state["params"]))
+  return float(metrics["loss"]), grads
+
+
+def _batch_for(task):
+  return {k: v for k, v in _packed().items() if k in task.example_shapes()}
 
 
 def _assert_same(runs):
@@ -138,11 +155,10 @@ def _assert_same(runs):
 
 def test_llama_loss_and_gradients_split_over_context_equal_the_whole_sequence():
   devices = jax.devices()[:4]
-  batch = _packed()
   runs = {}
   for ici in ("data=4", "context=4", "data=2,context=2"):
     config = _llama_config(ici)
-    runs[ici] = _loss_and_grads(make_task(config), config, batch, devices)
+    runs[ici] = _loss_and_grads(make_task(config), config, devices)
   _assert_same(runs)
 
 
@@ -174,20 +190,22 @@ def _own_task():
     loss=loss,
     prepare_data=lambda data_dir: "unused",
     record_template={"tokens": np.zeros(SEQ + 1, np.int32)},
-    to_example=lambda r: {"inputs": r["tokens"][:-1]},
+    to_example=lambda r: {
+      "inputs": r["tokens"][:-1],
+      "targets": r["tokens"][1:],
+      "mask": np.ones(SEQ, np.float32),
+    },
     sequence_features=("inputs", "targets", "mask"),
   )
 
 
 def test_a_users_own_model_that_names_its_length_axis_is_exact_over_context():
   devices = jax.devices()[:4]
-  batch = {k: v for k, v in _packed().items() if k in ("inputs", "targets")}
-  batch["mask"] = np.ones((ROWS, SEQ), np.float32)
   runs = {}
   for ici in ("data=4", "context=4", "data=2,context=2"):
     config = _llama_config(ici)
     config.mesh.rules = "fsdp"
-    runs[ici] = _loss_and_grads(_own_task(), config, batch, devices)
+    runs[ici] = _loss_and_grads(_own_task(), config, devices)
   _assert_same(runs)
 
 
@@ -233,3 +251,21 @@ def test_decoding_on_a_context_mesh_gathers_the_sequence_and_makes_the_same_toke
   alone = decode.generate(model, prompt, 6)
   on_mesh = decode.generate(model, prompt, 6, rules=rules.FSDP_TP, mesh=mesh)
   assert np.asarray(on_mesh).tolist() == np.asarray(alone).tolist()
+
+
+def test_each_device_is_fed_only_its_slice_of_the_sequence_features():
+  from trainers.data.read import lm_examples, pipeline
+
+  task = make_task(_llama_config("data=2,context=2"))
+  mesh = create_mesh("data=2,context=2", devices=jax.devices()[:4])
+  records = [{"tokens": np.arange(SEQ + 1, dtype=np.int32) + i} for i in range(16)]
+  batches = pipeline.GlobalBatches(
+    records, lm_examples.lm_example(SEQ), ROWS, mesh, batch_axes=("data",)
+  )
+  batches.place_features(batch_shardings(task, rules.FSDP_TP, mesh, ("data",)))
+  batch = batches.global_batch_arrays(0)
+  for name in ("inputs", "targets", "mask"):
+    shards = batch[name].addressable_shards
+    assert {s.data.shape for s in shards} == {(ROWS // 2, SEQ // 2)}, name
+  whole = np.asarray(batch["inputs"])
+  assert whole.shape == (ROWS, SEQ) and (np.diff(whole, axis=1) == 1).all()
