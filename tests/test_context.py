@@ -132,6 +132,7 @@ def _loss_and_grads(task, config, devices):
 
 
 def _batch_for(task):
+  """`_packed()`'s features the task's examples have (an unpacked task: no segments)."""
   return {k: v for k, v in _packed().items() if k in task.example_shapes()}
 
 
@@ -159,6 +160,21 @@ def test_llama_loss_and_gradients_split_over_context_equal_the_whole_sequence():
   for ici in ("data=4", "context=4", "data=2,context=2"):
     config = _llama_config(ici)
     runs[ici] = _loss_and_grads(make_task(config), config, devices)
+  _assert_same(runs)
+
+
+def test_the_transformer_unpacked_with_learned_positions_is_exact_over_context():
+  """Its learned positions at each token's place (`spmd.context.token_index`): no batch positions."""
+  from configs import lm_tiny_bytes
+
+  runs = {}
+  for ici in ("data=4", "context=4", "data=2,context=2"):
+    config = lm_tiny_bytes.get_config()
+    config.mesh.ici, config.mesh.rules = ici, "fsdp_tp"
+    config.model.update(seq_len=SEQ, num_layers=1, d_model=32, num_heads=4, d_ff=64)
+    config.model.attention = "xla"
+    config.global_batch = ROWS
+    runs[ici] = _loss_and_grads(make_task(config), config, jax.devices()[:4])
   _assert_same(runs)
 
 
