@@ -88,10 +88,42 @@ def test_attention_across_context_shards_equals_attention_on_one_device():
   with rules.activation_rules(rules.FSDP_TP, mesh), context.order(4):
     with attention.recorded_choices() as choices:
       got = jax.jit(lambda *a: attention.attend(*a, kernel="auto"))(*shuffled)
-    with pytest.raises(ValueError, match="model.attention='splash' does not run yet"):
-      attention.attend(*shuffled, kernel="splash")
-  assert choices[0].reason == "the sequence split over 4 context devices"
+  assert (
+    choices[0].reason == "no fused kernel chosen on cpu; the sequence split over 4 context devices"
+  )
   np.testing.assert_allclose(got, context.to_balanced(expected, 4), rtol=1e-5, atol=1e-6)
+
+
+def test_splash_across_context_shards_equals_xla_forward_and_backward():
+  """Pallas interpret mode on CPU: blocks of 128 of each device's 128 queries, GQA, segments."""
+  length, shards = 256, 2
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for _ in range(2))
+  ids = np.ones((2, length), np.int32)
+  ids[:, 100:], ids[1, 200:] = 2, 0  # two documents, and padding in the second row
+  ids = jnp.asarray(ids)
+  mesh = create_mesh("data=2,context=2", devices=jax.devices()[:4])
+
+  def loss(kernel, q, k, v):
+    return jnp.sum(
+      jnp.sin(attention.attend(q, k, v, context.to_balanced(ids, shards), kernel=kernel))
+    )
+
+  def split(kernel):
+    def run(q, k, v):
+      with rules.activation_rules(rules.FSDP_TP, mesh), context.order(shards):
+        return loss(kernel, *(context.to_balanced(x, shards) for x in (q, k, v)))
+
+    return jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2)))
+
+  with attention.recorded_choices() as choices:
+    splash, xla = split("splash")(q, k, v), split("xla")(q, k, v)
+  assert [c.kernel for c in choices] == ["splash", "xla"], choices
+  assert choices[0].interpret and choices[0].block == 128
+  np.testing.assert_allclose(splash[0], xla[0], rtol=1e-5)
+  for a, b in zip(splash[1], xla[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
 def _llama_config(ici: str):

@@ -26,6 +26,7 @@ from spmd import rules
 from spmd.compiler_log import capture_compiler_log
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
+from trainers.models import attention
 from trainers.run.train import build_mesh
 from trainers.step.loss import abstract_batch, batch_shardings
 from trainers.step.state import make_state
@@ -131,10 +132,17 @@ def test_train_step_compiles_without_a_fallback_on_cpu(model, ici, rules_name):
 def test_a_train_step_with_the_sequence_split_over_context_compiles_without_a_fallback(
   model, target
 ):
-  """Context parallelism beside data and tensor: attention gathers keys and values, nothing whole."""
+  """Context parallelism beside data and tensor: attention gathers keys and values, nothing whole.
+
+  For the TPU the sequence is long enough for splash (256 tokens per shard).
+  """
   config = _config(model, "data=2,context=2,tensor=2", "fsdp_tp")
+  if target != "cpu":
+    config.model.seq_len = 512
   devices = jax.devices()[:8] if target == "cpu" else topology_devices(target)
-  assert _fallbacks_of_train_step(config, devices) == []
+  with attention.recorded_choices() as choices:
+    assert _fallbacks_of_train_step(config, devices) == []
+  assert {c.kernel for c in choices} == {"xla" if target == "cpu" else "splash"}, choices
 
 
 @needs_libtpu
