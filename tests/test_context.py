@@ -340,3 +340,24 @@ def test_each_device_is_fed_only_its_slice_of_the_sequence_features():
     assert {s.data.shape for s in shards} == {(ROWS // 2, SEQ // 2)}, name
   whole = np.asarray(batch["inputs"])
   assert whole.shape == (ROWS, SEQ) and (np.diff(whole, axis=1) == 1).all()
+
+
+def test_the_evals_scorer_on_a_context_mesh_scores_as_the_model_alone(monkeypatch):
+  """Log-likelihoods in chunks of each device's slice (4 of its 16 tokens) equal the model's alone."""
+  from trainers.evals import loglikelihood
+  from trainers.step.state import build_model
+  from trainers.tasks import losses
+
+  monkeypatch.setattr(losses, "CHUNK_LOGITS", 2 * 5 * 512)  # 2 rows a device, vocab 512
+
+  config = _llama_config("data=2,context=2")
+  task = make_task(config)
+  mesh, axes = build_mesh(config, jax.devices()[:4])
+  setup = make_state(task.model, config, mesh, axes)
+  state = setup.init()
+  batch = {k: v for k, v in _packed().items() if k in loglikelihood.FEATURES}
+  inputs = {"params": state["params"]}  # `eval_inputs(state)`
+  scored = jax.device_get(loglikelihood.mesh_scorer(setup, task, axes, ROWS)(inputs, batch))
+  model = build_model(setup, jax.device_get(state["params"]), None, merged=True)
+  alone = loglikelihood.model_logprobs(model, batch)
+  np.testing.assert_allclose(scored, alone, rtol=1e-5, atol=1e-5)

@@ -55,7 +55,7 @@ CHUNK_LOGITS = 2**25
 """Logits of one chunk on one device at most (`default_chunk`): 128 MiB in float32."""
 
 # With the sequence split over `context`, the loss runs on [context * rows,
-# length / context] (`_blocked`): its rows axis is split over both.
+# length / context] (`blocked`): its rows axis is split over both.
 _BLOCKED_ROWS = ("length", "batch")
 # The projection whole along d_model: gathered once for all chunks (under FSDP
 # its d_model axis is split), not once per chunk inside the loop.
@@ -143,7 +143,7 @@ def chunked_cross_entropy_sums(
     # chunk of the sequence belongs to one device alone, so none is gathered.
     if chunk is not None and (length // shards) % chunk:
       raise ValueError(f"{chunk=} must divide the {length // shards} tokens of each context shard")
-    hidden, labels, mask = (_blocked(x, shards) for x in (hidden, labels, mask))
+    hidden, labels, mask = (blocked(x, shards) for x in (hidden, labels, mask))
     length, rows = hidden.shape[1], _BLOCKED_ROWS
   else:
     rows = "batch"
@@ -172,7 +172,7 @@ def chunked_cross_entropy_sums(
   return loss_sum, weight, {"accuracy": correct}
 
 
-def _blocked(x: jax.Array, shards: int) -> jax.Array:
+def blocked(x: jax.Array, shards: int) -> jax.Array:
   """[b, length, ...] -> [shards * b, length / shards, ...]: row s * b + r is row r's slice s.
 
   Free under the rules: the sequence's slices are split over `context`, so
