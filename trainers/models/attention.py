@@ -31,6 +31,12 @@ placed on the mesh of the active logical-axis rules (`spmd.rules`) with
 `jax.shard_map` over the batch and the heads, so each device runs the
 kernel on its own rows and heads; XLA and cuDNN are partitioned by XLA.
 
+With the sequence split over the mesh axis `context` (`spmd.context`),
+each device all-gathers the keys and values and attends its own queries to
+them, masked by each token's original place: splash in blocks of its own
+slice (`splash_context_attention`, its block masks split with the queries),
+else XLA (`context_attention`); cuDNN gives way to XLA there.
+
 The choice is made when the model is traced, from the platform of the
 active mesh (else JAX's default backend). Process 0 logs each new choice
 once; `recorded_choices()` collects them for a caller that reports them
