@@ -18,6 +18,7 @@ the package keeps working, perhaps a little slower:
 | `jax._src.clusters.ClusterEnv._cluster_types` | whether JAX recognises this cluster (TPU VM, SLURM, ...) | none: required |
 | `jax._src.cloud_tpu_init.running_in_cloud_tpu_vm` | whether JAX took this machine for a Cloud TPU VM (its cluster detection then asks the GCE metadata server) | TPU chips in `/dev` (`accel*`, VFIO groups) and libtpu installed |
 | `jax._src.cache_key._hash_accelerator_config` | CPU processes of one job read each other's programs from the persistent compilation cache (`share_cpu_programs_between_processes`) | none needed: each process but 0 compiles its programs at every start, as JAX does |
+| splash's `splash_attention_mask._ComputableMask` | splash attention across `context` shards: a causal mask by each query's original place, computed in the kernel (`trainers.models.attention`) | XLA's attention across the shards; looked up when asked (`splash_lazy_mask_base`), since the launchers import `spmd` without Pallas |
 | orbax's `experimental_orbax_use_distributed_barrier` flag | orbax's barriers as coordination-service calls | none: checked when the first checkpoint manager is made, since `spmd` does not import orbax |
 
 Names are bound at import: the fast path's `isinstance(x, ARRAY_TYPE)` and
@@ -282,3 +283,14 @@ def share_cpu_programs_between_processes(module: Any = None) -> bool:
   hash_accelerator_config.spmd_keys_cpu_programs_by_devices = True
   module._hash_accelerator_config = hash_accelerator_config
   return True
+
+
+SPLASH_MASKS = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask"
+
+
+def splash_lazy_mask_base(find: Callable[..., Any] = lookup) -> type | None:
+  """Splash's base class of masks computed inside the kernel, or None where this JAX lacks it.
+
+  Without it, attention across `context` shards runs by XLA.
+  """
+  return find(SPLASH_MASKS, "_ComputableMask")

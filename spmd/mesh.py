@@ -130,6 +130,8 @@ def split_axes(mesh: jax.sharding.Mesh) -> tuple[list[tuple[str, int]], list[tup
 
 AxisSizes = Sequence[tuple[str, int]]
 DEFAULT_DATA_AXES = ("data", "fsdp")
+CONTEXT_AXIS = "context"
+"""Splits every sequence; like a data axis it may cross DCN (each host feeds its slices)."""
 
 
 def parse_axes(spec: str | Mapping[str, int] | AxisSizes | None) -> list[tuple[str, int]]:
@@ -283,7 +285,8 @@ def create_mesh(
       TPU, where the slices go on the first data axis.
     devices: default `jax.devices()`; or a TPU topology's devices for planning.
     data_axes: the axes that split the batch; they go across hosts and DCN,
-      the others (model axes) stay inside hosts when they fit.
+      the others (model axes) stay inside hosts when they fit. `context`
+      (which splits every sequence) may cross DCN too.
 
   Returns:
     A `jax.sharding.Mesh` with `AxisType.Auto` axes, each axis's size ICI x DCN.
@@ -313,9 +316,10 @@ def create_mesh(
   else:
     kind = "slices" if multislice else "processes"
     dcn_named = dict(resolve_sizes(dcn_axes, len(units), "DCN", kind))
-    model_dcn = {n: s for n, s in dcn_named.items() if s > 1 and n not in data_axes}
+    crossing = (*data_axes, CONTEXT_AXIS)
+    model_dcn = {n: s for n, s in dcn_named.items() if s > 1 and n not in crossing}
     if model_dcn:
-      raise ValueError(f"only data axes {tuple(data_axes)} may cross DCN, got {model_dcn}")
+      raise ValueError(f"only the axes {crossing} may cross DCN, got {model_dcn}")
     dcn_sizes = [dcn_named.get(n, 1) for n in names]
   per_unit = len(units[0])
   ici_sizes = [

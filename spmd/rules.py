@@ -7,9 +7,12 @@ axis the mesh lacks is skipped (so one preset serves meshes with or without
 it), and a mesh axis is used at most once per array (the first dimension that
 asks for it gets it).
 
+Every preset maps `length` to the mesh axis `context` (context parallelism):
+on a mesh without it, or with it of size 1, the sequence stays whole.
+
 Example:
   >>> logical_to_spec(("batch", "length", "embed"), FSDP_TP)  # fsdp taken by batch
-  P(('data', 'fsdp'),)
+  P(('data', 'fsdp'), 'context')
   >>> logical_to_spec(("embed", "mlp"), FSDP_TP)
   P('fsdp', 'tensor')
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 import jax
 
+from spmd.mesh import CONTEXT_AXIS
 from spmd.partition import NamedSpec
 
 MeshAxes = str | tuple[str, ...] | None
@@ -45,25 +49,30 @@ LOGICAL_AXES = (
   "classes",
 )
 
+# `length` maps to the mesh axis `context` (context parallelism) in every
+# preset, so a mesh without it leaves the sequence whole. Nothing else maps to
+# it and the batch never takes it (`trainers.models.attention` gathers keys and
+# values along it).
 DATA_PARALLEL: Rules = (
   ("batch", ("data", "fsdp")),
-  *((name, None) for name in LOGICAL_AXES if name != "batch"),
+  ("length", CONTEXT_AXIS),
+  *((name, None) for name in LOGICAL_AXES if name not in ("batch", "length")),
 )
-"""Pure data parallel: only the batch is split; every weight is replicated."""
+"""Pure data parallel: only the batch (and the sequence, over `context`) is split; every
+weight is replicated."""
 
 FSDP: Rules = (
   ("batch", ("data", "fsdp")),
+  ("length", CONTEXT_AXIS),
   ("embed", "fsdp"),
   ("vocab", None),
-  *(
-    (name, None)
-    for name in ("length", "mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes")
-  ),
+  *((name, None) for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes")),
 )
 """Fully sharded data parallel: weights split over `fsdp` along `embed`."""
 
 FSDP_TP: Rules = (
   ("batch", ("data", "fsdp")),
+  ("length", CONTEXT_AXIS),
   ("embed", "fsdp"),
   ("mlp", "tensor"),
   ("heads", "tensor"),
@@ -71,11 +80,24 @@ FSDP_TP: Rules = (
   # each device holds the K/V heads its query heads read.
   ("kv_heads", "tensor"),
   ("vocab", "tensor"),
-  *((name, None) for name in ("length", "kv", "layers", "norm", "classes")),
+  *((name, None) for name in ("kv", "layers", "norm", "classes")),
 )
 """FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
 
 PRESETS: dict[str, Rules] = {"dp": DATA_PARALLEL, "fsdp": FSDP, "fsdp_tp": FSDP_TP}
+
+
+def whole_sequence(rules: Rules) -> Rules:
+  """`rules` with `length` on no mesh axis: each device holds whole sequences.
+
+  Decoding (a KV cache filled one token at a time) gathers the `context`
+  axis this way rather than split its cache.
+
+  Example:
+    >>> dict(whole_sequence(FSDP_TP))["length"] is None
+    True
+  """
+  return tuple((name, None if name == "length" else axes) for name, axes in rules)
 
 
 def preset(name: str) -> Rules:
@@ -104,9 +126,12 @@ def logical_to_spec(
 
   Example:
     >>> logical_to_spec(("batch", "length", "mlp"), FSDP_TP)
-    P(('data', 'fsdp'), None, 'tensor')
+    P(('data', 'fsdp'), 'context', 'tensor')
     >>> logical_to_spec((("batch", "length"), "mlp"), FSDP_TP)
-    P(('data', 'fsdp'), 'tensor')
+    P(('data', 'fsdp', 'context'), 'tensor')
+    >>> from spmd.mesh import create_mesh
+    >>> logical_to_spec(("batch", "length", "mlp"), FSDP_TP, create_mesh("data=-1,tensor=2"))
+    P('data', None, 'tensor')
   """
   table = dict(rules)
   used: set[str] = set()

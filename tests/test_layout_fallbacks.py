@@ -24,11 +24,11 @@ from jax.sharding import PartitionSpec as P
 from configs import llama_tiny, lm_tiny
 from spmd import rules
 from spmd.compiler_log import capture_compiler_log
-from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
+from trainers.models import attention
 from trainers.run.train import build_mesh
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, batch_shardings
 from trainers.step.state import make_state
 from trainers.step.train_step import make_train_step
 from trainers.tasks import make_task
@@ -68,7 +68,7 @@ def _fallbacks_of_train_step(config, devices) -> list:
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )
-  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, axes))
+  batch = abstract_batch(task, config.global_batch, batch_shardings(task, setup.rules, mesh, axes))
   step = make_train_step(setup, task, config, mesh, axes)
   with capture_compiler_log(echo=False) as log:
     step.lower(state, batch).compile()
@@ -124,6 +124,25 @@ def test_the_cpu_check_sees_a_forced_fallback():
 @pytest.mark.parametrize("model,ici,rules_name", list(_cases()))
 def test_train_step_compiles_without_a_fallback_on_cpu(model, ici, rules_name):
   assert _fallbacks_of_train_step(_config(model, ici, rules_name), jax.devices()[:8]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "transformer"])
+@pytest.mark.parametrize("target", ["cpu", pytest.param("v5p-16", marks=needs_libtpu)])
+def test_a_train_step_with_the_sequence_split_over_context_compiles_without_a_fallback(
+  model, target
+):
+  """Context parallelism beside data and tensor: attention gathers keys and values, nothing whole.
+
+  For the TPU the sequence is long enough for splash (256 tokens per shard).
+  """
+  config = _config(model, "data=2,context=2,tensor=2", "fsdp_tp")
+  if target != "cpu":
+    config.model.seq_len = 512
+  devices = jax.devices()[:8] if target == "cpu" else topology_devices(target)
+  with attention.recorded_choices() as choices:
+    assert _fallbacks_of_train_step(config, devices) == []
+  assert {c.kernel for c in choices} == {"xla" if target == "cpu" else "splash"}, choices
 
 
 @needs_libtpu

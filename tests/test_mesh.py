@@ -51,7 +51,7 @@ def test_dcn_errors():
     create_mesh("data=-1", dcn="model=2")
   with pytest.raises(ValueError, match="multiply to 2, but there are 1 processes"):
     create_mesh("data=-1", dcn="data=2")
-  with pytest.raises(ValueError, match="only data axes .* may cross DCN"):
+  with pytest.raises(ValueError, match="only the axes .* may cross DCN"):
     create_mesh("data=-1,tensor=1", dcn=[("tensor", -1)], devices=_fake_hosts(2, 4))
 
 
@@ -209,5 +209,45 @@ def test_a_batch_axis_the_mesh_lacks_is_an_error_naming_it_and_the_axes():
     resolve(config)
   assert str(e.value) == (
     "config.mesh.batch_axes=('data', 'fsdb'): 'fsdb' is not a mesh axis of the trainer; "
-    "its axes: data, fsdp, tensor"
+    "its axes: data, fsdp, context, tensor"
   )
+
+
+def test_context_is_a_mesh_axis_of_every_preset_for_the_length_alone():
+  """`length` maps to `context` in every preset; nothing else does, and the batch never takes it.
+
+  A preset that maps it is a no-op on a mesh without the axis (rules skip absent axes)."""
+  for name, preset in rules.PRESETS.items():
+    table = dict(preset)
+    assert table["length"] == "context", name
+    others = {k for k, v in table.items() if "context" in ((v,) if isinstance(v, str) else v or ())}
+    assert others == {"length"}, (name, others)
+    whole = create_mesh("data=-1,tensor=2")
+    assert rules.logical_to_spec(("batch", "length", "embed"), preset, whole)[1:2] in ((), (None,))
+  mesh = create_mesh("data=2,context=4")
+  assert mesh.shape == {"data": 2, "context": 4}
+  spec = rules.logical_to_spec((("batch", "length"), "embed"), rules.FSDP_TP, mesh)
+  assert spec == rules.NamedSpec(("data", "context"))
+
+
+def test_context_may_cross_dcn_and_the_config_accepts_it_but_not_as_a_batch_axis():
+  from configs import llama_tiny
+  from trainers.config.checks import resolve
+  from trainers.step.mesh import build_mesh
+
+  mesh = create_mesh("data=-1,context=2", dcn="context=2", devices=_fake_hosts(2, 4))
+  assert dict(mesh.shape) == {"data": 2, "context": 4}
+  # Along context the first half of the devices is one host's, the second the other's.
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  assert procs[0].tolist() == [0, 0, 1, 1]
+  config = llama_tiny.get_config()
+  config.mesh.ici, config.mesh.rules = "data=2,context=4", "fsdp_tp"
+  resolve(config)
+  built, axes = build_mesh(config)
+  assert dict(built.shape) == {"data": 2, "context": 4} and axes == ("data",)
+  config.mesh.ici = "data=2,contxt=4"
+  with pytest.raises(ValueError, match="'contxt' is not a mesh axis of the trainer"):
+    resolve(config)
+  config.mesh.ici, config.mesh.batch_axes = "data=2,context=4", ("data", "context")
+  with pytest.raises(ValueError, match="'context' splits every sequence, not the rows"):
+    resolve(config)

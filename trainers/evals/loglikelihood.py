@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 import spmd
+from spmd import context
 from spmd import rules as rules_lib
 from spmd.partition import NamedSpec
 from spmd.rules import constrain
@@ -51,7 +52,7 @@ from trainers.step.loss import model_weights, specs_of
 from trainers.step.precision import Precision
 from trainers.step.state import StateSetup, build_model
 from trainers.tasks import Task
-from trainers.tasks.losses import default_chunk
+from trainers.tasks.losses import blocked, default_chunk
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions")
 
@@ -63,7 +64,19 @@ def token_logprobs(
 
   `unembed` is the output projection [d_model, vocab] as stored; it is
   multiplied in `hidden`'s dtype with float32 accumulation (as the loss's).
+  With the sequence split over `context`, the chunks are of each device's
+  own slice (rows of [shards * batch, length / shards], as the loss takes them).
   """
+  shards = context.active_shards()
+  if shards == 1:
+    return _chunked_logprobs(hidden, unembed, targets, rows_per_device, "batch")
+  batch, length = targets.shape
+  hidden, targets = blocked(hidden, shards), blocked(targets, shards)
+  out = _chunked_logprobs(hidden, unembed, targets, rows_per_device, ("length", "batch"))
+  return jnp.swapaxes(out.reshape(shards, batch, -1), 0, 1).reshape(batch, length)
+
+
+def _chunked_logprobs(hidden, unembed, targets, rows_per_device: int, rows) -> jax.Array:
   batch, length, _ = hidden.shape
   vocab = unembed.shape[1]
   chunk = default_chunk(length, vocab, rows_per_device)
@@ -77,7 +90,7 @@ def token_logprobs(
     h = jax.lax.dynamic_slice_in_dim(hidden, i * chunk, chunk, axis=1)
     t = jax.lax.dynamic_slice_in_dim(targets, i * chunk, chunk, axis=1)
     logits = jnp.dot(h, projection, preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", "length", "vocab"))
+    logits = constrain(logits, (rows, "length", "vocab"))
     # The target's logit by comparison with the vocabulary's iota, not a
     # gather: one fused reduction, and a vocabulary split over devices stays split.
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]

@@ -31,6 +31,12 @@ placed on the mesh of the active logical-axis rules (`spmd.rules`) with
 `jax.shard_map` over the batch and the heads, so each device runs the
 kernel on its own rows and heads; XLA and cuDNN are partitioned by XLA.
 
+With the sequence split over the mesh axis `context` (`spmd.context`),
+each device all-gathers the keys and values and attends its own queries to
+them, masked by each token's original place: splash in blocks of its own
+slice (`splash_context_attention`, its block masks split with the queries),
+else XLA (`context_attention`); cuDNN gives way to XLA there.
+
 The choice is made when the model is traced, from the platform of the
 active mesh (else JAX's default backend). Process 0 logs each new choice
 once; `recorded_choices()` collects them for a caller that reports them
@@ -51,15 +57,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from spmd import compat
+from spmd import context as context_lib
 from spmd import rules as rules_lib
 
 log = logging.getLogger(__name__)
@@ -328,13 +338,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
   return y.reshape(q.shape)
 
 
-def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.Array:
-  """Splash attention on one device's rows and heads: [b, L, h, d] in, the same out."""
-  _, length, heads, head_dim = q.shape
-  # The kernel object holds its block masks as arrays, so it is made in the
-  # trace that uses it; the masks themselves are computed once per shape
-  # (splash caches them in numpy).
-  sizes = splash.BlockSizes(
+def _block_sizes(block: int) -> splash.BlockSizes:
+  return splash.BlockSizes(
     block_q=block,
     block_kv=block,
     block_kv_compute=block,
@@ -345,6 +350,15 @@ def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.A
     block_kv_dq=None if SPLASH_FUSED_BACKWARD else block,
     use_fused_bwd_kernel=SPLASH_FUSED_BACKWARD,
   )
+
+
+def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.Array:
+  """Splash attention on one device's rows and heads: [b, L, h, d] in, the same out."""
+  _, length, heads, head_dim = q.shape
+  # The kernel object holds its block masks as arrays, so it is made in the
+  # trace that uses it; the masks themselves are computed once per shape
+  # (splash caches them in numpy).
+  sizes = _block_sizes(block)
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * heads)
   # Heads a multiple of kv_heads is grouped-query attention in the kernel
   # itself: query head i reads key/value head i // (heads // kv_heads).
@@ -420,6 +434,145 @@ def splash_attention(
   return placed(*args)
 
 
+def context_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
+) -> jax.Array:
+  """XLA attention with the sequence split over `context` (`spmd.context`), by the active rules.
+
+  Inside a `shard_map` over the rules' layout of the queries and keys
+  (rows, sequence, heads), each device all-gathers the keys and values
+  (and the segment ids) along the sequence's mesh axes and attends its own
+  queries to all of them, masked causally by the tokens' original places
+  (`spmd.context.token_index`: the step's balanced order) and by segment.
+  Query head i reads key/value head i // group, as in `xla_attention`.
+
+  Raises:
+    ValueError: the rules split head_dim, or split the rows or heads of the
+      queries and of the keys differently.
+  """
+  rules, mesh = rules_lib.active_rules()
+  q_spec, kv_spec, rows, sequence = _context_specs(q, k, rules, mesh)
+  index = jnp.asarray(context_lib.token_index(q.shape[1]))
+
+  def local(q, k, v, q_index, k_index, ids=None):
+    k = jax.lax.all_gather(k, sequence, axis=1, tiled=True)
+    v = jax.lax.all_gather(v, sequence, axis=1, tiled=True)
+    mask = k_index[None, :] <= q_index[:, None]
+    if ids is not None:
+      all_ids = jax.lax.all_gather(ids, sequence, axis=1, tiled=True)
+      mask = mask & (ids[:, :, None] == all_ids[:, None, :])
+    return xla_attention(q, k, v, mask)
+
+  P = jax.sharding.PartitionSpec
+  args, specs = (q, k, v, index, index), (q_spec, kv_spec, kv_spec, P(sequence), P())
+  if segment_ids is not None:
+    args, specs = (*args, segment_ids), (*specs, P(rows, sequence))
+  placed = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec)
+  return placed(*args)
+
+
+@functools.cache
+def _placed_causal_mask() -> type | None:
+  """The class of `_placed_mask`, on splash's lazy-mask base (`spmd.compat`), or None without it."""
+  base = compat.splash_lazy_mask_base()
+  if base is None:
+    return None
+
+  class PlacedCausalMask(base):
+    """Causal by each query's original place (`q_sequence`) against keys in their natural order.
+
+    Splash computes a partial block's mask in the kernel from `q_sequence`,
+    which `q_seq_shards` splits with the queries, and the keys' positions
+    (0..L-1): so the queries stay in the balanced order, the keys are put
+    back in theirs, and each device skips the blocks its queries never read.
+    """
+
+    def __init__(self, places: np.ndarray):
+      length = len(places)
+      super().__init__((length, length), lambda q, k: q >= k)
+      self.q_sequence = np.asarray(places, np.int32)
+
+    def __eq__(self, other: object):
+      return isinstance(other, type(self)) and np.array_equal(self.q_sequence, other.q_sequence)
+
+    def __hash__(self):
+      return hash((type(self), self.q_sequence.tobytes()))
+
+  return PlacedCausalMask
+
+
+def splash_context_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None = None,
+  *,
+  block: int = 128,
+  interpret: bool = False,
+) -> jax.Array:
+  """Splash attention with the sequence split over `context`, by the active rules.
+
+  As `context_attention`: keys, values and segment ids all-gathered along the
+  sequence's mesh axes. The kernel's block masks are split with the
+  queries (`q_seq_shards`), so each device computes only the blocks its own
+  queries read, by their original places (`spmd.context.token_index`).
+  """
+  rules, mesh = rules_lib.active_rules()
+  q_spec, kv_spec, rows, sequence = _context_specs(q, k, rules, mesh)
+  heads = q.shape[2] // _axes_size(mesh, tuple(q_spec)[2] if len(q_spec) > 2 else None)
+  shards = _axes_size(mesh, sequence)
+  places = context_lib.token_index(q.shape[1])
+  natural = np.argsort(places)  # where each key of the natural order sits in the gathered one
+  mask = splash_mask.MultiHeadMask([_placed_causal_mask()(places)] * heads)
+  kernel = splash.make_splash_mha(
+    mask, block_sizes=_block_sizes(block), head_shards=1, q_seq_shards=shards, interpret=interpret
+  )
+  P = jax.sharding.PartitionSpec
+  kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))
+  head_dim = q.shape[3]
+
+  def local(kernel, q, k, v, ids=None):
+    k, v = (jax.lax.all_gather(x, sequence, axis=1, tiled=True)[:, natural] for x in (k, v))
+    q = jnp.swapaxes(q * jnp.asarray(head_dim**-0.5, q.dtype), 1, 2)
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    if ids is None:
+      y = jax.vmap(kernel)(q, k, v)
+    else:
+      ids = ids.astype(jnp.int32)
+      all_ids = jax.lax.all_gather(ids, sequence, axis=1, tiled=True)[:, natural]
+      y = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, segment_ids=splash.SegmentIds(a, b)))(
+        q, k, v, ids, all_ids
+      )
+    return jnp.swapaxes(y, 1, 2)
+
+  args, specs = (kernel, q, k, v), (kernel_spec, q_spec, kv_spec, kv_spec)
+  if segment_ids is not None:
+    args, specs = (*args, segment_ids), (*specs, P(rows, sequence))
+  placed = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+  return placed(*args)
+
+
+def _axes_size(mesh: jax.sharding.Mesh, entry) -> int:
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _context_specs(q, k, rules, mesh):
+  """(query spec, key spec, rows' mesh axes, sequence's mesh axes) for attention across context."""
+  q_spec = rules_lib.logical_to_spec(_Q_AXES, rules, mesh)
+  kv_spec = rules_lib.logical_to_spec(_KV_AXES, rules, mesh)
+  padded_q, padded_kv = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
+  if padded_q[3] is not None or padded_q[:3] != padded_kv[:3]:
+    raise ValueError(
+      f"attention across context shards needs the queries and keys/values split alike along "
+      f"rows, sequence and heads, and head_dim whole; the rules give queries {q_spec} and "
+      f"keys/values {kv_spec}"
+    )
+  rules_lib.check_divisible("attention queries", q.shape, q_spec, mesh)
+  rules_lib.check_divisible("attention keys", k.shape, kv_spec, mesh)
+  return q_spec, kv_spec, padded_q[0], padded_q[1]
+
+
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """Causal attention by cuDNN's flash attention (GPU, bf16/fp16), through JAX's public API."""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -453,6 +606,31 @@ def attend(
       f"dividing heads; got {q.shape=} {k.shape=} {v.shape=}"
     )
   length = q.shape[1]
+  shards = context_lib.active_shards()
+  if shards > 1:
+    # Each device's queries against the whole sequence's keys: splash in
+    # blocks of its own slice, or XLA (cuDNN takes no such mask).
+    choice = choose_kernel(
+      kernel,
+      platform=current_platform(),
+      length=length // shards,
+      dtype=q.dtype,
+      segments=segment_ids is not None,
+      head_dim=q.shape[3],
+    )
+    split = f"the sequence split over {shards} context devices"
+    if choice.kernel == "splash" and _placed_causal_mask() is None:
+      split += f" (this JAX's splash lacks {compat.SPLASH_MASKS}._ComputableMask)"
+      choice = dataclasses.replace(choice, kernel="xla")
+    if choice.kernel == "splash":
+      choice = dataclasses.replace(choice, reason=f"{choice.reason}; {split}")
+      _announce(choice)
+      return splash_context_attention(
+        q, k, v, segment_ids, block=choice.block, interpret=choice.interpret
+      )
+    choice = Choice("xla", kernel, split if choice.kernel != "xla" else f"{choice.reason}; {split}")
+    _announce(choice)
+    return context_attention(q, k, v, segment_ids)
   choice = choose_kernel(
     kernel,
     platform=current_platform(),
@@ -466,4 +644,13 @@ def attend(
     return splash_attention(q, k, v, segment_ids, block=choice.block, interpret=choice.interpret)
   if choice.kernel == "cudnn":
     return cudnn_attention(q, k, v)
+  index = context_lib.token_index(length)
+  if (index != np.arange(length)).any():
+    # A whole sequence in the balanced order (a shard_map made the mesh axes
+    # manual): masked by the tokens' original places.
+    index = jnp.asarray(index)
+    mask = index[None, :] <= index[:, None]
+    if segment_ids is not None:
+      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return xla_attention(q, k, v, mask)
   return xla_attention(q, k, v, causal_mask(segment_ids, length))

@@ -117,7 +117,10 @@ def abstract_cache(
   dims = (shape.num_layers, batch, shape.kv_heads, max_len, shape.head_dim)
   leaf = jax.ShapeDtypeStruct(dims, shape.dtype)
   shardings = rules_lib.logical_to_sharding(
-    {"keys": CACHE_AXES, "values": CACHE_AXES}, mesh, rules, shapes={"keys": leaf, "values": leaf}
+    {"keys": CACHE_AXES, "values": CACHE_AXES},
+    mesh,
+    rules_lib.whole_sequence(rules),  # as `generate` holds it
+    shapes={"keys": leaf, "values": leaf},
   )
   return KVCache(
     **{k: jax.ShapeDtypeStruct(dims, shape.dtype, sharding=s) for k, s in shardings.items()}
@@ -312,7 +315,10 @@ def _check(model, prompt, num_tokens: int, max_len: int | None, temperature: flo
 
 
 def _rules_context(rules, mesh):
-  return rules_lib.activation_rules(rules, mesh) if rules else contextlib.nullcontext()
+  # Decoding holds whole sequences: a mesh's `context` axis is gathered, not split.
+  if not rules:
+    return contextlib.nullcontext()
+  return rules_lib.activation_rules(rules_lib.whole_sequence(rules), mesh)
 
 
 def generate(

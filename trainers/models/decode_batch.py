@@ -135,7 +135,10 @@ def _choose(logits, seeds, step, temperature, top_k, top_p):
 
 
 def _rules_context(rules, mesh):
-  return rules_lib.activation_rules(rules, mesh) if rules else contextlib.nullcontext()
+  # Decoding holds whole sequences: a mesh's `context` axis is gathered, not split.
+  if not rules:
+    return contextlib.nullcontext()
+  return rules_lib.activation_rules(rules_lib.whole_sequence(rules), mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd import context
 from trainers.models.attention import check_kernel
 from trainers.models.matmul import matmul
 
@@ -105,7 +106,8 @@ def dense(
   a strided copy fused with the activation's backward: a copy of the whole
   activation gradient every step, which the flattened form never makes.
   The reshapes are free (bitcasts), and the SPMD partitioner keeps a
-  sharded batch dim sharded when it is merged with the length dim.
+  sharded batch dim sharded when it is merged with the length dim. A length
+  dim split over `context` is not kept so: then the token dims stay as they are.
 
   Example:
     >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5, 6))
@@ -114,7 +116,10 @@ def dense(
   """
   lead, features = x.shape[: x.ndim - contract], w.shape[contract:]
   inner = math.prod(w.shape[:contract])
-  y = matmul(x.reshape(-1, inner), w.reshape(inner, -1), preferred_element_type)
+  # With the sequence split over `context` too, the tokens stay [batch, length]:
+  # flattened, a device's tokens would not be one block of the token axis.
+  tokens = (-1,) if context.active_shards() == 1 else lead
+  y = matmul(x.reshape(*tokens, inner), w.reshape(inner, -1), preferred_element_type)
   return y.reshape(*lead, *features)
 
 

@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from spmd import context
 from spmd.rules import constrain
 from trainers.models import attention, embedding, lora, param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
@@ -324,8 +325,11 @@ class MLP(nnx.Module):
     # the scanned layers' saved outputs out of their stack in the backward
     # pass (docs/performance.md, "On a TPU chip").
     lead = x.shape[:-1]
-    tokens = x.reshape(-1, x.shape[-1])
-    names = (("batch", "length"), "mlp")
+    tokens, names = x.reshape(-1, x.shape[-1]), (("batch", "length"), "mlp")
+    if context.active_shards() > 1:
+      # The sequence split over `context`: flattened, a device's tokens would
+      # not be one block of the token axis (`layers.dense`).
+      tokens, names = x, ("batch", "length", "mlp")
     gate = checkpoint_name(constrain(_product(self, "gate", tokens), names), "mlp_gate")
     up = checkpoint_name(constrain(_product(self, "up", tokens), names), "mlp_up")
     return _product(self, "down", jax.nn.silu(gate) * up).reshape(*lead, -1)
@@ -443,7 +447,8 @@ class Llama(nnx.Module):
     x = embedding.lookup(self.token_embed[...], tokens, dtype=dt)
     x = constrain(x, ("batch", "length", "embed"))
     if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+      # Each token's place in its row, whatever order the step put the row in.
+      positions = jnp.broadcast_to(jnp.asarray(context.token_index(length)), (batch, length))
     sin, cos = rope_angles(positions, config.head_dim, config.rope_theta, rope_frequencies(config))
     if config.scan_layers:
       x = scan_layers(

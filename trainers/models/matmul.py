@@ -33,12 +33,12 @@ import jax.numpy as jnp
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-  """`x @ w.astype(x.dtype)` for 2-D `x` [tokens, in] and `w` [in, out]; `w`'s gradient in `w`'s dtype.
+  """`x @ w.astype(x.dtype)` for `x` [tokens, in] (or [..., in]) and `w` [in, out]; `w`'s gradient in `w`'s dtype.
 
   Where `w` already has `x`'s dtype this is the plain `jnp.dot`.
   `preferred_element_type` is the product's result dtype (float32 logits).
   """
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+  if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"matmul takes [tokens, in] @ [in, out]; got {x.shape=} {w.shape=}")
   if jnp.dtype(w.dtype) == jnp.dtype(x.dtype):
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)
@@ -65,7 +65,8 @@ def _narrowed_bwd(preferred, residuals, g):
   # The weight's gradient sums over the tokens, across devices too: a float32
   # result from the forward's operand and the cotangent as it comes (a float32
   # cotangent, the logits', is taken as JAX's own transpose takes it).
-  dims = (((0,), (0,)), ((), ()))
+  tokens = tuple(range(x.ndim - 1))
+  dims = ((tokens, tokens), ((), ()))
   dw = jax.lax.dot_general(x, g, dims, preferred_element_type=jnp.float32)
   return dx, dw.astype(marker.dtype)
 

@@ -76,8 +76,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from spmd import context
 from trainers.models import attention, embedding, param
 from trainers.models import logical_axes as logical_axes
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
@@ -349,6 +351,10 @@ class TransformerLM(nnx.Module):
     # model once used instead, makes XLA copy the whole [B, L, d_model]
     # activation on meshes with data > 1 and fsdp > 1, forward or backward.
     x = embedding.lookup(self.token_embed[...], tokens, dtype=dt)
+    index = context.token_index(length)
+    if positions is None and (index != np.arange(length)).any():
+      # The rows in the step's balanced order (`spmd.context`): each token's place.
+      positions = jnp.broadcast_to(jnp.asarray(index), tokens.shape)
     if positions is None:
       # Added in the table's float32 and rounded once: its gradient, a sum
       # over the batch (across devices), is then float32 as well.

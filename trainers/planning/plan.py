@@ -42,7 +42,7 @@ import numpy as np
 
 from spmd import compiler_log, hlo
 from spmd import rules as rules_lib
-from spmd.layout import batch_sharding, data_layout
+from spmd.layout import data_layout
 from trainers.models import attention, decode
 from trainers.planning import advice
 from trainers.planning.figures import Compute, KVCachePlan, LoRAPlan, Memory, Plan
@@ -50,7 +50,7 @@ from trainers.planning.targets import Target
 from trainers.reporting import chips
 from trainers.reporting.throughput import step_compute_dtype
 from trainers.step import trainable
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, batch_shardings
 from trainers.step.mesh import build_mesh
 from trainers.step.state import make_state
 from trainers.step.train_step import make_train_step
@@ -128,7 +128,8 @@ def make_plan(
   device_bytes = chips.device_memory_bytes(target.device_kind)
   if compile_step is None:
     compile_step = device_bytes is None or params_bytes + optimizer_bytes <= device_bytes
-  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
+  batch = abstract_batch(task, config.global_batch, placement)
   batch_bytes = per_device_bytes(batch)
 
   def step_for(changed: ml_collections.ConfigDict) -> Any:

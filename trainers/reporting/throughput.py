@@ -28,9 +28,9 @@ import jax
 import ml_collections
 
 from spmd import hlo, multihost
-from spmd.layout import batch_sharding
+from spmd import rules as rules_lib
 from trainers.reporting import peaks
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, batch_shardings
 from trainers.step.state import StateSetup
 from trainers.tasks import Task
 
@@ -105,7 +105,8 @@ def compiled_text(
   state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract, setup.shardings
   )
-  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
+  batch = abstract_batch(task, config.global_batch, placement)
   return train_step.lower(state, batch).compile().as_text()
 
 

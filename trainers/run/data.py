@@ -11,10 +11,12 @@ import ml_collections
 from etils import epath
 
 from spmd import multihost
+from spmd import rules as rules_lib
 from spmd.errors import UserError
 from trainers import paths
 from trainers.data.prepare.prepare_group import PrepareGroup
 from trainers.data.read import mixture, pipeline
+from trainers.step.loss import batch_shardings
 from trainers.tasks import Task, check_host_labels
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,11 @@ def open_data(config: ml_collections.ConfigDict, task: Task, workdir, mesh, batc
   host's rows before placing them: a compiled step cannot name a bad label.
   """
   train, evaluation = _open_streams(config, task, workdir, mesh, batch_axes)
+  # With the sequence split over `context`, each device gets only its slice
+  # of its rows' sequence features, as the steps take them.
+  placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
+  for stream in (train, evaluation):
+    stream.place_features(placement)
   if task.label_classes:
     for stream in (train, evaluation):
       stream.wrap_host_rows(_label_check(task.label_classes, stream.layout.host().rows.start))

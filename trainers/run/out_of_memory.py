@@ -16,13 +16,14 @@ from typing import Any
 import jax
 import ml_collections
 
+from spmd import rules as rules_lib
 from spmd.errors import UserError
-from spmd.layout import batch_sharding, data_layout
+from spmd.layout import data_layout
 from trainers.planning import advice
 from trainers.planning.figures import Memory
 from trainers.planning.plan import per_device_bytes
 from trainers.reporting import chips
-from trainers.step.loss import abstract_batch
+from trainers.step.loss import abstract_batch, batch_shardings
 from trainers.step.state import StateSetup
 from trainers.tasks import Task
 
@@ -68,7 +69,8 @@ def step_must_fit(
 
 def _message(error, config, task: Task, setup: StateSetup, mesh, batch_axes) -> str:
   state = _shaped(setup)
-  batch = abstract_batch(task, config.global_batch, batch_sharding(mesh, batch_axes))
+  placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
+  batch = abstract_batch(task, config.global_batch, placement)
   memory = Memory(
     params_bytes=per_device_bytes(state["params"]),
     optimizer_bytes=per_device_bytes({k: v for k, v in state.items() if k != "params"}),

@@ -8,7 +8,7 @@ import jax
 
 import spmd
 from spmd.partition import NamedSpec
-from trainers.step.loss import loss_fn, specs_of
+from trainers.step.loss import batch_specs, loss_fn, specs_of
 from trainers.step.state import StateSetup
 from trainers.tasks import Task
 
@@ -29,7 +29,10 @@ def make_eval_step(
     loss_sum, (weight, sums, _) = loss(inputs["params"], inputs.get("model_state"), batch, seed_key)
     return {"loss_sum": loss_sum, "weight": weight, **sums}
 
-  batch_spec = NamedSpec(batch_axes if batch_axes else None)
+  batch_spec = batch_specs(task, setup.rules, mesh, batch_axes)
+  if isinstance(batch_spec, dict) and "mask" not in batch_spec:
+    # The mask eval batches add for padding rows, for examples without one.
+    batch_spec["mask"] = NamedSpec(batch_axes if batch_axes else None)
   # Global replicated sums, as the train step's metrics: every call takes
   # the fast path, and `jax.device_get` reads them on every process.
   return spmd.sharded_jit(

@@ -74,13 +74,15 @@ def flat_gradient_reduction(
   shards = math.prod(mesh.shape[axis] for axis in batch_axes)
   possible = (
     bool(batch_axes)
+    # Per device over whole rows: a sequence split over `context` would not be.
+    and mesh.shape.get("context", 1) == 1
     and all(s.is_fully_replicated for s in shardings)
     and config.global_batch % (shards * config.train.micro_batches) == 0
   )
   if mode == "on" and not possible:
     raise ValueError(
-      "train.flat_grad_reduce='on' needs replicated parameters, batch axes, and a "
-      f"global_batch={config.global_batch} divisible by {shards} batch shards x "
+      "train.flat_grad_reduce='on' needs replicated parameters, batch axes, no context axis, "
+      f"and a global_batch={config.global_batch} divisible by {shards} batch shards x "
       f"train.micro_batches={config.train.micro_batches}"
     )
   if mode == "on" and blocker:

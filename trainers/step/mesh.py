@@ -29,7 +29,7 @@ def trainer_axes() -> tuple[str, ...]:
   """The mesh axes some rule preset (`spmd.rules.PRESETS`) splits along, in order of first use.
 
   >>> trainer_axes()
-  ('data', 'fsdp', 'tensor')
+  ('data', 'fsdp', 'context', 'tensor')
   """
   axes: dict[str, None] = {}
   for preset in rules.PRESETS.values():
@@ -53,7 +53,7 @@ def check_axes(config: ml_collections.ConfigDict) -> None:
   >>> check_axes(config)
   Traceback (most recent call last):
   ...
-  ValueError: config.mesh.ici='data=-1,expert=2': 'expert' is not a mesh axis of the trainer; its axes: data, fsdp, tensor (the ones config.mesh.rules splits along)
+  ValueError: config.mesh.ici='data=-1,expert=2': 'expert' is not a mesh axis of the trainer; its axes: data, fsdp, context, tensor (the ones config.mesh.rules splits along)
   """
   known = trainer_axes()
   for name in ("ici", "dcn"):
@@ -69,6 +69,11 @@ def check_axes(config: ml_collections.ConfigDict) -> None:
           f"{', '.join(known)} (the ones config.mesh.rules splits along)"
         )
   batch_axes = tuple(config.mesh.batch_axes)
+  if rules.CONTEXT_AXIS in batch_axes:
+    raise ValueError(
+      f"config.mesh.batch_axes={batch_axes!r}: {rules.CONTEXT_AXIS!r} splits every sequence, "
+      "not the rows; leave it out of the batch axes"
+    )
   for axis in batch_axes:
     if axis not in known:
       raise ValueError(

@@ -33,7 +33,7 @@ from trainers.step.gradient_reduction import (
   per_device_blocker,
   summed_as_one_vector,
 )
-from trainers.step.loss import loss_fn, specs_of, step_key
+from trainers.step.loss import batch_specs, loss_fn, specs_of, step_key
 from trainers.step.state import StateSetup
 from trainers.tasks import Task
 
@@ -161,7 +161,7 @@ def make_train_step(
     return new_state, metrics
 
   state_specs = specs_of(setup.shardings)
-  batch_spec = NamedSpec(batch_axes if batch_axes else None)
+  batch_spec = batch_specs(task, setup.rules, mesh, batch_axes)
   return spmd.sharded_jit(
     train_step,
     in_parts=(state_specs, batch_spec),

@@ -138,6 +138,15 @@ class Task:
       `examples_per_record`), and what they use of it, in the task's units,
       for the line the run logs (e.g. `lm_examples.lm_windows`).
 
+    sequence_features: the features shaped `[rows, length, ...]`, axis 1
+      the sequence (the LM tasks': inputs, targets, mask, segment_ids,
+      positions). With `context` in the mesh the step puts each row of them
+      in the load-balanced order (`spmd.context`) before the loss, so every
+      device gets as much causal attention work as another; a loss that
+      sums over tokens does not see the order. Features not named keep
+      their order; with none named, sequences split over `context` in
+      their own order (exact, unbalanced).
+
   Training:
     optimizer: optional `(config.train, schedule) -> optax.GradientTransformation`,
       replacing the optimizer named by `config.train.optimizer`. The trainer
@@ -186,6 +195,7 @@ class Task:
   hooks: Sequence[Any] = ()
   run_files: Callable[[], Mapping[str, str]] | None = None
   prepares_together: bool = False
+  sequence_features: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in ("model", "loss", "prepare_data", "to_example"):
@@ -206,12 +216,10 @@ class Task:
       raise TypeError(
         f"Task.label_classes={self.label_classes!r} must map feature names to class counts"
       )
-    if isinstance(self.float32_features, str) or not all(
-      isinstance(name, str) for name in self.float32_features
-    ):
-      raise TypeError(
-        f"Task.float32_features={self.float32_features!r} must be a tuple of feature names"
-      )
+    for name in ("float32_features", "sequence_features"):
+      value = getattr(self, name)
+      if isinstance(value, str) or not all(isinstance(n, str) for n in value):
+        raise TypeError(f"Task.{name}={value!r} must be a tuple of feature names")
 
   def example(self) -> Example:
     """The example of the record template (window 0)."""

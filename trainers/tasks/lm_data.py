@@ -240,6 +240,11 @@ def lm_records(config: ml_collections.ConfigDict, seq_len: int):
   return lm_examples.lm_windows(seq_len, "tokens", record_tokens)
 
 
+SEQUENCE_FEATURES = ("inputs", "targets", "mask", "segment_ids", "positions")
+"""The batch features whose axis 1 is the sequence (`Task.sequence_features`); packed
+batches carry all five, unpacked ones the first three."""
+
+
 def real_tokens(batch) -> jax.Array:
   """`Task.count_units` of packed batches: real input tokens (`segment_ids != 0`).
 
@@ -299,6 +304,7 @@ def lm_data(
       plan_records=lm_records(config, seq_len),
       unit="tokens",
       units_per_batch=units,
+      sequence_features=SEQUENCE_FEATURES[:3],
     )
     return LmData(fields=fields, codec=lambda: fixed)
 
@@ -331,6 +337,7 @@ def lm_data(
     unit="tokens",
     count_units=real_tokens,
     units_per_batch=units,
+    sequence_features=SEQUENCE_FEATURES,
     run_files=lambda: (
       {"tokenizer" + _suffix(prepared): prepared.tokenizer.path} if prepared.tokenizer else {}
     ),

@@ -45,6 +45,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from spmd import context
 from spmd import rules as rules_lib
 from spmd.rules import constrain
 from trainers.models.matmul import matmul
@@ -53,7 +54,9 @@ from trainers.tasks import check_labels, cross_entropy_sums
 CHUNK_LOGITS = 2**25
 """Logits of one chunk on one device at most (`default_chunk`): 128 MiB in float32."""
 
-_LOGITS_AXES = ("batch", "length", "vocab")
+# With the sequence split over `context`, the loss runs on [context * rows,
+# length / context] (`blocked`): its rows axis is split over both.
+_BLOCKED_ROWS = ("length", "batch")
 # The projection whole along d_model: gathered once for all chunks (under FSDP
 # its d_model axis is split), not once per chunk inside the loop.
 _GATHERED = (None, "vocab")
@@ -134,8 +137,18 @@ def chunked_cross_entropy_sums(
       f"{labels.shape=} {mask.shape=}"
     )
   length, vocab = hidden.shape[1], unembed.shape[1]
+  shards = context.active_shards()
+  if shards > 1 and chunk != length:
+    # Each device's slice of every sequence, chunked along its own slice: no
+    # chunk of the sequence belongs to one device alone, so none is gathered.
+    if chunk is not None and (length // shards) % chunk:
+      raise ValueError(f"{chunk=} must divide the {length // shards} tokens of each context shard")
+    hidden, labels, mask = (blocked(x, shards) for x in (hidden, labels, mask))
+    length, rows = hidden.shape[1], _BLOCKED_ROWS
+  else:
+    rows = "batch"
   if chunk is None:
-    chunk = default_chunk(length, vocab, hidden.shape[0] // _row_shards(hidden.shape[0]))
+    chunk = default_chunk(length, vocab, hidden.shape[0] // _row_shards(hidden.shape[0], rows))
     if length % chunk:  # no good divisor: padded with masked tokens, which add nothing
       pad = [(0, 0), (0, -length % chunk)]
       hidden = jnp.pad(hidden, [*pad, (0, 0)])
@@ -145,8 +158,9 @@ def chunked_cross_entropy_sums(
     raise ValueError(f"{chunk=} must be a positive integer dividing the length {length}")
   weight = jnp.sum(mask)
   if chunk == length:
-    logits = matmul(hidden.reshape(-1, hidden.shape[2]), unembed, jnp.float32)
-    logits = constrain(logits.reshape(*hidden.shape[:2], vocab), _LOGITS_AXES)
+    tokens = hidden.reshape(-1, hidden.shape[2]) if rows == "batch" else hidden
+    logits = matmul(tokens, unembed, jnp.float32)
+    logits = constrain(logits.reshape(*hidden.shape[:2], vocab), (rows, "length", "vocab"))
     return cross_entropy_sums(logits, labels, mask)
   check_labels(labels, mask, vocab)
   mask = mask.astype(jnp.float32)
@@ -154,40 +168,52 @@ def chunked_cross_entropy_sums(
   # the trainer entered for the loss: they go with it, so that its chunks are
   # laid out as the forward pass's are.
   placement = rules_lib.active_rules()
-  loss_sum, correct = _chunked_sums(hidden, unembed, labels, mask, chunk, placement)
+  loss_sum, correct = _chunked_sums(hidden, unembed, labels, mask, chunk, placement, rows)
   return loss_sum, weight, {"accuracy": correct}
 
 
-def _chunk_logits(hidden: jax.Array, unembed: jax.Array) -> jax.Array:
+def blocked(x: jax.Array, shards: int) -> jax.Array:
+  """[b, length, ...] -> [shards * b, length / shards, ...]: row s * b + r is row r's slice s.
+
+  Free under the rules: the sequence's slices are split over `context`, so
+  the new rows axis is split over (context, the batch's axes), each device
+  holding one block of it.
+  """
+  b, length = x.shape[:2]
+  x = x.reshape(b, shards, length // shards, *x.shape[2:])
+  return jnp.swapaxes(x, 0, 1).reshape(shards * b, length // shards, *x.shape[3:])
+
+
+def _chunk_logits(hidden: jax.Array, unembed: jax.Array, rows) -> jax.Array:
   """[b, c, d] @ [d, vocab] -> float32 [b, c, vocab], as one flat matmul (`layers.dense`'s reason)."""
   b, c, d = hidden.shape
   logits = jnp.dot(hidden.reshape(b * c, d), unembed, preferred_element_type=jnp.float32)
-  return constrain(logits.reshape(b, c, -1), _LOGITS_AXES)
+  return constrain(logits.reshape(b, c, -1), (rows, "length", "vocab"))
 
 
 def _slice(x: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
 
 
-def _row_shards(batch: int) -> int:
+def _row_shards(batch: int, rows="batch") -> int:
   """How many pieces the active rules split the rows into (1 outside rules or in shard_map)."""
   active = rules_lib.active_rules()
   if active is None or jax.sharding.get_abstract_mesh().manual_axes:
     return 1
   rules, mesh = active
-  spec = rules_lib.logical_to_spec(("batch",), rules, mesh)
+  spec = rules_lib.logical_to_spec((rows,), rules, mesh)
   entry = spec[0] if len(spec) else None
   axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
   shards = math.prod(mesh.shape[a] for a in axes)
   return shards if batch % shards == 0 else 1
 
 
-def _forward(hidden, unembed, labels, mask, chunk):
+def _forward(hidden, unembed, labels, mask, chunk, rows):
   """(loss_sum, correct_sum, log-normalizers [n, b, chunk]) over the chunks."""
   unembed = constrain(unembed.astype(hidden.dtype), _GATHERED)
 
   def body(totals, i):
-    logits = _chunk_logits(_slice(hidden, i, chunk), unembed)
+    logits = _chunk_logits(_slice(hidden, i, chunk), unembed, rows)
     lse = jax.nn.logsumexp(logits, axis=-1)
     labels_c, mask_c = _slice(labels, i, chunk), _slice(mask, i, chunk)
     # The target's logit by comparison with the vocabulary's iota rather
@@ -217,23 +243,23 @@ def _placed(placement: tuple[rules_lib.Rules, jax.sharding.Mesh] | None):
   return rules_lib.activation_rules(*placement) if placement else contextlib.nullcontext()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked_sums(hidden, unembed, labels, mask, chunk, placement):
-  loss_sum, correct_sum, _ = _forward(hidden, unembed, labels, mask, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_sums(hidden, unembed, labels, mask, chunk, placement, rows):
+  loss_sum, correct_sum, _ = _forward(hidden, unembed, labels, mask, chunk, rows)
   return loss_sum, correct_sum
 
 
-def _chunked_sums_fwd(hidden, unembed, labels, mask, chunk, placement):
-  loss_sum, correct_sum, lse = _forward(hidden, unembed, labels, mask, chunk)
+def _chunked_sums_fwd(hidden, unembed, labels, mask, chunk, placement, rows):
+  loss_sum, correct_sum, lse = _forward(hidden, unembed, labels, mask, chunk, rows)
   return (loss_sum, correct_sum), (hidden, unembed, labels, mask, lse)
 
 
-def _chunked_sums_bwd(chunk, placement, residuals, cotangents):
+def _chunked_sums_bwd(chunk, placement, rows, residuals, cotangents):
   with _placed(placement):
-    return _backward(chunk, residuals, cotangents)
+    return _backward(chunk, rows, residuals, cotangents)
 
 
-def _backward(chunk, residuals, cotangents):
+def _backward(chunk, rows, residuals, cotangents):
   """The chunks again: softmax minus one-hot, times the mask, into both matmuls' gradients."""
   hidden, stored, labels, mask, lse = residuals
   g = cotangents[0]  # the accuracy is piecewise constant: no gradient
@@ -244,13 +270,13 @@ def _backward(chunk, residuals, cotangents):
   # per chunk; instead each device adds up its own rows' share in float32
   # (a leading axis, one entry per row shard, split as the rows are), and
   # the shares are summed once, after the last chunk.
-  shards = _row_shards(b)
-  share_axes = ("batch", None, "vocab")
+  shards = _row_shards(b, rows)
+  share_axes = (rows, None, "vocab")
 
   def body(carry, i):
     d_unembed, d_hidden = carry
     hidden_c = _slice(hidden, i, chunk)
-    logits = _chunk_logits(hidden_c, unembed)
+    logits = _chunk_logits(hidden_c, unembed, rows)
     probs = jnp.exp(logits - lse[i][..., None])
     hit = (
       jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == _slice(labels, i, chunk)[..., None]
@@ -259,18 +285,18 @@ def _backward(chunk, residuals, cotangents):
     # The logits' gradient enters the two matmuls in the compute dtype, as
     # the forward's operands did; the projection's gradient adds up over the
     # chunks in float32 and is returned in its stored dtype, at the end.
-    d_logits = constrain(d_logits.astype(hidden.dtype), _LOGITS_AXES)
+    d_logits = constrain(d_logits.astype(hidden.dtype), (rows, "length", "vocab"))
     flat = d_logits.reshape(b * chunk, -1)
     d_hidden_c = jnp.dot(flat, unembed.T).reshape(b, chunk, d)
     if shards == 1:
       share = jnp.dot(hidden_c.reshape(b * chunk, d).T, flat, preferred_element_type=jnp.float32)
       share = share[None]
     else:
-      rows = (shards, b // shards * chunk)
+      split = (shards, b // shards * chunk)
       share = jnp.einsum(
         "srd,srv->sdv",
-        constrain(hidden_c.reshape(*rows, d), ("batch", None, None)),
-        constrain(d_logits.reshape(*rows, -1), ("batch", None, "vocab")),
+        constrain(hidden_c.reshape(*split, d), (rows, None, None)),
+        constrain(d_logits.reshape(*split, -1), (rows, None, "vocab")),
         preferred_element_type=jnp.float32,
       )
     d_unembed = constrain(d_unembed + share, share_axes)

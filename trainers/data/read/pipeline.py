@@ -111,6 +111,7 @@ class StepBatches:
     host = self.layout.host()
     self._rows = np.arange(host.rows.start, host.rows.stop)
     self._host_rows: list[Callable[[int, Example], Example]] = []  # `wrap_host_rows`
+    self._placement: dict[str, jax.sharding.Sharding] = {}  # `place_features`
 
   def host_batch(self, step: int) -> Example:
     """This host's rows of the global batch at `step`, as numpy arrays."""
@@ -133,6 +134,15 @@ class StepBatches:
     """
     self._host_rows.append(wrap)
 
+  def place_features(self, shardings: dict[str, jax.sharding.Sharding]) -> None:
+    """Places the features named in `shardings` by them, the rest by `layout.sharding`.
+
+    For the sequence features when the mesh splits the sequence over
+    `context` (`trainers.step.loss.batch_shardings`): this host still reads
+    its rows whole, and each of its devices gets only its slice of them.
+    """
+    self._placement = dict(shardings)
+
   def global_batch_arrays(self, step: int) -> dict[str, jax.Array]:
     """The global batch at `step` as `jax.Array`s split over the batch axes.
 
@@ -154,7 +164,8 @@ class StepBatches:
         )
     # One call for all arrays: on one process that is one batched device_put.
     global_shapes = {k: (self.global_batch, *v.shape[1:]) for k, v in local.items()}
-    return jax.make_array_from_process_local_data(self.layout.sharding, local, global_shapes)
+    shardings = {k: self._placement.get(k, self.layout.sharding) for k in local}
+    return jax.make_array_from_process_local_data(shardings, local, global_shapes)
 
   def expected_host_shapes(self) -> dict[str, tuple[int, ...]]:
     """The shapes every host's rows must have: the trainer checks them each step."""
