@@ -86,6 +86,7 @@ BENCHMARKS = [
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
   ("lora_memory", ("L1",), {}),
+  ("context_balance", ("C3", "C3-total"), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),
 ]

@@ -314,6 +314,23 @@ def test_the_shared_helpers_examples_hold():
     assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
+def test_the_context_balance_figure_counts_each_shards_blocks(tmp_path):
+  """C3 at a size where the natural order's imbalance is known by hand, then the table's JSON."""
+  from benchmarks import context_balance
+
+  assert doctest.testmod(context_balance).failed == 0
+  # 4 shards of 64 tokens, blocks of 8: the natural order's last shard has
+  # 8 query blocks reading 25..32 key blocks (228), the first 8 reading 1..8 (36).
+  got = context_balance.counts(256, 4, 8)
+  assert got["natural"] == [36, 100, 164, 228] and got["balanced"] == [132] * 4
+  out = tmp_path / "c3.json"
+  context_balance.main(["--length=256", "--shards=4", "--block=8", f"--json={out}"])
+  c3, total = json.loads(out.read_text())
+  assert (c3["id"], c3["value"], c3["meets_goal"]) == ("C3", 1.0, True)
+  assert (total["id"], total["value"], total["meets_goal"]) == ("C3-total", 1.0, True)
+  assert "the natural order 1.727" in c3["detail"], c3["detail"]
+
+
 @pytest.mark.multiprocess
 def test_the_fsdp_memory_figure_runs_end_to_end(tmp_path):
   out = tmp_path / "p7.json"
