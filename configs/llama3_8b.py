@@ -15,9 +15,9 @@ named in `data.name`.
 131,072-token sequences, 32 a step (4M tokens), on the same slice: each
 sequence split over 8 `context` devices, the state over 16 FSDP ones
 (docs/training.md, "Long sequences"). The plan compiles it through libtpu
-and it fits: 51.38 GiB of the 95 GiB a chip has (57.61 GiB temporaries,
-the compiler's peak), splash on each device's 16,384 queries against the
-gathered keys and values.
+and it fits: 51.38 GiB of the 95 GiB a chip has (the compiler's peak),
+with splash on each device's 16,384 queries against the gathered keys and
+values.
 
   spmd-plan --config=configs/llama3_8b.py --topology=v5p-256 \
       --config.model.seq_len=131072 --config.global_batch=32 \
