@@ -47,7 +47,7 @@ _PRODUCT_LOCAL = attention._splash_local
 
 def _splash_local_with(fused_bwd: bool):
   """`attention._splash_local` with splash's fused backward kernel on or off."""
-  splash, splash_mask = attention.splash, attention.splash_mask
+  splash, splash_mask = attention.splash_modules()
 
   def local(q, k, v, segment_ids, *, block: int, interpret: bool):
     _, length, heads, head_dim = q.shape

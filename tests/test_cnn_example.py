@@ -162,11 +162,19 @@ def test_kill_9_mid_run_resumes_bit_identical(example, tmp_path, reference):
 
 
 def test_a_run_resumes_from_its_own_copy_of_the_task(example, tmp_path, reference):
-  """The original folder gone, `<workdir>/code/config.py` resumes the run (on one host)."""
+  """The original folder gone, `<workdir>/code/config.py` resumes the run (on one host).
+
+  A copy of the reference as it stood at step 9 (its last checkpoint removed), resumed
+  to the end on 1 x 4: the layout and schedule `test_same_losses_for_any_host_count`
+  compiles, so this run compiles nothing of its own."""
   workdir = tmp_path / "run"
   shutil.copytree(reference["workdir"], workdir)
+  shutil.rmtree(workdir / "checkpoints" / str(STEPS))
   alone = dict(example, folder=workdir / "code")
-  job = start(alone, workdir, 1, 2, extra=("--config.train.steps=14",))
+  job = start(alone, workdir, 1, 4)
   assert job.wait(300) == 0, job.output
-  assert f"state from checkpoint step {STEPS}" in job.output, job.output
-  assert sorted(losses(workdir))[-1] == 14
+  assert f"state from checkpoint step {STEPS - 3}" in job.output, job.output
+  got, want = losses(workdir), losses(reference["workdir"])
+  assert sorted(got)[-1] == STEPS, got
+  for step in range(STEPS - 2, STEPS + 1):  # the resumed steps: the reference's losses
+    assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got[step], want[step])

@@ -114,17 +114,22 @@ def test_llama_tiny_trains_on_a_mixture_of_jsonl_and_parquet_it_has_never_seen(c
 
 
 def test_a_run_stopped_on_2_processes_resumes_bit_identically_on_4(corpus, tmp_path):
-  flags = ("--config.data.pack=True", "--config.train.steps=10", "--config.checkpoint.every=5")
+  """Two runs, both needed: the straight one on 2 x 2 and its copy resumed on 4 x 1.
+
+  The packed tiny LM for 12 steps saved every 6 is tests/test_staged_data.py's resume
+  too: its 2 x 2 and 4 x 1 steps are the same programs, compiled once for both
+  modules (the compilation cache), though their data differ."""
+  flags = ("--config.data.pack=True", "--config.train.steps=12", "--config.checkpoint.every=6")
   straight = launch(corpus, tmp_path / "straight", 2, 2, TINY, *flags)
-  # The straight run as it stood at step 5 (its checkpoint and mixture position
+  # The straight run as it stood at step 6 (its checkpoint and mixture position
   # there), resumed on 4 processes; stopping at a step is checked in tests/test_train.py.
   copy_of(tmp_path / "straight", tmp_path / "run")
-  shutil.rmtree(tmp_path / "run" / "checkpoints" / "10")
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "12")
   resumed = launch(corpus, tmp_path / "run", 4, 1, TINY, *flags)
-  assert re.search(r"state from\s+: checkpoint step 5\n", resumed), resumed[-3000:]
+  assert re.search(r"state from\s+: checkpoint step 6\n", resumed), resumed[-3000:]
   assert param_hash(resumed) == param_hash(straight)
   got, expected = losses(tmp_path / "run"), losses(tmp_path / "straight")
-  assert [got[s] for s in range(1, 11)] == [expected[s] for s in range(1, 11)]
+  assert [got[s] for s in range(1, 13)] == [expected[s] for s in range(1, 13)]
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   reference = json.loads((tmp_path / "straight" / "summary.json").read_text())
   assert summary["data_sources"] == reference["data_sources"]

@@ -128,15 +128,16 @@ def test_a_file_landing_while_process_0_prepares_a_gs_data_dir_is_not_seen_by_th
   tmp_path, bucket
 ):
   """Only process 0 lists the sources: a file that lands in a source's folder after it listed
-  them (a writer still filling the bucket) is in no process's data, and 2 x 1 processes train
+  them (a writer still filling the bucket) is in no process's data, and 2 processes train
   on what process 0 prepared, uploaded and every host copied. Its own run, not a shared one:
-  its data must change while it prepares."""
+  its data must change while it prepares. Two steps of the first test's schedule on its
+  2 x 2 layout: the step that test compiles, so this run compiles none."""
   source = write_jsonl(tmp_path / "landing", source_texts(60, seed=5), files=2)
   late = tmp_path / "landing" / "late.jsonl"
   command = [
     *(sys.executable, "-m", "launch.launch_cli", "local"),
     "--num-processes=2",
-    "--devices-per-process=1",
+    "--devices-per-process=2",
     "--timeout=300",
     *("--", sys.executable, "-m", "tests.workers.file_lands_train", str(late)),
     f"--config={TINY}",
@@ -144,7 +145,8 @@ def test_a_file_landing_while_process_0_prepares_a_gs_data_dir_is_not_seen_by_th
     f"--workdir={tmp_path / 'run'}",
     "--config.data.dir=gs://bucket/landing",
     "--config.data.pack=True",
-    "--config.train.steps=2",
+    "--config.train.steps=12",
+    "--config.train.stop_at_step=2",
     "--config.sample_tokens=0",
   ]
   env = {

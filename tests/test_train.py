@@ -138,9 +138,12 @@ def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
 
 
 def test_resume_on_another_process_count(data, tmp_path, reference, four_processes_ten_steps):
-  # Saved by 4 processes x 1 device, resumed by 1 process x 2 devices.
+  # Saved by 4 processes x 1 device, resumed by 1 process x 4 devices: the
+  # layout `test_same_losses_for_any_process_count` compiles, so the resume
+  # compiles nothing of its own. A restore onto another device count (2 x 2 ->
+  # 1 x 8) is tests/faults/test_checkpoint_damage.py's.
   workdir = copy_of(four_processes_ten_steps, tmp_path / "run")
-  resumed = spmd_train(data, workdir, 1, 2)
+  resumed = spmd_train(data, workdir, 1, 4)
   assert resumed.ok, resumed.report()
   got = losses(workdir)
   for step in range(11, 21):
@@ -166,10 +169,18 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
 
 def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
   """With the tpu extra installed and no TPU here, JAX must not initialise libtpu (it
-  prints a block of hostname errors): single-process and launched runs alike."""
+  prints a block of hostname errors): single-process and launched runs alike.
+
+  Each run starts its backend, trains and saves, which is what could print the lines;
+  two steps of the reference's own schedule (`stop_at_step`, no sample), so the
+  launched 2 x 2 run's step is the one the reference compiled."""
 
   def command(workdir):
-    overrides = ("--config.train.steps=2", "--config.eval_every=0")
+    overrides = (
+      "--config.train.stop_at_step=2",
+      "--config.eval_every=0",
+      "--config.sample_tokens=0",
+    )
     return [sys.executable, "-m", "trainers.run.train_cli", *flags(data, workdir, *overrides)]
 
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
@@ -181,7 +192,7 @@ def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
   launched = run_local(
     command(tmp_path / "two"),
     num_processes=2,
-    devices_per_process=1,
+    devices_per_process=2,
     timeout_s=240,
     grace_s=10,
     echo=False,

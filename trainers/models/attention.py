@@ -65,8 +65,6 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from spmd import compat
 from spmd import context as context_lib
@@ -338,7 +336,21 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
   return y.reshape(q.shape)
 
 
-def _block_sizes(block: int) -> splash.BlockSizes:
+def splash_modules():
+  """(splash_attention_kernel, splash_attention_mask): Pallas's splash modules.
+
+  Imported on first use, not with this module: every process that builds a
+  model imports this one, and most (every CPU run) never take splash.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask
+
+  return kernel, mask
+
+
+def _block_sizes(block: int):
+  """splash's `BlockSizes`, each `block` (the fused backward as `SPLASH_FUSED_BACKWARD` says)."""
+  splash, _ = splash_modules()
   return splash.BlockSizes(
     block_q=block,
     block_kv=block,
@@ -354,6 +366,7 @@ def _block_sizes(block: int) -> splash.BlockSizes:
 
 def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.Array:
   """Splash attention on one device's rows and heads: [b, L, h, d] in, the same out."""
+  splash, splash_mask = splash_modules()
   _, length, heads, head_dim = q.shape
   # The kernel object holds its block masks as arrays, so it is made in the
   # trace that uses it; the masks themselves are computed once per shape
@@ -517,6 +530,7 @@ def splash_context_attention(
   queries (`q_seq_shards`), so each device computes only the blocks its own
   queries read, by their original places (`spmd.context.token_index`).
   """
+  splash, splash_mask = splash_modules()
   rules, mesh = rules_lib.active_rules()
   q_spec, kv_spec, rows, sequence = _context_specs(q, k, rules, mesh)
   heads = q.shape[2] // _axes_size(mesh, tuple(q_spec)[2] if len(q_spec) > 2 else None)

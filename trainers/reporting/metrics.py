@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
+  from tensorboardX import SummaryWriter
+
   from trainers.reporting.tracking import Tracker
-from tensorboardX import SummaryWriter
 
 from trainers import paths
 
@@ -94,6 +95,10 @@ class MetricsWriter:
       else:
         _drop_cut_last_line(Path(self.path))
         self._file = open(self.path, "a", encoding="utf-8")
+      # Here: only the writing process (process 0) pays tensorboardX's import
+      # (google-cloud-storage and grpc come with it); the others never use it.
+      from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(logdir=str(self.tensorboard_dir))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
