@@ -143,7 +143,8 @@ def parse_groups(line: str) -> list[list[int]] | None:
     groups = [
       [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", body.group(1))
     ]
-    return groups or None
+    # `replica_groups={}`: XLA's spelling of one group of every device.
+    return groups
   if text.startswith("mesh["):
     return _mesh_groups(text)
   return _iota_groups(text)
@@ -157,7 +158,9 @@ class CollectiveOp:
   computation: str  # the HLO computation holding it (a loop body, a fusion, the entry)
   executions: int  # per call of the entry: loop trip counts multiplied in
   bytes: int  # result bytes per device, one execution
-  groups: list[list[int]] | None  # partition ids of each group; None: not known
+  groups: (
+    list[list[int]] | None
+  )  # partition ids of each group; []: one of every device; None: not known
   dcn_send: bool  # the DCN part of a multislice collective (a megascale `send`)
 
 
@@ -206,10 +209,14 @@ def collectives(hlo_text: str, device_slices: Sequence[int] | None = None) -> li
     if op.dcn_send:
       key = (op.kind, 0, True)
     else:
-      crosses = None
-      if op.groups is not None and device_slices is not None:
-        crosses = any(len({device_slices[i] for i in g}) > 1 for g in op.groups)
-      key = (op.kind, len(op.groups[0]) if op.groups else 0, crosses)
+      crosses, groups = None, op.groups
+      if groups == [] and device_slices is not None:  # one group of every device
+        groups = [list(range(len(device_slices)))]
+      if device_slices is not None and len(set(device_slices)) == 1:
+        crosses = False  # one slice: nothing to cross, whatever the groups
+      elif groups and device_slices is not None:
+        crosses = any(len({device_slices[i] for i in g}) > 1 for g in groups)
+      key = (op.kind, len(groups[0]) if groups else 0, crosses)
     count, total = totals.get(key, [0, 0])
     totals[key] = [count + op.executions, total + op.executions * op.bytes]
   order = {kind: i for i, kind in enumerate(KINDS)}

@@ -190,6 +190,14 @@ def test_collective_groups_in_all_three_spellings():
 }"""
   [c] = hlo.collectives(loop, device_slices=[0, 1])
   assert (c.count, c.bytes, c.crosses_dcn) == (3, 48, True)
+  # `replica_groups={}` is one group of every device: across both slices
+  # of a two-slice program, inside the one slice of a one-slice program.
+  every = loop.replace("replica_groups={{0,1}}", "replica_groups={}")
+  assert hlo.parse_groups("all-reduce(x), replica_groups={}, to_apply=%add") == []
+  [c] = hlo.collectives(every, device_slices=[0, 0, 1, 1])
+  assert (c.group_size, c.crosses_dcn) == (4, True)
+  [c] = hlo.collectives(every, device_slices=[0, 0, 0, 0])
+  assert (c.group_size, c.crosses_dcn) == (4, False)
 
 
 def test_loop_bodies_count_once_per_iteration_without_a_known_trip_count():

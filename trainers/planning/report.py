@@ -169,7 +169,8 @@ def format_plan(plan: Plan, config_name: str = "") -> str:
       dcn = {True: "yes", False: "no", None: "?"}[coll.crosses_dcn]
       lines.append(
         f"  {coll.kind:<20}{coll.count:>6}{_bytes(coll.bytes):>12}"
-        f"{coll.group_size or 'slices':>7}  {dcn}"
+        # Group size 0: the slices of a DCN send, or groups the HLO did not spell out.
+        f"{coll.group_size or ('slices' if coll.crosses_dcn else '?'):>7}  {dcn}"
       )
   elif plan.compiled:
     lines.append("collectives per step: none")
