@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from trainers.models import attention  # noqa: E402
 from trainers.tasks import losses  # noqa: E402
@@ -42,43 +41,6 @@ DEFAULTS = {
   "chunk_logits": losses.CHUNK_LOGITS,
 }
 _PRODUCT_BLOCKS = attention.SPLASH_BLOCKS
-_PRODUCT_LOCAL = attention._splash_local
-
-
-def _splash_local_with(fused_bwd: bool):
-  """`attention._splash_local` with splash's fused backward kernel on or off."""
-  splash, splash_mask = attention.splash_modules()
-
-  def local(q, k, v, segment_ids, *, block: int, interpret: bool):
-    _, length, heads, head_dim = q.shape
-    dq = None if fused_bwd else block
-    sizes = splash.BlockSizes(
-      block_q=block,
-      block_kv=block,
-      block_kv_compute=block,
-      block_q_dkv=block,
-      block_kv_dkv=block,
-      block_kv_dkv_compute=block,
-      block_q_dq=dq,
-      block_kv_dq=dq,
-      use_fused_bwd_kernel=fused_bwd,
-    )
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * heads)
-    kernel = splash.make_splash_mha(
-      mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
-    )
-    q = jnp.swapaxes(q * jnp.asarray(head_dim**-0.5, q.dtype), 1, 2)
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    if segment_ids is None:
-      y = jax.vmap(kernel)(q, k, v)
-    else:
-      ids = segment_ids.astype(jnp.int32)
-      y = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
-        q, k, v, ids
-      )
-    return jnp.swapaxes(y, 1, 2)
-
-  return local
 
 
 def apply(setting: dict) -> None:
@@ -99,9 +61,8 @@ def apply(setting: dict) -> None:
   attention.SPLASH_BLOCKS = _PRODUCT_BLOCKS
   if block is not None:
     attention.SPLASH_BLOCKS = (int(block), *(b for b in _PRODUCT_BLOCKS if b < int(block)))
-  fused = bool(knobs["splash_fused_bwd"])
-  product = fused == attention.SPLASH_FUSED_BACKWARD
-  attention._splash_local = _PRODUCT_LOCAL if product else _splash_local_with(fused)
+  # Read when each kernel's block sizes are made (`attention._block_sizes`).
+  attention.SPLASH_FUSED_BACKWARD = bool(knobs["splash_fused_bwd"])
   losses.CHUNK_LOGITS = int(knobs["chunk_logits"])
 
 

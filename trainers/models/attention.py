@@ -367,7 +367,7 @@ def _block_sizes(block: int):
 def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.Array:
   """Splash attention on one device's rows and heads: [b, L, h, d] in, the same out."""
   splash, splash_mask = splash_modules()
-  _, length, heads, head_dim = q.shape
+  _, length, heads, _ = q.shape
   # The kernel object holds its block masks as arrays, so it is made in the
   # trace that uses it; the masks themselves are computed once per shape
   # (splash caches them in numpy).
@@ -378,15 +378,23 @@ def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.A
   kernel = splash.make_splash_mha(
     mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
   )
+  return _run_splash(kernel, q, k, v, segment_ids, segment_ids)
+
+
+def _run_splash(kernel, q, k, v, q_ids=None, kv_ids=None) -> jax.Array:
+  """`kernel` (a splash MHA kernel) on [b, L, h, d] queries, keys and values; [b, L, h, d] out.
+
+  `q_ids`, `kv_ids`: the queries' and the keys' segment ids [b, L], or None.
+  """
+  splash, _ = splash_modules()
   # Splash leaves the 1/sqrt(head_dim) to its caller; [b, L, h, d] -> [b, h, L, d].
-  q = jnp.swapaxes(q * jnp.asarray(head_dim**-0.5, q.dtype), 1, 2)
+  q = jnp.swapaxes(q * jnp.asarray(q.shape[3] ** -0.5, q.dtype), 1, 2)
   k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  if segment_ids is None:
+  if q_ids is None:
     y = jax.vmap(kernel)(q, k, v)
   else:
-    ids = segment_ids.astype(jnp.int32)
-    y = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
-      q, k, v, ids
+    y = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, segment_ids=splash.SegmentIds(a, b)))(
+      q, k, v, q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
     )
   return jnp.swapaxes(y, 1, 2)
 
@@ -543,21 +551,13 @@ def splash_context_attention(
   )
   P = jax.sharding.PartitionSpec
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))
-  head_dim = q.shape[3]
 
   def local(kernel, q, k, v, ids=None):
     k, v = (jax.lax.all_gather(x, sequence, axis=1, tiled=True)[:, natural] for x in (k, v))
-    q = jnp.swapaxes(q * jnp.asarray(head_dim**-0.5, q.dtype), 1, 2)
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    if ids is None:
-      y = jax.vmap(kernel)(q, k, v)
-    else:
-      ids = ids.astype(jnp.int32)
+    all_ids = None
+    if ids is not None:
       all_ids = jax.lax.all_gather(ids, sequence, axis=1, tiled=True)[:, natural]
-      y = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, segment_ids=splash.SegmentIds(a, b)))(
-        q, k, v, ids, all_ids
-      )
-    return jnp.swapaxes(y, 1, 2)
+    return _run_splash(kernel, q, k, v, ids, all_ids)
 
   args, specs = (kernel, q, k, v), (kernel_spec, q_spec, kv_spec, kv_spec)
   if segment_ids is not None:
