@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, D1-D3, I1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, C3, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -25,6 +25,9 @@ counts and process layouts):
                                     8192 tokens, one row a device, libtpu), LoRA rank 16
                                     on the 7 projections ÷ full fine-tuning; goal: full
                                     does not fit and LoRA does, by the plan's verdicts
+  C3      benchmarks/context_balance.py  causal attention blocks per context shard at
+                                    131k tokens on 8 shards, from the block mask: the
+                                    busiest ÷ the mean, and all ÷ one unsplit device
   D1-D3   benchmarks/data_prep.py   data.sources prepared by 4 processes: the largest
                                     share of tokens, peak RSS and time to the first
                                     step as a generated corpus grows 4x
