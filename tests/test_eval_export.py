@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import run_local
-from tests.multiprocess import ROOT, WORKERS
+from tests.multiprocess import ROOT, WORKERS, run_trainer
 from tests.session_settings import default_pipeline_env
 from tests.shared_runs import copy_of
 
@@ -38,29 +37,20 @@ def data(training_corpus):
   return training_corpus
 
 
-def _env(data) -> dict[str, str]:
-  return {
-    "PYTHONPATH": str(ROOT),
-    "SPMD_AGREEMENT_TIMEOUT_S": "60",
-    "JAX_COMPILATION_CACHE_DIR": data["cache"],
-    # XLA's default pipeline: compiled at XLA:CPU's optimization level 0 (the
-    # suite's fast compile), the whole-split eval on one process of 2 devices
-    # hangs in its all-reduce until XLA aborts it (tests/session_settings.py).
-    "XLA_FLAGS": default_pipeline_env()["XLA_FLAGS"],
-  }
-
-
 def launch(data, args: list[str], processes: int, devices: int, timeout_s: float = 240):
-  """`spmd-launch local -- python -m trainers.run.train_cli ARGS` with hard limits."""
-  return run_local(
-    [sys.executable, "-m", "trainers.run.train_cli", *args],
+  """`spmd-train ARGS` as a job (`tests.multiprocess.run_trainer`), on XLA's default pipeline.
+
+  Compiled at XLA:CPU's optimization level 0 (the suite's fast compile), the
+  whole-split eval on one process of 2 devices hangs in its all-reduce until
+  XLA aborts it (tests/session_settings.py).
+  """
+  return run_trainer(
+    args,
     num_processes=processes,
     devices_per_process=devices,
+    cache=data["cache"],
     timeout_s=timeout_s,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env=_env(data),
+    env={"XLA_FLAGS": default_pipeline_env()["XLA_FLAGS"]},
   )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from launch.local import run_local
-from tests.multiprocess import ROOT
+from tests.multiprocess import ROOT, run_trainer
 from tests.shared_runs import copy_of
 
 pytestmark = pytest.mark.multiprocess  # every test trains as real processes
@@ -44,26 +44,13 @@ def flags(data, workdir, *overrides, config=CONFIG):
 
 
 def spmd_train(data, workdir, num_processes, devices, *overrides, timeout_s=240, config=CONFIG):
-  command = [
-    sys.executable,
-    "-m",
-    "trainers.run.train_cli",
-    *flags(data, workdir, *overrides, config=config),
-  ]
-  return run_local(
-    command,
+  # One compilation cache for every run here: each layout compiles once.
+  return run_trainer(
+    flags(data, workdir, *overrides, config=config),
     num_processes=num_processes,
     devices_per_process=devices,
+    cache=data["cache"],
     timeout_s=timeout_s,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={
-      "PYTHONPATH": str(ROOT),
-      "SPMD_AGREEMENT_TIMEOUT_S": "60",
-      # One compilation cache for every run here: each layout compiles once.
-      "JAX_COMPILATION_CACHE_DIR": data["cache"],
-    },
   )
 
 
