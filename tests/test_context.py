@@ -361,3 +361,28 @@ def test_the_evals_scorer_on_a_context_mesh_scores_as_the_model_alone(monkeypatc
   model = build_model(setup, jax.device_get(state["params"]), None, merged=True)
   alone = loglikelihood.model_logprobs(model, batch)
   np.testing.assert_allclose(scored, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_mesh_for_a_task_without_sequences_is_said_once():
+  """A task that names no sequence features on data=2,context=2: the run says what it gets.
+
+  Tried as a user would, a CNN on that mesh trains with each context device
+  on whole rows, computing what its twin computes; the warning says so.
+  """
+  import dataclasses
+  import types
+
+  from trainers.run import startup
+
+  llama = make_task(llama_tiny.get_config())
+  unnamed = dataclasses.replace(llama, sequence_features=())
+  split = types.SimpleNamespace(
+    rules=rules.FSDP, mesh=create_mesh("data=2,context=2", devices=jax.devices()[:4])
+  )
+  whole = types.SimpleNamespace(
+    rules=rules.FSDP, mesh=create_mesh("data=4", devices=jax.devices()[:4])
+  )
+  note = startup.context_without_sequences(unnamed, split)
+  assert note and "over 2 context devices" in note and "no sequence_features" in note, note
+  assert startup.context_without_sequences(llama, split) is None  # it names its sequences
+  assert startup.context_without_sequences(unnamed, whole) is None  # nothing split

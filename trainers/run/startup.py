@@ -25,6 +25,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from spmd import context
 from trainers import paths
 from trainers.step.state import StateSetup
 from trainers.tasks import Task, task_files
@@ -95,6 +96,25 @@ def log_placement(setup: StateSetup) -> None:
     log.warning("spmd-train:   %s -> %s: %s", path, spec, why)
   if len(unnamed) > _PLACEMENT_ROWS:
     log.warning("spmd-train:   ... and %d more without names", len(unnamed) - _PLACEMENT_ROWS)
+
+
+def context_without_sequences(task: Task, setup: StateSetup) -> str | None:
+  """What to tell a user whose mesh splits sequences over `context` for a task that names none.
+
+  None unless the rules split `length` over more than one device and the
+  task declares no `sequence_features`: then every context device is fed
+  its rows whole, and only what the model itself names `length` is split
+  (a model with no sequence, a CNN say, computes the same thing on each).
+  """
+  shards = context.shards_of(setup.rules, setup.mesh) if setup.mesh is not None else 1
+  if shards == 1 or task.sequence_features:
+    return None
+  return (
+    f"spmd-train: the mesh splits sequences over {shards} context devices, but the task names "
+    "no sequence_features: each of them gets its rows whole, and only the activations the "
+    "model names 'length' are split (a model without a sequence computes the same thing on "
+    f"each); set the task's sequence_features, or put those {shards} devices on data or fsdp"
+  )
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:

@@ -290,6 +290,8 @@ def _make_steps(setup: StateSetup, task: Task, config, mesh, batch_axes) -> _Ste
     startup.log_placement(setup)
     if blocker and config.train.flat_grad_reduce == "auto":
       log.warning("spmd-train: train.flat_grad_reduce is off for this model: %s", blocker)
+    if note := startup.context_without_sequences(task, setup):
+      log.warning(note)
 
   def train_for(t: Task) -> Callable:
     return make_train_step(setup, t, config, mesh, batch_axes, flat_reduce)
