@@ -1,8 +1,8 @@
 """A `context` axis across processes: 2 processes x 2 devices train as the straight run.
 
-The mesh is data=2 inside each process and context=2 across the two, so
-every sequence is split between the processes and attention's keys and
-values cross them. Its first steps' losses must equal those of the shared
+The mesh is context=4: 2 inside each process and 2 across the two, so every
+sequence is split 4 ways, half of it on each process, and attention's keys
+and values cross them (the issue's 2 x 2; 1 x 4 is tests/test_context.py). Its first steps' losses must equal those of the shared
 straight llama_tiny run (2 processes x 1 device, data=2, the sequence
 whole), which it reads rather than trains: the same data order, the same
 schedule (`train.steps` as there, stopped early by `train.stop_at_step`).
@@ -41,7 +41,7 @@ def test_a_context_axis_across_two_processes_trains_as_the_straight_run(tmp_path
       "--config.eval_every=0",
       "--config.checkpoint.every=0",
       "--config.sample_tokens=0",
-      "--config.mesh.ici=data=2,context=1",
+      "--config.mesh.ici=data=1,context=2",
       "--config.mesh.dcn=context=2",
     ],
     num_processes=2,
@@ -50,7 +50,7 @@ def test_a_context_axis_across_two_processes_trains_as_the_straight_run(tmp_path
   )
   assert result.ok, result.report()
   output = result.processes[0].output
-  assert "the sequence split over 2 context devices" in output, output
+  assert "the sequence split over 4 context devices" in output, output
   rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
   assert sorted(losses) == list(range(1, STEPS + 1)), rows
