@@ -91,7 +91,7 @@ def _log_rope_changes(where: str, changes: tuple[str, ...]) -> None:
   # Once a process: the config check, the run and an export each build the
   # model's config, and one line says it.
   log.warning(
-    "spmd-train: config.model changes the RoPE of %s (%s): %s",
+    "config.model changes the RoPE of %s (%s): %s",
     where,
     agreement.OPT_IN,
     ", ".join(changes),
