@@ -22,6 +22,7 @@ import json
 import logging
 import shutil
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -37,13 +38,13 @@ from trainers.tasks import make_task
 from trainers.tasks.llama import llama_config
 
 FIXTURES = "tests/fixtures/hf"
-# The folder's RoPE (config.json) and the run's.
+# The run's RoPE; the folder's is theta 5e5, llama3 factor 8 from 64 positions.
 NEW_ROPE = {"rope_theta": 2e6, "rope_factor": 16.0}
 SEQ_LEN = 512  # the folder's max_position_embeddings is 256
 OPT_IN = r"set config\.checkpoint\.rope_override=True"
 
 
-def _longer(folder: str, **model) -> object:
+def _longer(folder: str, **model) -> ml_collections.ConfigDict:
   """configs/hf.py on `folder`, at SEQ_LEN with NEW_ROPE (and `model`), not opted in."""
   config = hf.get_config(str(folder))
   config.model.seq_len = SEQ_LEN
