@@ -11,6 +11,13 @@ model does not implement). `config.model` is set from config.json,
 one, becomes the run's tokenizer. Parameters are float32 (bf16 files are
 upcast exactly), computed in bfloat16; `spmd-export --format=safetensors`
 writes the files back in the folder's dtype.
+
+To train longer than the folder's max_position_embeddings, stretch RoPE on
+purpose (docs/finetune.md, "Train longer than the folder was trained"):
+
+  spmd-train --config=configs/hf.py:FOLDER --workdir=workdir/long \
+      --config.checkpoint.rope_override=True --config.model.seq_len=8192 \
+      --config.model.rope_theta=2e6
 """
 
 from etils import epath
@@ -31,9 +38,13 @@ def get_config(folder: str):
   config = default.get_config()
   config.task = "llama"
   config.model = llama.default_model_config()
+  # Llama 3.1's scaling stretches the context the model was trained for: a
+  # folder without it was trained for its max_position_embeddings, so a run
+  # that turns it on (checkpoint.rope_override) starts from that length.
+  config.model.rope_original_length = model_config.max_positions(hf)
   for name, value in model_config.llama_fields(hf).items():
     config.model[name] = value
-  config.model.seq_len = min(int(hf.get("max_position_embeddings", MAX_SEQ_LEN)), MAX_SEQ_LEN)
+  config.model.seq_len = min(model_config.max_positions(hf), MAX_SEQ_LEN)
   config.model.param_dtype = "float32"
   config.train.precision = "bfloat16"
   config.checkpoint.init_from = folder

@@ -168,6 +168,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.keep = 3  # the last K ...
   config.checkpoint.keep_period = 0  # ... plus every M-th step (0 = none)
   config.checkpoint.init_from = ""  # initial weights (params, model state) from another run: workdir, checkpoints dir or step dir
+  # With init_from a Hugging Face folder: True lets config.model's RoPE fields
+  # (rope_theta, rope_scaling and the llama3 rope_* ones) differ from its
+  # config.json and seq_len exceed its max_position_embeddings, to train
+  # longer than it was trained (docs/finetune.md). The run logs each change.
+  config.checkpoint.rope_override = False
   # A save's own time limit in the watchdog (0 = none); the step limit does not apply.
   config.checkpoint.save_timeout_s = 1800.0
   # Weights & Biases (trainers/reporting/tracking.py; the `wandb` extra): process 0

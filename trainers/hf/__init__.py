@@ -4,6 +4,8 @@
                         (local or gs://), and written by the format's encoder
   model_config.py       config.json <-> `LlamaConfig` fields; what the model
                         does not implement is an error naming the field
+  agreement.py          whether a run's model agrees with the folder it starts
+                        from; RoPE and a longer context may differ on request
   layouts.py            each parameter's HF tensor name and axis layout
   checkpoint.py         `read_params`: a folder's weights as sharded global
                         arrays, each host reading its devices' slices only

@@ -77,20 +77,32 @@ FAMILY_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "num_key_value_heads": None,
     "sliding_window": None,
+    "max_position_embeddings": 2048,
   },
   "mistral": {
     "vocab_size": 32000,
     "rms_norm_eps": 1e-6,
     "num_key_value_heads": 8,
     "sliding_window": 4096,
+    "max_position_embeddings": 4096 * 32,
   },
   "qwen2": {
     "vocab_size": 151936,
     "rms_norm_eps": 1e-6,
     "num_key_value_heads": 32,
     "sliding_window": 4096,
+    "max_position_embeddings": 32768,
   },
 }
+# Our fields that say how RoPE turns positions into angles (`_rope`'s).
+ROPE_FIELDS = (
+  "rope_theta",
+  "rope_scaling",
+  "rope_factor",
+  "rope_low_freq_factor",
+  "rope_high_freq_factor",
+  "rope_original_length",
+)
 
 
 class UnsupportedConfig(ValueError):
@@ -103,6 +115,19 @@ def read_config(folder: str | epath.Path) -> dict[str, Any]:
   if not path.exists():
     raise FileNotFoundError(f"{path} does not exist: a Hugging Face model folder has a config.json")
   return json.loads(path.read_text())
+
+
+def max_positions(hf: dict[str, Any]) -> int:
+  """The context the folder's model was trained for: `max_position_embeddings`, or its family's default.
+
+  Example:
+    >>> max_positions({"model_type": "llama", "max_position_embeddings": 8192})
+    8192
+    >>> max_positions({"model_type": "qwen2"})
+    32768
+  """
+  defaults = FAMILY_DEFAULTS.get(hf.get("model_type"), FAMILY_DEFAULTS["llama"])
+  return int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
 
 
 def _unsupported(name: str, value: Any, why: str) -> UnsupportedConfig:
@@ -224,7 +249,10 @@ def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = 
   """A config.json for a model with our Llama `fields`, its files in `dtype` ("bfloat16", ...).
 
   `base`: the config.json the weights were imported with, whose other
-  fields (token ids, max_position_embeddings, ...) are kept.
+  fields (token ids, ...) are kept. `max_position_embeddings` is the base's,
+  or the model's `seq_len` where that is longer (a run trained past the
+  folder's context, `config.checkpoint.rope_override`), so that a reader
+  takes the new positions.
 
   Example:
     >>> from trainers.models.llama import LlamaConfig
@@ -259,7 +287,8 @@ def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = 
       "torch_dtype": dtype,
     }
   )
-  out.setdefault("max_position_embeddings", fields.get("seq_len", 2048))
+  seq_len = fields.get("seq_len", 2048)
+  out["max_position_embeddings"] = max(max_positions(base), seq_len) if base else seq_len
   if family == "llama":
     out.setdefault("attention_bias", False)
     out.setdefault("mlp_bias", False)

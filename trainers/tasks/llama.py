@@ -21,12 +21,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 
 import ml_collections
 from flax import nnx
 
 from trainers import paths
+from trainers.hf import agreement
 from trainers.hf import checkpoint as hf_checkpoint
 from trainers.hf import model_config as hf_config
 from trainers.models import llama, lora
@@ -34,6 +37,8 @@ from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
 from trainers.tasks.lm_data import lm_data
 from trainers.tasks.losses import chunked_cross_entropy_sums
+
+log = logging.getLogger(__name__)
 
 # Batch features the model takes besides the tokens, when the data has them.
 PACKING_FEATURES = ("segment_ids", "positions")
@@ -53,36 +58,44 @@ def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
   """The model's sizes from `config.model`; a misspelt key is an error naming it.
 
   With `checkpoint.init_from` naming a Hugging Face folder, each field its
-  config.json sets must agree (`check_hf_fields`).
+  config.json sets must agree (`trainers.hf.agreement.check_fields`): only
+  the RoPE fields and a longer `seq_len` may differ, and only with
+  `checkpoint.rope_override`, which logs what changed.
+
+  Example:
+    >>> from configs import hf
+    >>> config = hf.get_config("tests/fixtures/hf/llama3")
+    >>> config.model.seq_len, config.model.rope_theta = 1024, 2e6
+    >>> llama_config(config)
+    Traceback (most recent call last):
+    ...
+    ValueError: config.model disagrees with tests/fixtures/hf/llama3/config.json: rope_theta=2000000.0 but the folder's is 500000.0, seq_len=1024 but the folder's max_position_embeddings is 256 (configs/hf.py takes them from the folder); to train with other RoPE settings or longer than the folder was trained, set config.checkpoint.rope_override=True (docs/finetune.md)
+    >>> config.checkpoint.rope_override = True
+    >>> llama_config(config).rope_theta
+    2000000.0
   """
   model = model_section(llama.LlamaConfig, config)
-  init_from = config.get("checkpoint", {}).get("init_from", "")
+  checkpoint = config.get("checkpoint", {})
+  init_from = checkpoint.get("init_from", "")
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
-    check_hf_fields(model, hf_config.read_config(paths.user_path(init_from)), init_from)
+    hf = hf_config.read_config(paths.user_path(init_from))
+    fields = dataclasses.asdict(model)
+    changes = agreement.check_fields(fields, hf, init_from, checkpoint.get("rope_override", False))
+    if changes:
+      _log_rope_changes(init_from, tuple(changes))
   return model
 
 
-def check_hf_fields(model: llama.LlamaConfig, hf: dict, where: str) -> None:
-  """Raises `ValueError` naming each model field that disagrees with the config.json `hf`.
-
-  Example:
-    >>> check_hf_fields(llama.LlamaConfig(d_model=64, num_heads=4),
-    ...                 hf_config.read_config("tests/fixtures/hf/llama3"), "llama3")
-    Traceback (most recent call last):
-    ...
-    ValueError: config.model disagrees with llama3/config.json: vocab_size=256 but the folder's is 96, d_ff=384 but the folder's is 96, rope_theta=10000.0 but the folder's is 500000.0, rope_scaling='none' but the folder's is 'llama3', rope_original_length=8192 but the folder's is 64 (configs/hf.py takes them from the folder)
-  """
-  wrong = [
-    f"{name}={getattr(model, name)!r} but the folder's is {value!r}"
-    for name, value in hf_config.llama_fields(hf).items()
-    if getattr(model, name) != value
-  ]
-  if wrong:
-    shown = ", ".join(wrong[:5]) + (", ..." if len(wrong) > 5 else "")
-    raise ValueError(
-      f"config.model disagrees with {where}/config.json: {shown} (configs/hf.py takes them "
-      "from the folder)"
-    )
+@functools.cache
+def _log_rope_changes(where: str, changes: tuple[str, ...]) -> None:
+  # Once a process: the config check, the run and an export each build the
+  # model's config, and one line says it.
+  log.warning(
+    "config.model changes the RoPE of %s (%s): %s",
+    where,
+    agreement.OPT_IN,
+    ", ".join(changes),
+  )
 
 
 def next_token_loss(model, batch: Batch, rngs, train: bool):
