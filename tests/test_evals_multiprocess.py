@@ -8,8 +8,8 @@ saved step is evaluated alone on 1 process x 4 devices and 4 x 1: every
 process reads the whole file and places only its devices' rows, so a row
 scored twice or not at all, or a process that placed another's rows, would
 move the scores. They must equal the run's own at that step (the
-log-likelihood to float32 rounding), and the completions file must be the
-same bytes.
+log-likelihood to float32 rounding), and so must the loss eval's metrics,
+and the completions file must be the same bytes.
 """
 
 from __future__ import annotations
@@ -38,9 +38,15 @@ def _launch(data: dict, args: list[str], processes: int, devices: int):
   return result
 
 
+# The loss eval beside them (`config.eval_every`), on the same eval batches.
+LOSS_EVAL = ("eval_loss", "eval_accuracy", "eval_weight")
+
+
 def _evals(record: dict) -> dict[str, float]:
   return {
-    k: v for k, v in record.items() if k.startswith("evals/") and k.rsplit("/", 1)[1] not in TIMED
+    k: v
+    for k, v in record.items()
+    if (k.startswith("evals/") and k.rsplit("/", 1)[1] not in TIMED) or k in LOSS_EVAL
   }
 
 
@@ -68,10 +74,14 @@ def test_evals_of_a_2x2_run_equal_eval_only_on_1x4_and_4x1(tmp_path: Path):
     devices=2,
   )
   rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-  in_run = {r["step"]: _evals(r) for r in rows if any(k.startswith("evals/") for k in r)}
+  in_run: dict[int, dict] = {}
+  for r in rows:  # the evals' and the loss eval's rows of each step
+    if _evals(r):
+      in_run.setdefault(r["step"], {}).update(_evals(r))
   assert sorted(in_run) == [1, 2], rows  # every eval_every step, beside the loss eval
   final = in_run[STEPS]
   assert final["evals/code/items"] == 8 and final["evals/complete/items"] == 5, final
+  assert set(LOSS_EVAL) <= final.keys(), final
   assert final["evals/complete/answered"] == 3 and "evals/complete/exact_match" in final
   # Each eval reads the state of its step, not the first one's.
   first = in_run[1]["evals/code/answer_loglikelihood"]

@@ -153,7 +153,9 @@ def test_spmd_plan_for_v5e_1_on_a_tpu_vm_plans_and_a_bad_slice_is_one_line():
   Also v5e-1's case of the one-host slices above: compiled, one host, and the
   compiler's verdict.
   """
-  done = _spmd_plan("--config=configs/llama_tiny.py", "--topology=v5e-1", "--json", env=CHIP_ENV)
+  # 4 rows, not llama_tiny's 32: libtpu's code, and its compile time, grow with the rows.
+  config = ("--config=configs/llama_tiny.py", "--config.global_batch=4")
+  done = _spmd_plan(*config, "--topology=v5e-1", "--json", env=CHIP_ENV)
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   plan = json.loads(done.stdout)
   assert (
@@ -163,7 +165,7 @@ def test_spmd_plan_for_v5e_1_on_a_tpu_vm_plans_and_a_bad_slice_is_one_line():
     plan["fits"],
     plan["verdict_by"],
   ) == (True, 1, 1, True, "compiler")
-  bad = _spmd_plan("--config=configs/llama_tiny.py", "--topology=v5e:3x3", env=CHIP_ENV)
+  bad = _spmd_plan(*config, "--topology=v5e:3x3", env=CHIP_ENV)
   assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
   lines = [line for line in bad.stderr.splitlines() if line.startswith("spmd-plan: ")]
   assert len(lines) == 1 and "libtpu cannot describe TPU slice 'v5e:3x3'" in lines[0], bad.stderr
