@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, C3, D1-D3, I1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, C1, C3, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -25,6 +25,9 @@ counts and process layouts):
                                     8192 tokens, one row a device, libtpu), LoRA rank 16
                                     on the 7 projections ÷ full fine-tuning; goal: full
                                     does not fit and LoRA does, by the plan's verdicts
+  C1      benchmarks/context_memory.py  Llama-3-8B's bytes per device on v5p-256 at
+                                    131,072 tokens x 32 rows, fsdp=16 x context=8
+                                    (libtpu) vs MaxText's context parallelism
   C3      benchmarks/context_balance.py  causal attention blocks per context shard at
                                     131k tokens on 8 shards, from the block mask: the
                                     busiest ÷ the mean, and all ÷ one unsplit device
@@ -89,6 +92,7 @@ BENCHMARKS = [
   ("pod_memory", ("M1", "M1-xla"), {}),
   ("pod_flops", ("M2",), {}),
   ("lora_memory", ("L1",), {}),
+  ("context_memory", ("C1",), {}),
   ("context_balance", ("C3", "C3-total"), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),

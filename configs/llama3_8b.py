@@ -13,11 +13,12 @@ The data is still the default byte corpus until a tokenized dataset is
 named in `data.name`.
 
 131,072-token sequences, 32 a step (4M tokens), on the same slice: each
-sequence split over 8 `context` devices, the state over 16 FSDP ones
-(docs/training.md, "Long sequences"). The plan compiles it through libtpu
-and it fits: 51.38 GiB of the 95 GiB a chip has (the compiler's peak),
-with splash on each device's 16,384 queries against the gathered keys and
-values.
+sequence split over 8 `context` devices, the rows over 16 FSDP ones and the
+state over all 128 (docs/training.md, "Long sequences"). The plan compiles
+it through libtpu and it fits: 16.17 GiB of the 95 GiB a chip has (the
+compiler's peak), with splash on each device's 16,384 queries against the
+gathered keys and values (benchmarks/context_memory.py, C1, compares it
+with MaxText's).
 
   spmd-plan --config=configs/llama3_8b.py --topology=v5p-256 \
       --config.model.seq_len=131072 --config.global_batch=32 \

@@ -8,13 +8,16 @@ it), and a mesh axis is used at most once per array (the first dimension that
 asks for it gets it).
 
 Every preset maps `length` to the mesh axis `context` (context parallelism):
-on a mesh without it, or with it of size 1, the sequence stays whole.
+on a mesh without it, or with it of size 1, the sequence stays whole. The
+FSDP presets split the weights' `embed` over `fsdp` and then `context`: the
+devices of one sequence hold different slices of the state, not copies
+(MaxText's rules, and Megatron's optimizer sharded over data x context).
 
 Example:
   >>> logical_to_spec(("batch", "length", "embed"), FSDP_TP)  # fsdp taken by batch
   P(('data', 'fsdp'), 'context')
   >>> logical_to_spec(("embed", "mlp"), FSDP_TP)
-  P('fsdp', 'tensor')
+  P(('fsdp', 'context'), 'tensor')
 """
 
 from __future__ import annotations
@@ -47,12 +50,15 @@ LOGICAL_AXES = (
   "layers",
   "norm",
   "classes",
+  "positions",
 )
 
 # `length` maps to the mesh axis `context` (context parallelism) in every
-# preset, so a mesh without it leaves the sequence whole. Nothing else maps to
-# it and the batch never takes it (`trainers.models.attention` gathers keys and
-# values along it).
+# preset, so a mesh without it leaves the sequence whole. The batch never takes
+# it (`trainers.models.attention` gathers keys and values along it). The FSDP
+# presets split `embed` over it after `fsdp`: a weight's rows over every device
+# that holds no other copy. An activation [batch, length, embed] never gets it
+# on `embed`, since `length` takes it first (a mesh axis is used once per array).
 DATA_PARALLEL: Rules = (
   ("batch", ("data", "fsdp")),
   ("length", CONTEXT_AXIS),
@@ -64,23 +70,26 @@ weight is replicated."""
 FSDP: Rules = (
   ("batch", ("data", "fsdp")),
   ("length", CONTEXT_AXIS),
-  ("embed", "fsdp"),
+  ("embed", ("fsdp", CONTEXT_AXIS)),
   ("vocab", None),
-  *((name, None) for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes")),
+  *(
+    (name, None)
+    for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes", "positions")
+  ),
 )
-"""Fully sharded data parallel: weights split over `fsdp` along `embed`."""
+"""Fully sharded data parallel: weights split over `fsdp` (and `context`) along `embed`."""
 
 FSDP_TP: Rules = (
   ("batch", ("data", "fsdp")),
   ("length", CONTEXT_AXIS),
-  ("embed", "fsdp"),
+  ("embed", ("fsdp", CONTEXT_AXIS)),
   ("mlp", "tensor"),
   ("heads", "tensor"),
   # Grouped-query attention's key/value heads split like the query heads, so
   # each device holds the K/V heads its query heads read.
   ("kv_heads", "tensor"),
   ("vocab", "tensor"),
-  *((name, None) for name in ("kv", "layers", "norm", "classes")),
+  *((name, None) for name in ("kv", "layers", "norm", "classes", "positions")),
 )
 """FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
 
@@ -88,16 +97,22 @@ PRESETS: dict[str, Rules] = {"dp": DATA_PARALLEL, "fsdp": FSDP, "fsdp_tp": FSDP_
 
 
 def whole_sequence(rules: Rules) -> Rules:
-  """`rules` with `length` on no mesh axis: each device holds whole sequences.
+  """`rules` with `context` on no logical axis: each device holds whole sequences.
 
   Decoding (a KV cache filled one token at a time) gathers the `context`
-  axis this way rather than split its cache.
+  axis this way rather than split its cache; its activations then never
+  take `context` on `embed` either, which `length` held in training.
 
   Example:
-    >>> dict(whole_sequence(FSDP_TP))["length"] is None
-    True
+    >>> table = dict(whole_sequence(FSDP_TP))
+    >>> table["length"], table["embed"]
+    (None, ('fsdp',))
   """
-  return tuple((name, None if name == "length" else axes) for name, axes in rules)
+  out = []
+  for name, axes in rules:
+    kept = tuple(a for a in _as_tuple(axes) if a != CONTEXT_AXIS)
+    out.append((name, None if not kept else axes if kept == _as_tuple(axes) else kept))
+  return tuple(out)
 
 
 def preset(name: str) -> Rules:
@@ -172,7 +187,7 @@ def annotation_to_spec(
     >>> annotation_to_spec(("rows",), FSDP, mesh)
     Traceback (most recent call last):
     ...
-    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
+    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'positions', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
   """
   table = dict(rules)
   used: set[str] = set()

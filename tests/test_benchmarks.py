@@ -411,6 +411,23 @@ def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
+def test_the_context_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
+  # C1 compiles Llama-3-8B at 131k tokens for v5p-256 (minutes); a tiny Llama
+  # at 512 tokens on v5p-8 takes the same path: context=2, splash per shard.
+  out = tmp_path / "c1.json"
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=512"]
+  mesh = "--ici=data=1,fsdp=2,context=2,tensor=1"
+  done = _run_module(
+    "benchmarks.context_memory", *shrunk, mesh, "--global-batch=2", f"--json={out}"
+  )
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  [row] = json.loads(out.read_text())
+  assert row["id"] == "C1" and row["value"] > 0, row
+  assert row["detail"].startswith("splash: "), row["detail"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
 def test_the_lora_memory_figure_flips_the_verdicts_on_one_layer_of_llama3_8b(tmp_path):
   # L1 compiles Llama-3-8B for v5e-8 twice (minutes). One of its layers at 256
   # tokens on one v5e chip keeps its 128k-row tables (1.27B parameters): full

@@ -118,8 +118,14 @@ def test_attention_across_context_shards_equals_attention_on_one_device():
   np.testing.assert_allclose(got, context.to_balanced(expected, 4), rtol=1e-5, atol=1e-6)
 
 
-def test_splash_across_context_shards_equals_xla_forward_and_backward():
-  """Pallas interpret mode on CPU: blocks of 128 of each device's 128 queries, GQA, segments."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_splash_across_context_shards_equals_xla_forward_and_backward(fused, monkeypatch):
+  """Pallas interpret mode on CPU: blocks of 128 of each device's 128 queries, GQA, segments.
+
+  Both backward kernels: the fused one, and the separate dq kernel that long
+  gathered keys get (`attention.SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS`).
+  """
+  monkeypatch.setattr(attention, "SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS", 8 if fused else 1)
   length, shards = 256, 2
   rng = np.random.default_rng(4)
   q = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.float32)

@@ -213,21 +213,30 @@ def test_a_batch_axis_the_mesh_lacks_is_an_error_naming_it_and_the_axes():
   )
 
 
-def test_context_is_a_mesh_axis_of_every_preset_for_the_length_alone():
-  """`length` maps to `context` in every preset; nothing else does, and the batch never takes it.
+def test_context_is_a_mesh_axis_of_every_preset_for_the_length_and_the_fsdp_weights():
+  """`length` maps to `context` in every preset, and the FSDP presets' `embed` after `fsdp`.
 
-  A preset that maps it is a no-op on a mesh without the axis (rules skip absent axes)."""
+  The batch never takes it, an activation's `embed` never does (`length` has
+  it first), and decoding's rules give it to nothing. A preset that maps it is
+  a no-op on a mesh without the axis (rules skip absent axes)."""
   for name, preset in rules.PRESETS.items():
     table = dict(preset)
     assert table["length"] == "context", name
     others = {k for k, v in table.items() if "context" in ((v,) if isinstance(v, str) else v or ())}
-    assert others == {"length"}, (name, others)
+    assert others == ({"length"} if name == "dp" else {"length", "embed"}), (name, others)
     whole = create_mesh("data=-1,tensor=2")
     assert rules.logical_to_spec(("batch", "length", "embed"), preset, whole)[1:2] in ((), (None,))
   mesh = create_mesh("data=2,context=4")
   assert mesh.shape == {"data": 2, "context": 4}
   spec = rules.logical_to_spec((("batch", "length"), "embed"), rules.FSDP_TP, mesh)
   assert spec == rules.NamedSpec(("data", "context"))
+  activation = rules.logical_to_spec(("batch", "length", "embed"), rules.FSDP, mesh)
+  assert activation == rules.NamedSpec("data", "context")
+  assert rules.logical_to_spec(("embed", "mlp"), rules.FSDP, mesh) == rules.NamedSpec("context")
+  decoding = rules.whole_sequence(rules.FSDP)
+  assert rules.logical_to_spec(("batch", "length", "embed"), decoding, mesh) == rules.NamedSpec(
+    "data"
+  )
 
 
 def test_context_may_cross_dcn_and_the_config_accepts_it_but_not_as_a_batch_axis():

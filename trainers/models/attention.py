@@ -94,7 +94,16 @@ SPLASH_FLOAT32_MAX_BLOCK = 512
 
 SPLASH_FUSED_BACKWARD = True
 """Splash's backward pass in one kernel (dq, dk and dv together) rather than a dq
-kernel and a dk/dv kernel, which recompute the scores twice: faster on a v5e chip."""
+kernel and a dk/dv kernel, which recompute the scores twice: faster on a v5e chip.
+Only up to `SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS` key blocks."""
+
+SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS = 8
+"""The most key blocks for which the backward pass is fused. The fused kernel writes
+one partial query gradient per key block and sums them after, so it holds keys / block
+copies of dq; the separate dq kernel holds one. With a `context` axis every device's
+queries meet the whole gathered sequence's keys: hundreds of blocks, and the copies
+would outweigh every other activation of the step. Up to 8 (8192 tokens in blocks of
+1024) the fused kernel's speed is kept."""
 
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _Q_AXES = ("batch", "length", "heads", "kv")
@@ -348,9 +357,18 @@ def splash_modules():
   return kernel, mask
 
 
-def _block_sizes(block: int):
-  """splash's `BlockSizes`, each `block` (the fused backward as `SPLASH_FUSED_BACKWARD` says)."""
+def _block_sizes(block: int, key_length: int):
+  """splash's `BlockSizes`, each `block`, for keys of `key_length` tokens.
+
+  The backward is fused as `SPLASH_FUSED_BACKWARD` says, for at most
+  `SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS` key blocks.
+
+  Example:
+    >>> [_block_sizes(1024, n).use_fused_bwd_kernel for n in (8192, 131072)]
+    [True, False]
+  """
   splash, _ = splash_modules()
+  fused = SPLASH_FUSED_BACKWARD and key_length // block <= SPLASH_FUSED_BACKWARD_MAX_KEY_BLOCKS
   return splash.BlockSizes(
     block_q=block,
     block_kv=block,
@@ -358,9 +376,9 @@ def _block_sizes(block: int):
     block_q_dkv=block,
     block_kv_dkv=block,
     block_kv_dkv_compute=block,
-    block_q_dq=None if SPLASH_FUSED_BACKWARD else block,
-    block_kv_dq=None if SPLASH_FUSED_BACKWARD else block,
-    use_fused_bwd_kernel=SPLASH_FUSED_BACKWARD,
+    block_q_dq=None if fused else block,
+    block_kv_dq=None if fused else block,
+    use_fused_bwd_kernel=fused,
   )
 
 
@@ -371,7 +389,7 @@ def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.A
   # The kernel object holds its block masks as arrays, so it is made in the
   # trace that uses it; the masks themselves are computed once per shape
   # (splash caches them in numpy).
-  sizes = _block_sizes(block)
+  sizes = _block_sizes(block, length)
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * heads)
   # Heads a multiple of kv_heads is grouped-query attention in the kernel
   # itself: query head i reads key/value head i // (heads // kv_heads).
@@ -547,7 +565,11 @@ def splash_context_attention(
   natural = np.argsort(places)  # where each key of the natural order sits in the gathered one
   mask = splash_mask.MultiHeadMask([_placed_causal_mask()(places)] * heads)
   kernel = splash.make_splash_mha(
-    mask, block_sizes=_block_sizes(block), head_shards=1, q_seq_shards=shards, interpret=interpret
+    mask,
+    block_sizes=_block_sizes(block, k.shape[1]),
+    head_shards=1,
+    q_seq_shards=shards,
+    interpret=interpret,
   )
   P = jax.sharding.PartitionSpec
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))

@@ -259,7 +259,7 @@ def forward(
     layer_fn = functools.partial(_llama_layer, sin=sin, cos=cos, starts=starts)
   elif isinstance(model, lm.TransformerLM):
     x = embedding.lookup(model.token_embed[...].astype(dt), tokens)
-    x = x + embedding.lookup(model.pos_embed[...].astype(dt), positions, ("length", "embed"))
+    x = x + embedding.lookup(model.pos_embed[...].astype(dt), positions, ("positions", "embed"))
     layer_fn = functools.partial(_transformer_layer, starts=starts)
   else:
     raise TypeError(f"no cached decoding for {type(model).__name__}: Llama or TransformerLM")

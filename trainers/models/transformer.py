@@ -16,7 +16,7 @@ packing existed.
 Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
 
   token_embed                    [vocab, d_model]            (vocab, embed)
-  pos_embed                      [seq_len, d_model]          (length, embed)
+  pos_embed                      [seq_len, d_model]          (positions, embed)
   blocks/attn_norm/scale, bias   [layers, d_model]           (layers, norm)
   blocks/attn/query, key, value  [layers, d_model, heads, head_dim]
                                                              (layers, embed, heads, kv)
@@ -285,7 +285,9 @@ class TransformerLM(nnx.Module):
     self.config = config
     d, pdt = config.d_model, jnp.dtype(config.param_dtype)
     self.token_embed = param(rngs, _EMBED_INIT, (config.vocab_size, d), ("vocab", "embed"), pdt)
-    self.pos_embed = param(rngs, _EMBED_INIT, (config.seq_len, d), ("length", "embed"), pdt)
+    # A weight, split like the others along `embed` (over `fsdp` and `context`);
+    # its rows are not `length`, which would ask for `context` twice.
+    self.pos_embed = param(rngs, _EMBED_INIT, (config.seq_len, d), ("positions", "embed"), pdt)
     # Stacked: one `_Block` of [layers, ...] weights; unrolled: a list of blocks.
     if config.scan_layers:
       self.blocks = stacked(lambda r: _Block(config, rngs=r), config.num_layers, rngs)
@@ -360,7 +362,7 @@ class TransformerLM(nnx.Module):
       # over the batch (across devices), is then float32 as well.
       x = (x + self.pos_embed[:length]).astype(dt)
     else:
-      x = x + embedding.lookup(self.pos_embed[...], positions, ("length", "embed"), dtype=dt)
+      x = x + embedding.lookup(self.pos_embed[...], positions, ("positions", "embed"), dtype=dt)
     # Each layer's attention builds its mask (or its kernel reads the ids).
     if config.scan_layers:
       x = scan_layers(
