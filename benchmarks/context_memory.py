@@ -38,9 +38,7 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 
 from benchmarks import common  # noqa: E402
-from benchmarks.pod_memory import GIB, MAXTEXT_FIELD, Compiled, describe, maxtext_total  # noqa: E402
-from trainers.planning import plan as plan_lib  # noqa: E402
-from trainers.planning import targets  # noqa: E402
+from benchmarks.pod_memory import GIB, MAXTEXT_FIELD, Compiled, compiled_plan, describe  # noqa: E402
 
 MAXTEXT_BYTES = 27_770_971_904
 """MaxText 0.2.5's "Total memory size" for Llama-3-8B, 131,072 tokens, 32 rows, fsdp=16 x context=8.
@@ -69,15 +67,7 @@ def plan_for(args: argparse.Namespace) -> Compiled:
   config.global_batch = args.global_batch
   if args.num_layers:
     config.model.num_layers = args.num_layers
-  compiled: list = []
-  plan = plan_lib.make_plan(
-    config,
-    targets.tpu_target(args.topology),
-    compile_step=True,
-    verify_suggestions=False,
-    keep_compiled=compiled,
-  )
-  return Compiled(plan, maxtext_total(compiled[0].memory_analysis()))
+  return compiled_plan(config, args.topology)
 
 
 def main() -> None:

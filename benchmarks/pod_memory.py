@@ -86,10 +86,15 @@ def plan_for(args: argparse.Namespace, attention: str) -> Compiled:
       config.model[name] = value
   if args.global_batch:
     config.global_batch = args.global_batch
+  return compiled_plan(config, args.topology)
+
+
+def compiled_plan(config, topology: str) -> Compiled:
+  """`spmd-plan`'s plan of `config` compiled through libtpu for `topology`, and MaxText's field of it."""
   compiled: list = []
   plan = plan_lib.make_plan(
     config,
-    targets.tpu_target(args.topology),
+    targets.tpu_target(topology),
     compile_step=True,
     verify_suggestions=False,
     keep_compiled=compiled,
