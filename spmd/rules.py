@@ -47,6 +47,10 @@ LOGICAL_AXES = (
   "layers",
   "norm",
   "classes",
+  # The routed experts of a mixture-of-experts layer (`trainers.models.moe`):
+  # on no mesh axis yet, so each device holds every expert (an `expert` mesh
+  # axis with all-to-all dispatch is a later step).
+  "experts",
 )
 
 # `length` maps to the mesh axis `context` (context parallelism) in every
@@ -66,7 +70,10 @@ FSDP: Rules = (
   ("length", CONTEXT_AXIS),
   ("embed", "fsdp"),
   ("vocab", None),
-  *((name, None) for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes")),
+  *(
+    (name, None)
+    for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes", "experts")
+  ),
 )
 """Fully sharded data parallel: weights split over `fsdp` along `embed`."""
 
@@ -80,7 +87,7 @@ FSDP_TP: Rules = (
   # each device holds the K/V heads its query heads read.
   ("kv_heads", "tensor"),
   ("vocab", "tensor"),
-  *((name, None) for name in ("kv", "layers", "norm", "classes")),
+  *((name, None) for name in ("kv", "layers", "norm", "classes", "experts")),
 )
 """FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
 
@@ -172,7 +179,7 @@ def annotation_to_spec(
     >>> annotation_to_spec(("rows",), FSDP, mesh)
     Traceback (most recent call last):
     ...
-    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
+    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'experts', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
   """
   table = dict(rules)
   used: set[str] = set()
