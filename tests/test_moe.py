@@ -82,6 +82,25 @@ def test_the_routed_mlp_and_its_gradients_equal_every_expert_weighted_by_its_gat
   assert float(stats.dropped) == 0.0 and np.isclose(float(stats.expert_share.sum()), 1.0)
 
 
+def test_a_float32_experts_gradient_under_bfloat16_is_summed_in_float32():
+  """Each group's weight gradient equals the float32 sum of the bfloat16 products,
+  unrounded (a bfloat16 result would be off by ~1e-3 of its size); the input's is JAX's own."""
+  x = jax.random.normal(jax.random.key(0), (64, D), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (E, D, F), jnp.float32)
+  g = jax.random.normal(jax.random.key(2), (64, F), jnp.bfloat16)
+  sizes = jnp.array([10, 30, 0, 24], jnp.int32)
+  y, vjp = jax.vjp(moe.grouped_matmul, x, w, sizes)
+  dx, dw, _ = vjp(g)
+  assert y.dtype == dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  bounds = np.cumsum([0, *sizes.tolist()])
+  x32, g32 = np.asarray(x, np.float32), np.asarray(g, np.float32)
+  for e in range(E):
+    rows = slice(bounds[e], bounds[e + 1])
+    np.testing.assert_allclose(dw[e], x32[rows].T @ g32[rows], rtol=1e-5, atol=1e-5)
+  plain_dx = jax.vjp(lambda x: jax.lax.ragged_dot(x, w.astype(jnp.bfloat16), sizes), x)[1](g)[0]
+  np.testing.assert_array_equal(dx, plain_dx)
+
+
 def test_the_load_balancing_loss_and_z_loss_equal_the_hand_computed_values():
   """Four tokens, two experts, top-1: probabilities 3:1 or 1:3, logsumexp 1, 2, 0, -1.
 

@@ -176,15 +176,50 @@ def _expert_init(in_axis: int, out_axis: int):
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`x` [rows, in] sorted by group, times each group's `w` [groups, in, out], in x's dtype.
 
-  The weight is cast to the compute dtype before the product (its gradient
-  is formed in that dtype, then widened to the parameter's).
+  As `trainers.models.matmul.matmul` does for a dense weight: a wider `w`
+  (float32 under the bfloat16 policy) is cast inside a custom VJP, so its
+  gradient, a sum over each group's rows, is accumulated in float32 and
+  returned in `w`'s dtype, never rounded to the compute dtype first.
 
   Example:
     >>> x, w = jnp.ones((3, 2)), jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
     >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32)).tolist()
     [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
   """
+  if jnp.dtype(w.dtype) == jnp.dtype(x.dtype):
+    return jax.lax.ragged_dot(x, w, group_sizes)
+  return _narrowed_grouped(x, w, group_sizes)
+
+
+# The weight's gradient: x [rows, in] and the cotangent [rows, out] contracted
+# over the rows of each group (the rows are the ragged dimension) -> [groups, in, out].
+_WEIGHT_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+@jax.custom_vjp
+def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+
+
+def _narrowed_grouped_fwd(x, w, group_sizes):
+  narrow = w.astype(x.dtype)
+  marker = jnp.zeros((0,), w.dtype)  # carries w's dtype into the backward pass
+  return jax.lax.ragged_dot(x, narrow, group_sizes), (x, narrow, group_sizes, marker)
+
+
+def _narrowed_grouped_bwd(residuals, g):
+  x, narrow, group_sizes, marker = residuals
+  _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
+  (dx,) = x_vjp(g)
+  dw = jax.lax.ragged_dot_general(
+    x, g, group_sizes, _WEIGHT_GRAD_DIMS, preferred_element_type=jnp.float32
+  )
+  return dx, dw.astype(marker.dtype), None
+
+
+_narrowed_grouped.defvjp(_narrowed_grouped_fwd, _narrowed_grouped_bwd)
 
 
 class SwiGLU(nnx.Module):
