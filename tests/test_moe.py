@@ -143,6 +143,7 @@ def _moe_model_config(**overrides) -> llama.LlamaConfig:
   return llama.LlamaConfig(**{**fields, **overrides})
 
 
+@pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
 def test_scanned_and_unrolled_routed_layers_give_the_same_states_and_stats():
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
   runs = {}
@@ -246,6 +247,7 @@ def _steps(config, steps: int) -> list[dict]:
   return history
 
 
+@pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
 def test_a_routed_llama_trains_with_its_router_stats_in_the_metrics():
   """Scanned routed layers through `make_train_step`: the loss falls, the stats are reported,
   and the auxiliary losses are in the training loss (a run with the coefficients at 0
@@ -261,3 +263,34 @@ def test_a_routed_llama_trains_with_its_router_stats_in_the_metrics():
   plain = _steps(_train_config(moe_load_balancing_coef=0.0, moe_z_loss_coef=0.0), steps=1)[0]
   aux = 0.01 * first["moe_load_balancing_loss"] + 0.001 * first["moe_z_loss"]
   np.testing.assert_allclose(first["loss"] - plain["loss"], aux, rtol=1e-4)
+
+
+@pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
+def test_a_routed_llama_decodes_with_its_kv_cache_as_its_full_forward_pass():
+  """Dropless routing: each token decoded alone takes the experts it takes in the whole row."""
+  from trainers.models import decode
+
+  model = llama.Llama(_moe_model_config(vocab_size=96), rngs=nnx.Rngs(1))
+  prompt = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1]], jnp.int32)
+  cached = decode.generate(model, prompt, 4)
+  np.testing.assert_array_equal(cached, decode.generate_uncached(model, prompt, 4))
+  logits, _ = decode.prefill(model, prompt)
+  np.testing.assert_allclose(logits, model(prompt), atol=1e-5)
+
+
+@pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
+def test_routed_layers_give_the_same_gradients_under_every_remat_policy():
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  grads = {}
+  for policy in ("none", "full", "minimal_no_qkv"):
+    model = llama.Llama(_moe_model_config(remat_policy=policy), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def loss(params, graphdef=graphdef):
+      hidden, stats = nnx.merge(graphdef, params).hidden_states_and_stats(tokens)
+      return jnp.mean(hidden**2) + stats.load_balancing_loss + stats.z_loss
+
+    grads[policy] = jax.jit(jax.grad(loss))(params)
+  for policy in ("full", "minimal_no_qkv"):
+    for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=policy)
