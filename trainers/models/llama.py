@@ -534,6 +534,14 @@ class Llama(nnx.Module):
 
     The stats are None for a dense model. Each routed layer's are over the
     tokens of this call (padding included).
+
+    Example:
+      >>> config = LlamaConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
+      ...                      moe_experts=4, moe_top_k=2)
+      >>> hidden, stats = Llama(config, rngs=nnx.Rngs(0)).hidden_states_and_stats(
+      ...   jnp.ones((1, 4), jnp.int32))
+      >>> hidden.shape, stats.expert_share.shape, float(stats.expert_share.sum())
+      ((1, 4, 32), (4,), 1.0)
     """
     config = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
