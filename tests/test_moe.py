@@ -294,3 +294,19 @@ def test_routed_layers_give_the_same_gradients_under_every_remat_policy():
   for policy in ("full", "minimal_no_qkv"):
     for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=policy)
+
+
+def test_hugging_face_import_and_export_refuse_a_routed_llama(tmp_path):
+  """Neither layout exists yet: both say so up front, naming the field."""
+  from trainers.checkpoints import hf_export
+  from trainers.tasks import llama as llama_task
+
+  config = llama_tiny.get_config()
+  config.model.moe_experts = 4
+  config.checkpoint.init_from = "tests/fixtures/hf/llama3"
+  with pytest.raises(ValueError, match="model.moe_experts=4 with checkpoint.init_from="):
+    llama_task.llama_config(config)
+  config.checkpoint.init_from = ""
+  (tmp_path / "config.json").write_text(config.to_json())
+  with pytest.raises(ValueError, match="model.moe_experts=4: a routed Llama has no Hugging Face"):
+    hf_export.export(str(tmp_path))

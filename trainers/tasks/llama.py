@@ -59,6 +59,11 @@ def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
   model = model_section(llama.LlamaConfig, config)
   init_from = config.get("checkpoint", {}).get("init_from", "")
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
+    if model.moe_experts:
+      raise ValueError(
+        f"model.moe_experts={model.moe_experts} with checkpoint.init_from={init_from!r}: "
+        "Hugging Face folders load into dense Llamas only (no Mixtral or Qwen2-MoE import yet)"
+      )
     check_hf_fields(model, hf_config.read_config(paths.user_path(init_from)), init_from)
   return model
 
