@@ -16,8 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from configs import llama_tiny
+from spmd import rules
+from spmd.mesh import create_mesh
 from trainers.models import llama, moe
 from trainers.step.loss import batch_shardings
 from trainers.step.mesh import build_mesh
@@ -80,6 +84,32 @@ def test_the_routed_mlp_and_its_gradients_equal_every_expert_weighted_by_its_gat
   # The reference routes some pairs to every expert: each group of the sort is used.
   _, stats = layer.routed(x)
   assert float(stats.dropped) == 0.0 and np.isclose(float(stats.expert_share.sum()), 1.0)
+
+
+def test_each_device_routes_its_own_rows_and_gets_the_single_device_result():
+  """Under the rules on data=4, the compiled routing has no all-gather (routed over the
+  whole batch, every token went to every device), and its loss and gradients are one
+  device's."""
+  layer = moe.MoE(moe.MoEConfig(d_model=D, num_experts=E, top_k=K, d_ff=F), rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(layer)
+  mesh = create_mesh("data=4", devices=jax.devices()[:4])
+  x = jax.random.normal(jax.random.key(1), (8, 32, D))
+
+  def loss(params, x):
+    y, stats = nnx.merge(graphdef, params).routed(x)
+    return jnp.sum(y**2) + stats.load_balancing_loss + stats.z_loss
+
+  def split_loss(params, x):
+    with rules.activation_rules(rules.FSDP, mesh):
+      return loss(params, x)
+
+  placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+  compiled = jax.jit(jax.value_and_grad(split_loss)).lower(params, placed).compile()
+  assert "all-gather" not in compiled.as_text()
+  got, want = compiled(params, placed), jax.value_and_grad(loss)(params, x)
+  # Sums over the tokens added in another order: float32 rounding of each array's scale.
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
 
 
 def test_a_float32_experts_gradient_under_bfloat16_is_summed_in_float32():

@@ -18,6 +18,8 @@ Dispatch is dropless: the (token, choice) pairs are sorted by expert, each
 expert multiplies its contiguous group (`jax.lax.ragged_dot` with the group
 sizes), and the outputs are put back in token order and combined with the
 gates. No token is dropped, so training, evals and decoding route the same.
+Under the mesh rules (`spmd.rules.activation_rules`) the tokens form one
+group per batch shard, each routed and sorted on its own device.
 
 The shared expert (Qwen2-MoE, DeepSeek) is a SwiGLU of width `shared_d_ff`;
 with `shared_gate` its output is scaled by `sigmoid(x @ shared_gate)` per
@@ -54,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -61,6 +64,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from spmd import rules
+from spmd.rules import constrain
 from trainers.models import param
 from trainers.models.layers import dense, fan_in_init
 
@@ -141,7 +146,12 @@ def route(
   else:
     scores = jax.nn.sigmoid(logits)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-  gates, experts = jax.lax.top_k(scores, top_k)
+  # A stable sort along the experts' axis rather than `lax.top_k`: XLA's
+  # TopK gathers a batch-split operand onto every device before it runs, a
+  # sort along an unsplit axis stays local. Ties go to the lower index, as
+  # top_k's do.
+  experts = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
+  gates = jnp.take_along_axis(scores, experts, axis=-1)
   if norm_topk:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   return experts.astype(jnp.int32), gates, probs
@@ -152,15 +162,18 @@ def router_stats(
 ) -> RouterStats:
   """The auxiliary losses and the load of one routing (`route`'s outputs, float32).
 
+  Any leading axes (groups of tokens) are tokens too: the stats are over all.
+
   Example:
     >>> logits = jnp.zeros((4, 2))  # every expert equally likely
     >>> stats = router_stats(logits, jnp.array([[0], [0], [1], [1]]), jax.nn.softmax(logits), 2)
     >>> float(stats.load_balancing_loss), round(float(stats.z_loss), 6)
     (1.0, 0.480453)
   """
-  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))
+  leading = tuple(range(experts.ndim))  # every axis but the experts': [..., tokens, k]
+  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=leading)
   share = counts / experts.size
-  mean_probs = jnp.mean(probs, axis=0)
+  mean_probs = jnp.mean(probs.reshape(-1, num_experts), axis=0)
   balance = num_experts * jnp.sum(share * mean_probs)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return RouterStats(balance, z_loss, share, jnp.zeros((), jnp.float32))
@@ -260,24 +273,32 @@ class MoE(nnx.Module):
     config = self.config
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
+    # Each device routes its own rows: sorted over the whole batch, the tokens
+    # would be gathered onto every device and every device would run every
+    # token's experts. So the tokens form one group per batch shard, each
+    # routed and sorted locally, the experts' weights broadcast per group
+    # (one copy on each device, as an FSDP layer gathers them anyway).
+    groups = _batch_shards()
+    if tokens.shape[0] % groups:
+      groups = 1
+    grouped = constrain(tokens.reshape(groups, -1, d), ("batch", None, None))
     # The router in float32: in bfloat16 near-equal logits swap their order,
     # and the exponentials of the gates and z-loss lose their bits.
-    logits = jnp.dot(tokens.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    router = self.router[...].astype(jnp.float32)
+    logits = jnp.einsum("gnd,de->gne", grouped.astype(jnp.float32), router)
     experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
     stats = router_stats(logits, experts, probs, config.num_experts)
 
-    # Dropless dispatch: each (token, choice) pair sorted by expert, so each
-    # expert's rows are one contiguous group of the grouped matmul.
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=config.num_experts).astype(jnp.int32)
-    rows = tokens[order // config.top_k]
-    gate = checkpoint_name(grouped_matmul(rows, self.expert_gate[...], sizes), "mlp_gate")
-    up = checkpoint_name(grouped_matmul(rows, self.expert_up[...], sizes), "mlp_up")
-    out = grouped_matmul(jax.nn.silu(gate) * up, self.expert_down[...], sizes)
-    # Back in (token, choice) order by the inverse permutation: a gather, not a scatter.
-    out = out[jnp.argsort(order)].reshape(-1, config.top_k, d)
-    y = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates).astype(x.dtype)
+    weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+    if groups == 1:
+      y = _dispatch(grouped[0], experts[0], gates[0], *weights)
+    else:
+      names = (("batch", "experts", "embed", "mlp"),) * 2 + (("batch", "experts", "mlp", "embed"),)
+      per_group = [
+        constrain(jnp.broadcast_to(w, (groups, *w.shape)), n) for w, n in zip(weights, names)
+      ]
+      y = jax.vmap(_dispatch)(grouped, experts, gates, *per_group).reshape(-1, d)
+    y = y.astype(x.dtype)
     if config.shared_d_ff:
       shared = self.shared(tokens)
       if config.shared_gate:
@@ -287,6 +308,44 @@ class MoE(nnx.Module):
         shared = (shared.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
       y = y + shared
     return y.reshape(*lead, d), stats
+
+
+def _dispatch(
+  tokens: jax.Array,
+  experts: jax.Array,
+  gates: jax.Array,
+  w_gate: jax.Array,
+  w_up: jax.Array,
+  w_down: jax.Array,
+) -> jax.Array:
+  """The experts' SwiGLU of tokens [n, d] routed to `experts` [n, k], combined by `gates` (f32).
+
+  Dropless: each (token, choice) pair sorted by expert, so each expert's
+  rows are one contiguous group of the grouped matmuls.
+  """
+  top_k, num_experts = experts.shape[-1], w_gate.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  rows = tokens[order // top_k]
+  gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
+  up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
+  out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+  # Back in (token, choice) order by the inverse permutation: a gather, not a scatter.
+  out = out[jnp.argsort(order)].reshape(-1, top_k, tokens.shape[-1])
+  return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates)
+
+
+def _batch_shards() -> int:
+  """Devices the active rules split the batch over; 1 outside them or inside a shard_map."""
+  active = rules.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return 1
+  active_rules, mesh = active
+  spec = rules.logical_to_spec(("batch",), active_rules, mesh)
+  entry = spec[0] if len(spec) else None
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def active_params(config: MoEConfig) -> int:
