@@ -30,7 +30,7 @@ from flax import nnx
 from trainers import paths
 from trainers.hf import checkpoint as hf_checkpoint
 from trainers.hf import model_config as hf_config
-from trainers.models import llama, lora
+from trainers.models import llama, lora, moe
 from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
 from trainers.tasks.lm_data import lm_data
@@ -126,7 +126,9 @@ def next_token_loss(model, batch: Batch, rngs, train: bool):
   return (loss_sum + aux_sum if train else loss_sum), weight, {**sums, **moe_sums}
 
 
-def router_sums(stats, config: llama.LlamaConfig, weight) -> tuple[jax.Array, dict]:
+def router_sums(
+  stats: moe.RouterStats, config: llama.LlamaConfig, weight: jax.Array | float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The weighted auxiliary loss and the router's metric sums, each a mean times `weight`.
 
   The trainer divides every sum by the total weight (the counted targets)
