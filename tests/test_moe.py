@@ -86,6 +86,7 @@ def test_the_routed_mlp_and_its_gradients_equal_every_expert_weighted_by_its_gat
   assert float(stats.dropped) == 0.0 and np.isclose(float(stats.expert_share.sum()), 1.0)
 
 
+@pytest.mark.slow  # compiles the routing on four devices: seconds
 def test_each_device_routes_its_own_rows_and_gets_the_single_device_result():
   """Under the rules on data=4, the compiled routing has no all-gather (routed over the
   whole batch, every token went to every device), and its loss and gradients are one
