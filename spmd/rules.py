@@ -51,6 +51,10 @@ LOGICAL_AXES = (
   "norm",
   "classes",
   "positions",
+  # The routed experts of a mixture-of-experts layer (`trainers.models.moe`):
+  # on no mesh axis yet, so each device holds every expert (an `expert` mesh
+  # axis with all-to-all dispatch is a later step).
+  "experts",
 )
 
 # `length` maps to the mesh axis `context` (context parallelism) in every
@@ -74,7 +78,17 @@ FSDP: Rules = (
   ("vocab", None),
   *(
     (name, None)
-    for name in ("mlp", "heads", "kv_heads", "kv", "layers", "norm", "classes", "positions")
+    for name in (
+      "mlp",
+      "heads",
+      "kv_heads",
+      "kv",
+      "layers",
+      "norm",
+      "classes",
+      "positions",
+      "experts",
+    )
   ),
 )
 """Fully sharded data parallel: weights split over `fsdp` (and `context`) along `embed`."""
@@ -89,7 +103,7 @@ FSDP_TP: Rules = (
   # each device holds the K/V heads its query heads read.
   ("kv_heads", "tensor"),
   ("vocab", "tensor"),
-  *((name, None) for name in ("kv", "layers", "norm", "classes", "positions")),
+  *((name, None) for name in ("kv", "layers", "norm", "classes", "positions", "experts")),
 )
 """FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
 
@@ -187,7 +201,7 @@ def annotation_to_spec(
     >>> annotation_to_spec(("rows",), FSDP, mesh)
     Traceback (most recent call last):
     ...
-    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'positions', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
+    ValueError: 'rows' is neither a logical axis of the rules (['batch', 'classes', 'embed', 'experts', 'heads', 'kv', 'kv_heads', 'layers', 'length', 'mlp', 'norm', 'positions', 'vocab']) nor a mesh axis (('data', 'fsdp', 'tensor'))
   """
   table = dict(rules)
   used: set[str] = set()

@@ -319,8 +319,8 @@ def export(
   `trainers.checkpoints.lora_export.merged_weights`).
 
   Raises:
-    ValueError: the run is not a Llama, `dtype` is not one of `EXPORT_DTYPES`,
-      or `out` holds weights no export wrote.
+    ValueError: the run is not a Llama (or a routed one), `dtype` is not one of
+      `EXPORT_DTYPES`, or `out` holds weights no export wrote.
     FileNotFoundError: no checkpoint or no such step.
   """
   if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -336,6 +336,13 @@ def export(
       "folder, --merge-lora the model with them merged into its base weights"
     )
   fields = dataclasses.asdict(llama_config(config))
+  if fields["moe_experts"]:
+    # Mixtral's and Qwen2-MoE's tensor layouts are not written yet: refuse
+    # before reading the checkpoint rather than fail on the first expert.
+    raise ValueError(
+      f"model.moe_experts={fields['moe_experts']}: a routed Llama has no Hugging Face "
+      "export yet (only dense Llama-family folders are written)"
+    )
   init_from = config.checkpoint.init_from
   source = (
     paths.user_path(init_from) if init_from and is_hf_folder(paths.user_path(init_from)) else None

@@ -10,6 +10,8 @@
                   no mesh makes XLA copy whole activations
   lora.py         LoRA adapters beside the chosen weights of any NNX model
                   (`config.lora`)
+  moe.py          `MoE`: the Llama's routed MLP (top-k routing, dropless
+                  grouped matmuls, load-balancing and z-loss)
 
 What the models share lives here: `param` creates an annotated parameter and
 `logical_axes` reads the annotations back as a tree shaped like the model's

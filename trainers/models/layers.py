@@ -182,9 +182,18 @@ CHECKPOINT_POLICIES = {
 
 
 def scan_layers(
-  blocks: nnx.Module, x: jax.Array, *args: Any, unroll: int = 1, remat_policy: str = "minimal"
-) -> jax.Array:
+  blocks: nnx.Module,
+  x: jax.Array,
+  *args: Any,
+  unroll: int = 1,
+  remat_policy: str = "minimal",
+  with_outputs: bool = False,
+) -> Any:
   """Applies `stacked` blocks in order, `blocks(x, *args)`, one `lax.scan` step per layer.
+
+  With `with_outputs` each block returns `(x, out)`, and this returns `(x,
+  outs)`, the outs stacked on a leading layers axis (a routed layer's
+  router statistics).
 
   `args` are the same for every layer (a mask, RoPE's angles): inputs of
   each step, not outputs, so the remat never recomputes them. Each step is
@@ -206,7 +215,8 @@ def scan_layers(
   graphdef, state = nnx.split(blocks)
 
   def layer(x, params):
-    return nnx.merge(graphdef, params)(x, *args), None
+    out = nnx.merge(graphdef, params)(x, *args)
+    return out if with_outputs else (out, None)
 
   policy = CHECKPOINT_POLICIES[remat_policy]
   if policy is not None:
@@ -215,4 +225,5 @@ def scan_layers(
     # loops), and the barrier would only cost speed. Unrolled, forward and
     # backward can end up in one computation, and only the barrier keeps the remat.
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=unroll > 1)
-  return jax.lax.scan(layer, x, state, unroll=unroll)[0]
+  x, outs = jax.lax.scan(layer, x, state, unroll=unroll)
+  return (x, outs) if with_outputs else x

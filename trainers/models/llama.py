@@ -20,6 +20,8 @@ Parameters (path in `nnx.state(model, nnx.Param)`, shape, logical axes):
   blocks/mlp_norm/scale        [layers, d_model]                     (layers, norm)
   blocks/mlp/gate, up          [layers, d_model, d_ff]               (layers, embed, mlp)
   blocks/mlp/down              [layers, d_ff, d_model]               (layers, mlp, embed)
+  (a routed layer, `moe_experts` > 0: `blocks/mlp/` holds `trainers.models.moe`'s
+  router, experts and shared expert instead)
   final_norm/scale             [d_model]                             (norm,)
   unembed                      [d_model, vocab]  (untied only)       (embed, vocab)
 
@@ -69,12 +71,24 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import context
 from spmd.rules import constrain
-from trainers.models import attention, embedding, lora, param
+from trainers.models import attention, embedding, lora, moe, param
 from trainers.models.layers import check_decoder_fields, dense, fan_in_init, scan_layers, stacked
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 REMAT_POLICIES = ("minimal", "minimal_no_qkv", "full", "none")
 ROPE_SCALINGS = ("none", "llama3")
+MOE_FIELDS = (
+  "moe_experts",
+  "moe_top_k",
+  "moe_d_ff",
+  "moe_every",
+  "moe_gate",
+  "moe_norm_topk",
+  "moe_shared_d_ff",
+  "moe_shared_gate",
+  "moe_load_balancing_coef",
+  "moe_z_loss_coef",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +144,27 @@ class LlamaConfig:
   attention: str = "auto"
   """The attention kernel: "auto" (splash on TPU, cuDNN on GPU, else XLA),
   "xla", "splash" or "cudnn" (`trainers.models.attention`)."""
+  moe_experts: int = 0
+  """Routed experts per routed layer (`trainers.models.moe`); 0: every MLP dense."""
+  moe_top_k: int = 2
+  """Experts each token is routed to."""
+  moe_d_ff: int = 0
+  """Hidden width of each routed expert; 0: `d_ff`."""
+  moe_every: int = 1
+  """Layer i is routed when (i + 1) % moe_every == 0 (1: all; 2: every other,
+  the first dense). With scan_layers only 1: scanned layers must be alike."""
+  moe_gate: str = "softmax"
+  """"softmax" (Mixtral, Qwen2-MoE) or "sigmoid" (DeepSeek-V3) gates."""
+  moe_norm_topk: bool = True
+  """Renormalise the k chosen gates to sum to 1 (Mixtral; Qwen2-MoE's `norm_topk_prob`)."""
+  moe_shared_d_ff: int = 0
+  """Hidden width of a shared expert every token takes (Qwen2-MoE, DeepSeek); 0: none."""
+  moe_shared_gate: bool = True
+  """Scale the shared expert by a per-token sigmoid gate (Qwen2-MoE; DeepSeek: False)."""
+  moe_load_balancing_coef: float = 0.01
+  """Weight of the load-balancing loss in the training loss (Switch's 0.01)."""
+  moe_z_loss_coef: float = 0.001
+  """Weight of the router z-loss in the training loss (ST-MoE's 0.001)."""
 
   def __post_init__(self):
     sizes = ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff")
@@ -160,9 +195,59 @@ class LlamaConfig:
         f"{self.rope_original_length=}"
       )
 
+    self._check_moe()
+
+  def _check_moe(self):
+    experts = self.moe_experts
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+      raise ValueError(f"moe_experts={experts!r} must be a non-negative integer (0: dense)")
+    every = self.moe_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+      raise ValueError(f"moe_every={every!r} must be a positive integer")
+    for name in ("moe_load_balancing_coef", "moe_z_loss_coef"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name}={value!r} must be a number >= 0")
+    if self.moe_config is None:  # building it validates the routed layer's fields
+      return
+    if self.scan_layers and every != 1:
+      raise ValueError(
+        f"moe_every={every} needs scan_layers=False: scanned layers share one shape, "
+        "so with scan_layers every layer is routed (moe_every=1)"
+      )
+    if every > self.num_layers:
+      raise ValueError(f"moe_every={every} routes none of num_layers={self.num_layers}")
+
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def moe_config(self) -> moe.MoEConfig | None:
+    """The routed layers' `MoEConfig`; None for a dense model."""
+    if not self.moe_experts:
+      return None
+    return moe.MoEConfig(
+      d_model=self.d_model,
+      num_experts=self.moe_experts,
+      top_k=self.moe_top_k,
+      d_ff=self.moe_d_ff or self.d_ff,
+      gate=self.moe_gate,
+      norm_topk=self.moe_norm_topk,
+      shared_d_ff=self.moe_shared_d_ff,
+      shared_gate=self.moe_shared_gate,
+      param_dtype=self.param_dtype,
+    )
+
+  def routed_layer(self, layer: int) -> bool:
+    """Whether layer `layer` (from 0) has a routed MLP.
+
+    Example:
+      >>> config = LlamaConfig(num_layers=4, moe_experts=4, moe_every=2, scan_layers=False)
+      >>> [config.routed_layer(i) for i in range(4)]
+      [False, True, False, True]
+    """
+    return bool(self.moe_experts) and (layer + 1) % self.moe_every == 0
 
 
 def _unscaled_frequencies(head_dim: int, theta: float) -> np.ndarray:
@@ -336,21 +421,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then the MLP."""
+  """Pre-norm residual block: attention, then the MLP (routed with `routed`)."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, routed: bool = False, rngs: nnx.Rngs):
     pdt = jnp.dtype(config.param_dtype)
     self.attn_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
-    self.mlp = MLP(config, rngs=rngs)
+    self.routed = routed
+    self.mlp = moe.MoE(config.moe_config, rngs=rngs) if routed else MLP(config, rngs=rngs)
 
   def __call__(
     self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
-  ) -> jax.Array:
+  ) -> tuple[jax.Array, moe.RouterStats | None]:
+    """The block's output and, for a routed MLP, its `RouterStats` (else None)."""
     residual = ("batch", "length", "embed")
     x = constrain(x + self.attn(self.attn_norm(x), segment_ids, sin, cos), residual)
-    return constrain(x + self.mlp(self.mlp_norm(x)), residual)
+    if not self.routed:
+      return constrain(x + self.mlp(self.mlp_norm(x)), residual), None
+    y, stats = self.mlp.routed(self.mlp_norm(x))
+    return constrain(x + y, residual), stats
 
 
 class Llama(nnx.Module):
@@ -393,9 +483,13 @@ class Llama(nnx.Module):
     d, pdt = config.d_model, jnp.dtype(config.param_dtype)
     self.token_embed = param(rngs, _EMBED_INIT, (config.vocab_size, d), ("vocab", "embed"), pdt)
     if config.scan_layers:
-      self.blocks = stacked(lambda r: Block(config, rngs=r), config.num_layers, rngs)
+      # Scanned, every layer is alike: all routed or all dense (moe_every=1).
+      routed = config.routed_layer(0)
+      self.blocks = stacked(lambda r: Block(config, routed=routed, rngs=r), config.num_layers, rngs)
     else:
-      self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+      self.blocks = nnx.List(
+        [Block(config, routed=config.routed_layer(i), rngs=rngs) for i in range(config.num_layers)]
+      )
     self.final_norm = RMSNorm(d, config.norm_eps, pdt, rngs=rngs)
     if not config.tie_embeddings:
       self.unembed = param(rngs, fan_in_init(0, 1), (d, config.vocab_size), ("embed", "vocab"), pdt)
@@ -428,6 +522,27 @@ class Llama(nnx.Module):
     positions: jax.Array | None = None,
   ) -> jax.Array:
     """The last hidden states [B, L, d_model] after the final norm, in the compute dtype."""
+    return self.hidden_states_and_stats(tokens, segment_ids, positions)[0]
+
+  def hidden_states_and_stats(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> tuple[jax.Array, moe.RouterStats | None]:
+    """`hidden_states` and the routed layers' `RouterStats`, averaged over those layers.
+
+    The stats are None for a dense model. Each routed layer's are over the
+    tokens of this call (padding included).
+
+    Example:
+      >>> config = LlamaConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
+      ...                      moe_experts=4, moe_top_k=2)
+      >>> hidden, stats = Llama(config, rngs=nnx.Rngs(0)).hidden_states_and_stats(
+      ...   jnp.ones((1, 4), jnp.int32))
+      >>> hidden.shape, stats.expert_share.shape, float(stats.expert_share.sum())
+      ((1, 4, 32), (4,), 1.0)
+    """
     config = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
@@ -451,7 +566,7 @@ class Llama(nnx.Module):
       positions = jnp.broadcast_to(jnp.asarray(context.token_index(length)), (batch, length))
     sin, cos = rope_angles(positions, config.head_dim, config.rope_theta, rope_frequencies(config))
     if config.scan_layers:
-      x = scan_layers(
+      x, stacked_stats = scan_layers(
         self.blocks,
         x,
         segment_ids,
@@ -459,11 +574,19 @@ class Llama(nnx.Module):
         cos,
         unroll=config.scan_unroll,
         remat_policy=config.remat_policy,
+        with_outputs=True,
       )
+      stats = None if stacked_stats is None else jax.tree.map(lambda s: s.mean(0), stacked_stats)
     else:
+      per_layer = []
       for block in self.blocks:
-        x = block(x, segment_ids, sin, cos)
-    return self.final_norm(x)
+        x, layer_stats = block(x, segment_ids, sin, cos)
+        if layer_stats is not None:
+          per_layer.append(layer_stats)
+      stats = None
+      if per_layer:
+        stats = jax.tree.map(lambda *s: sum(s) / len(s), *per_layer)
+    return self.final_norm(x), stats
 
 
 def param_count(config: LlamaConfig) -> int:
@@ -473,13 +596,23 @@ def param_count(config: LlamaConfig) -> int:
     >>> param_count(LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64))
     25696
   """
+  return _param_count(config, active=False)
+
+
+def _param_count(config: LlamaConfig, active: bool) -> int:
+  """All parameters, or (`active`) those one token uses: a routed layer's top-k experts only."""
   d, f, hd = config.d_model, config.d_ff, config.head_dim
   attention = 2 * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd
   if config.qkv_bias:
     attention += (config.num_heads + 2 * config.num_kv_heads) * hd
-  per_layer = attention + 3 * d * f + 2 * d  # + two RMSNorm scales
+  layers = config.num_layers * (attention + 2 * d)  # + two RMSNorm scales
+  routed = sum(config.routed_layer(i) for i in range(config.num_layers))
+  layers += (config.num_layers - routed) * 3 * d * f
+  if routed:
+    count = moe.active_params if active else moe.total_params
+    layers += routed * count(config.moe_config)
   embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
-  return embeddings + config.num_layers * per_layer + d
+  return embeddings + layers + d
 
 
 def flops_per_token(config: LlamaConfig, adapter_params: int | None = None) -> float:
@@ -494,6 +627,10 @@ def flops_per_token(config: LlamaConfig, adapter_params: int | None = None) -> f
   (heads * head_dim = d_model; the full square, causal masking not
   subtracted; grouped-query attention saves no attention FLOPs). Norms,
   RoPE, softmax and SiLU are not counted.
+
+  With routed layers (`moe_experts`) N counts the *active* parameters: the
+  router, the `moe_top_k` experts a token takes and the shared expert, so
+  MFU is on the FLOPs done; the dispatch's sort and gathers are not counted.
 
   With LoRA (`adapter_params`: the adapters' A and B, which alone train) no
   weight gradient of a frozen matrix is computed (the model adds
@@ -510,7 +647,9 @@ def flops_per_token(config: LlamaConfig, adapter_params: int | None = None) -> f
     82160.0
   """
   output = config.d_model * config.vocab_size
-  non_embedding = param_count(config) - output * (1 if config.tie_embeddings else 2) + output
+  non_embedding = (
+    _param_count(config, active=True) - output * (1 if config.tie_embeddings else 2) + output
+  )
   attention = 12 * config.num_layers * config.d_model * config.seq_len
   if adapter_params is not None:
     return float(4 * non_embedding + 6 * adapter_params + attention)

@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -32,7 +33,7 @@ from trainers import paths
 from trainers.hf import agreement
 from trainers.hf import checkpoint as hf_checkpoint
 from trainers.hf import model_config as hf_config
-from trainers.models import llama, lora
+from trainers.models import llama, lora, moe
 from trainers.tasks import Batch, Task, model_section
 from trainers.tasks.lm import sample_report
 from trainers.tasks.lm_data import lm_data
@@ -78,6 +79,11 @@ def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
   checkpoint = config.get("checkpoint", {})
   init_from = checkpoint.get("init_from", "")
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
+    if model.moe_experts:
+      raise ValueError(
+        f"model.moe_experts={model.moe_experts} with checkpoint.init_from={init_from!r}: "
+        "Hugging Face folders load into dense Llamas only (no Mixtral or Qwen2-MoE import yet)"
+      )
     hf = hf_config.read_config(paths.user_path(init_from))
     fields = dataclasses.asdict(model)
     changes = agreement.check_fields(fields, hf, init_from, checkpoint.get("rope_override", False))
@@ -105,6 +111,9 @@ def next_token_loss(model, batch: Batch, rngs, train: bool):
   (`losses.chunked_cross_entropy_sums`): at a 128k vocabulary the whole
   batch's would be one of the step's largest buffers.
 
+  A model with routed layers (`moe_experts`) adds its router statistics
+  (`router_sums`); in training its auxiliary losses join the loss too.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -117,10 +126,56 @@ def next_token_loss(model, batch: Batch, rngs, train: bool):
     >>> float(weight), sorted(sums)
     (8.0, ['accuracy'])
   """
-  del rngs, train  # no dropout, no batch statistics
+  del rngs  # no dropout, no batch statistics
   packing = {k: batch[k] for k in PACKING_FEATURES if k in batch}
-  hidden = model.hidden_states(batch["inputs"], **packing)
-  return chunked_cross_entropy_sums(hidden, model.unembedding(), batch["targets"], batch["mask"])
+  hidden, stats = model.hidden_states_and_stats(batch["inputs"], **packing)
+  loss_sum, weight, sums = chunked_cross_entropy_sums(
+    hidden, model.unembedding(), batch["targets"], batch["mask"]
+  )
+  if stats is None:
+    return loss_sum, weight, sums
+  aux_sum, moe_sums = router_sums(stats, model.config, weight)
+  # Only the training loss: eval's loss stays the cross-entropy its perplexity is of.
+  return (loss_sum + aux_sum if train else loss_sum), weight, {**sums, **moe_sums}
+
+
+def router_sums(
+  stats: moe.RouterStats, config: llama.LlamaConfig, weight: jax.Array | float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The weighted auxiliary loss and the router's metric sums, each a mean times `weight`.
+
+  The trainer divides every sum by the total weight (the counted targets)
+  over micro-batches and devices, so a mean times its batch's weight comes
+  out as the weighted mean over the batches: the training loss gains
+  `moe_load_balancing_coef * balance + moe_z_loss_coef * z`, and the metrics
+  are `moe_load_balancing_loss`, `moe_z_loss`, `moe_dropped` (the fraction
+  of choices dropped: 0, dispatch is dropless) and `moe_expert_<i>_share`
+  (the fraction of the tokens' choices expert i took, averaged over the
+  routed layers; they sum to 1).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from trainers.models.moe import RouterStats
+    >>> stats = RouterStats(jnp.float32(1.5), jnp.float32(2.0), jnp.array([0.25, 0.75]),
+    ...                     jnp.float32(0.0))
+    >>> config = llama.LlamaConfig(moe_experts=2, moe_load_balancing_coef=0.1,
+    ...                            moe_z_loss_coef=0.01)
+    >>> aux, sums = router_sums(stats, config, weight=4.0)
+    >>> round(float(aux), 6), float(sums["moe_expert_1_share"])
+    (0.68, 3.0)
+  """
+  aux = (
+    config.moe_load_balancing_coef * stats.load_balancing_loss
+    + config.moe_z_loss_coef * stats.z_loss
+  )
+  sums = {
+    "moe_load_balancing_loss": stats.load_balancing_loss * weight,
+    "moe_z_loss": stats.z_loss * weight,
+    "moe_dropped": stats.dropped * weight,
+  }
+  for i in range(stats.expert_share.shape[0]):
+    sums[f"moe_expert_{i}_share"] = stats.expert_share[i] * weight
+  return aux * weight, sums
 
 
 def _adapter_params(config: ml_collections.ConfigDict, model_config) -> int | None:

@@ -1,0 +1,373 @@
+"""A routed MLP (mixture of experts) for the built-in Llama: top-k routing, dropless dispatch.
+
+Each token's router logits (float32, `x @ router`) pick `top_k` of
+`num_experts` SwiGLU experts; the token's output is the experts' outputs
+weighted by their gates, plus an optional shared expert every token takes.
+
+Gates:
+  "softmax": softmax over all experts' logits, then the top k of those
+    probabilities; with `norm_topk` they are renormalised to sum to 1, which
+    equals a softmax over the k chosen logits (Mixtral; Qwen2-MoE's
+    `norm_topk_prob=True`). Without it the k probabilities are kept as they
+    are (Qwen1.5/Qwen2-MoE's default `norm_topk_prob=False`).
+  "sigmoid": a sigmoid of each logit, the top k of those scores, renormalised
+    with `norm_topk` (DeepSeek-V3, without its bias for selection or its
+    routed scaling factor).
+
+Dispatch is dropless: the (token, choice) pairs are sorted by expert, each
+expert multiplies its contiguous group (`jax.lax.ragged_dot` with the group
+sizes), and the outputs are put back in token order and combined with the
+gates. No token is dropped, so training, evals and decoding route the same.
+Under the mesh rules (`spmd.rules.activation_rules`) the tokens form one
+group per batch shard, each routed and sorted on its own device.
+
+The shared expert (Qwen2-MoE, DeepSeek) is a SwiGLU of width `shared_d_ff`;
+with `shared_gate` its output is scaled by `sigmoid(x @ shared_gate)` per
+token (Qwen2-MoE), else added as is (DeepSeek).
+
+Auxiliary losses (`RouterStats`, over the tokens of the call):
+  load balancing (Switch Transformer, Fedus et al. 2021):
+    `num_experts * sum_i f_i * P_i`, with f_i the fraction of the tokens'
+    k choices that go to expert i (sums to 1) and P_i the mean over tokens
+    of the router's probability for expert i (softmax; for sigmoid gates
+    the scores normalised over the experts). 1.0 when perfectly balanced.
+    Hugging Face's Mixtral counts f_i without dividing by k: its value is
+    `top_k` times this one.
+  z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of
+    `logsumexp(logits) ** 2`.
+
+Parameters (with the Llama's `blocks/mlp/` before them; logical axes):
+
+  router            [d_model, experts]        (embed, experts)
+  expert_gate, expert_up [experts, d_model, d_ff] (experts, embed, mlp)
+  expert_down       [experts, d_ff, d_model]  (experts, mlp, embed)
+  shared/gate, up   [d_model, shared_d_ff]    (embed, mlp)   (shared_d_ff > 0)
+  shared/down       [shared_d_ff, d_model]    (mlp, embed)
+  shared_gate       [d_model]                 (embed,)       (and shared_gate)
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> layer = MoE(MoEConfig(d_model=8, num_experts=4, top_k=2, d_ff=16), rngs=nnx.Rngs(0))
+  >>> y, stats = layer.routed(jnp.ones((2, 3, 8)))
+  >>> y.shape, stats.expert_share.shape, float(stats.dropped)
+  ((2, 3, 8), (4,), 0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from spmd import rules
+from spmd.rules import constrain
+from trainers.models import param
+from trainers.models.layers import dense, fan_in_init
+
+GATES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Sizes of one routed MLP; a `ValueError` naming the field for a bad one.
+
+  Example:
+    >>> MoEConfig(d_model=8, num_experts=4, top_k=5, d_ff=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: moe_top_k=5 must be at most moe_experts=4
+  """
+
+  d_model: int
+  num_experts: int
+  top_k: int
+  d_ff: int
+  gate: str = "softmax"
+  norm_topk: bool = True
+  shared_d_ff: int = 0
+  shared_gate: bool = True
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    # Named as the Llama's config fields name them, where the errors are met.
+    for name, value in (("moe_experts", self.num_experts), ("moe_top_k", self.top_k)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1:
+      raise ValueError(f"moe_d_ff={self.d_ff!r} must be a positive integer")
+    shared = self.shared_d_ff
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+      raise ValueError(f"moe_shared_d_ff={shared!r} must be a non-negative integer")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"moe_top_k={self.top_k} must be at most moe_experts={self.num_experts}")
+    if self.gate not in GATES:
+      raise ValueError(f"moe_gate={self.gate!r} must be one of {GATES}")
+    for name, value in (("moe_norm_topk", self.norm_topk), ("moe_shared_gate", self.shared_gate)):
+      if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+class RouterStats(NamedTuple):
+  """One routed layer's auxiliary losses and load, over the tokens it routed (float32)."""
+
+  load_balancing_loss: jax.Array
+  """`num_experts * sum_i f_i * P_i` (1.0 when balanced)."""
+  z_loss: jax.Array
+  """Mean over tokens of `logsumexp(logits) ** 2`."""
+  expert_share: jax.Array
+  """[experts]: the fraction of the tokens' choices each expert took (sums to 1)."""
+  dropped: jax.Array
+  """The fraction of choices dropped: 0, since dispatch is dropless."""
+
+
+def route(
+  logits: jax.Array, top_k: int, gate: str, norm_topk: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`(experts, gates, probs)` of float32 router logits [tokens, num_experts].
+
+  `experts` int32 [tokens, top_k] are the chosen experts, best first;
+  `gates` [tokens, top_k] their weights; `probs` [tokens, num_experts] the
+  router's probabilities for the load-balancing loss (see the module).
+
+  Example:
+    >>> logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0]]))
+    >>> experts, gates, _ = route(logits, 2, "softmax", norm_topk=True)
+    >>> experts.tolist(), [round(g, 6) for g in gates[0].tolist()]
+    ([[3, 2]], [0.571429, 0.428571])
+  """
+  if gate == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+    probs = scores
+  else:
+    scores = jax.nn.sigmoid(logits)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  # A stable sort along the experts' axis rather than `lax.top_k`: XLA's
+  # TopK gathers a batch-split operand onto every device before it runs, a
+  # sort along an unsplit axis stays local. Ties go to the lower index, as
+  # top_k's do.
+  experts = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
+  gates = jnp.take_along_axis(scores, experts, axis=-1)
+  if norm_topk:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return experts.astype(jnp.int32), gates, probs
+
+
+def router_stats(
+  logits: jax.Array, experts: jax.Array, probs: jax.Array, num_experts: int
+) -> RouterStats:
+  """The auxiliary losses and the load of one routing (`route`'s outputs, float32).
+
+  Any leading axes (groups of tokens) are tokens too: the stats are over all.
+
+  Example:
+    >>> logits = jnp.zeros((4, 2))  # every expert equally likely
+    >>> stats = router_stats(logits, jnp.array([[0], [0], [1], [1]]), jax.nn.softmax(logits), 2)
+    >>> float(stats.load_balancing_loss), round(float(stats.z_loss), 6)
+    (1.0, 0.480453)
+  """
+  leading = tuple(range(experts.ndim))  # every axis but the experts': [..., tokens, k]
+  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=leading)
+  share = counts / experts.size
+  mean_probs = jnp.mean(probs.reshape(-1, num_experts), axis=0)
+  balance = num_experts * jnp.sum(share * mean_probs)
+  z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+  return RouterStats(balance, z_loss, share, jnp.zeros((), jnp.float32))
+
+
+def _expert_init(in_axis: int, out_axis: int):
+  """LeCun normal over each expert's input dimension (the experts axis is a batch axis)."""
+  return nnx.initializers.variance_scaling(
+    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis, batch_axis=(0,)
+  )
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`x` [rows, in] sorted by group, times each group's `w` [groups, in, out], in x's dtype.
+
+  As `trainers.models.matmul.matmul` does for a dense weight: a wider `w`
+  (float32 under the bfloat16 policy) is cast inside a custom VJP, so its
+  gradient, a sum over each group's rows, is accumulated in float32 and
+  returned in `w`'s dtype, never rounded to the compute dtype first.
+
+  Example:
+    >>> x, w = jnp.ones((3, 2)), jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
+    >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32)).tolist()
+    [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
+  """
+  if jnp.dtype(w.dtype) == jnp.dtype(x.dtype):
+    return jax.lax.ragged_dot(x, w, group_sizes)
+  return _narrowed_grouped(x, w, group_sizes)
+
+
+# The weight's gradient: x [rows, in] and the cotangent [rows, out] contracted
+# over the rows of each group (the rows are the ragged dimension) -> [groups, in, out].
+_WEIGHT_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+@jax.custom_vjp
+def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+
+
+def _narrowed_grouped_fwd(x, w, group_sizes):
+  narrow = w.astype(x.dtype)
+  marker = jnp.zeros((0,), w.dtype)  # carries w's dtype into the backward pass
+  return jax.lax.ragged_dot(x, narrow, group_sizes), (x, narrow, group_sizes, marker)
+
+
+def _narrowed_grouped_bwd(residuals, g):
+  x, narrow, group_sizes, marker = residuals
+  _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
+  (dx,) = x_vjp(g)
+  dw = jax.lax.ragged_dot_general(
+    x, g, group_sizes, _WEIGHT_GRAD_DIMS, preferred_element_type=jnp.float32
+  )
+  return dx, dw.astype(marker.dtype), None
+
+
+_narrowed_grouped.defvjp(_narrowed_grouped_fwd, _narrowed_grouped_bwd)
+
+
+class SwiGLU(nnx.Module):
+  """`down(silu(gate(x)) * up(x))` of width `d_ff`: the shared expert."""
+
+  def __init__(self, d_model: int, d_ff: int, param_dtype: jnp.dtype, *, rngs: nnx.Rngs):
+    self.gate = param(rngs, fan_in_init(0, 1), (d_model, d_ff), ("embed", "mlp"), param_dtype)
+    self.up = param(rngs, fan_in_init(0, 1), (d_model, d_ff), ("embed", "mlp"), param_dtype)
+    self.down = param(rngs, fan_in_init(0, 1), (d_ff, d_model), ("mlp", "embed"), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jax.nn.silu(dense(x, self.gate[...])) * dense(x, self.up[...])
+    return dense(h, self.down[...])
+
+
+class MoE(nnx.Module):
+  """The routed MLP: x [..., d_model] -> y [..., d_model] (see the module)."""
+
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    d, e, f = config.d_model, config.num_experts, config.d_ff
+    pdt = jnp.dtype(config.param_dtype)
+    self.router = param(rngs, fan_in_init(0, 1), (d, e), ("embed", "experts"), pdt)
+    self.expert_gate = param(rngs, _expert_init(1, 2), (e, d, f), ("experts", "embed", "mlp"), pdt)
+    self.expert_up = param(rngs, _expert_init(1, 2), (e, d, f), ("experts", "embed", "mlp"), pdt)
+    self.expert_down = param(rngs, _expert_init(1, 2), (e, f, d), ("experts", "mlp", "embed"), pdt)
+    if config.shared_d_ff:
+      self.shared = SwiGLU(d, config.shared_d_ff, pdt, rngs=rngs)
+      if config.shared_gate:
+        self.shared_gate = param(rngs, fan_in_init(0, ()), (d,), ("embed",), pdt)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """The output alone (decoding and evals: dispatch is dropless, so it routes as training)."""
+    return self.routed(x)[0]
+
+  def routed(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
+    """The output, in x's dtype, and the routing's `RouterStats` over x's tokens."""
+    config = self.config
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    # Each device routes its own rows: sorted over the whole batch, the tokens
+    # would be gathered onto every device and every device would run every
+    # token's experts. So the tokens form one group per batch shard, each
+    # routed and sorted locally, the experts' weights broadcast per group
+    # (one copy on each device, as an FSDP layer gathers them anyway).
+    groups = _batch_shards()
+    if tokens.shape[0] % groups:
+      groups = 1
+    grouped = constrain(tokens.reshape(groups, -1, d), ("batch", None, None))
+    # The router in float32: in bfloat16 near-equal logits swap their order,
+    # and the exponentials of the gates and z-loss lose their bits.
+    router = self.router[...].astype(jnp.float32)
+    logits = jnp.einsum("gnd,de->gne", grouped.astype(jnp.float32), router)
+    experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
+    stats = router_stats(logits, experts, probs, config.num_experts)
+
+    weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+    if groups == 1:
+      y = _dispatch(grouped[0], experts[0], gates[0], *weights)
+    else:
+      names = (("batch", "experts", "embed", "mlp"),) * 2 + (("batch", "experts", "mlp", "embed"),)
+      per_group = [
+        constrain(jnp.broadcast_to(w, (groups, *w.shape)), n) for w, n in zip(weights, names)
+      ]
+      y = jax.vmap(_dispatch)(grouped, experts, gates, *per_group).reshape(-1, d)
+    y = y.astype(x.dtype)
+    if config.shared_d_ff:
+      shared = self.shared(tokens)
+      if config.shared_gate:
+        scale = jax.nn.sigmoid(
+          jnp.dot(tokens.astype(jnp.float32), self.shared_gate[...].astype(jnp.float32))
+        )
+        shared = (shared.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
+      y = y + shared
+    return y.reshape(*lead, d), stats
+
+
+def _dispatch(
+  tokens: jax.Array,
+  experts: jax.Array,
+  gates: jax.Array,
+  w_gate: jax.Array,
+  w_up: jax.Array,
+  w_down: jax.Array,
+) -> jax.Array:
+  """The experts' SwiGLU of tokens [n, d] routed to `experts` [n, k], combined by `gates` (f32).
+
+  Dropless: each (token, choice) pair sorted by expert, so each expert's
+  rows are one contiguous group of the grouped matmuls.
+  """
+  top_k, num_experts = experts.shape[-1], w_gate.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  rows = tokens[order // top_k]
+  gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
+  up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
+  out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+  # Back in (token, choice) order by the inverse permutation: a gather, not a scatter.
+  out = out[jnp.argsort(order)].reshape(-1, top_k, tokens.shape[-1])
+  return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates)
+
+
+def _batch_shards() -> int:
+  """Devices the active rules split the batch over; 1 outside them or inside a shard_map."""
+  active = rules.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return 1
+  active_rules, mesh = active
+  spec = rules.logical_to_spec(("batch",), active_rules, mesh)
+  entry = spec[0] if len(spec) else None
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def active_params(config: MoEConfig) -> int:
+  """Parameters one token multiplies by: the router, `top_k` experts and the shared expert.
+
+  Example:
+    >>> active_params(MoEConfig(d_model=8, num_experts=4, top_k=2, d_ff=16, shared_d_ff=4))
+    904
+  """
+  shared = 3 * config.d_model * config.shared_d_ff
+  if config.shared_d_ff and config.shared_gate:
+    shared += config.d_model
+  experts = config.top_k * 3 * config.d_model * config.d_ff
+  return config.d_model * config.num_experts + experts + shared
+
+
+def total_params(config: MoEConfig) -> int:
+  """Every parameter of `MoE(config)`.
+
+  Example:
+    >>> total_params(MoEConfig(d_model=8, num_experts=4, top_k=2, d_ff=16, shared_d_ff=4))
+    1672
+  """
+  extra = config.num_experts - config.top_k
+  return active_params(config) + extra * 3 * config.d_model * config.d_ff
