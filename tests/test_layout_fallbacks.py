@@ -13,10 +13,12 @@ Llama (layers scanned) and the transformer (unrolled) at tiny shapes whose
 head counts divide 4, on packed rows (token and position lookups both).
 """
 
+import re
 import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from configs import llama_tiny, lm_tiny
 from spmd import rules
 from spmd.compiler_log import capture_compiler_log
+from spmd.hlo import parse_groups
 from spmd.mesh import create_mesh
 from spmd.topology import libtpu_available, topology_devices
 from trainers.models import attention
@@ -61,7 +64,8 @@ def _config(model: str, ici: str, rules_name: str):
   return config
 
 
-def _fallbacks_of_train_step(config, devices) -> list:
+def _fallbacks_of_train_step(config, devices, keep: dict | None = None) -> list:
+  """The fallbacks XLA logged compiling the trainer's step; `keep` gets its mesh and HLO."""
   mesh, axes = build_mesh(config, devices)
   task = make_task(config)
   setup = make_state(task.model, config, mesh, axes, task.optimizer)
@@ -71,8 +75,27 @@ def _fallbacks_of_train_step(config, devices) -> list:
   batch = abstract_batch(task, config.global_batch, batch_shardings(task, setup.rules, mesh, axes))
   step = make_train_step(setup, task, config, mesh, axes)
   with capture_compiler_log(echo=False) as log:
-    step.lower(state, batch).compile()
+    compiled = step.lower(state, batch).compile()
+  if keep is not None:
+    keep.update(mesh=mesh, hlo=compiled.as_text())
   return [f.describe() for f in log.fallbacks]
+
+
+def _sequence_gathers(hlo: str, length: int) -> list[list[list[int]]]:
+  """The replica groups of each all-gather whose result holds a whole `length` sequence."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (\S+) all-gather(?:-start)?\(", line)
+    if m and re.search(rf"[\[,]{length}[,\]]", m.group(1)):
+      found.append(sorted(parse_groups(line) or []))
+  return found
+
+
+def _groups_along(mesh, axis: str) -> list[list[int]]:
+  """The partition ids (places in the mesh's flat device order) that differ only along `axis`."""
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
+  return sorted(sorted(g) for g in moved.reshape(-1, moved.shape[-1]).tolist())
 
 
 def _forced_fallbacks(devices) -> list:
@@ -140,9 +163,15 @@ def test_a_train_step_with_the_sequence_split_over_context_compiles_without_a_fa
   if target != "cpu":
     config.model.seq_len = 512
   devices = jax.devices()[:8] if target == "cpu" else topology_devices(target)
+  compiled: dict = {}
   with attention.recorded_choices() as choices:
-    assert _fallbacks_of_train_step(config, devices) == []
+    assert _fallbacks_of_train_step(config, devices, compiled) == []
   assert {c.kernel for c in choices} == {"xla" if target == "cpu" else "splash"}, choices
+  # The collectives the design expects: keys and values (arrays holding the
+  # whole sequence) gathered along `context`, over its groups only.
+  gathers = _sequence_gathers(compiled["hlo"], config.model.seq_len)
+  context_groups = _groups_along(compiled["mesh"], "context")
+  assert gathers and all(g == context_groups for g in gathers), (gathers, context_groups)
 
 
 @needs_libtpu
