@@ -251,7 +251,9 @@ def test_under_bfloat16_twenty_steps_split_over_context_stay_within_1e_2_of_whol
   devices' tokens) another way, and Adam turns a flipped sign of a
   near-zero gradient into a full step, so the runs drift apart. Measured:
   at most 0.002 here (0.006 for data=2,context=2; 0.008 at 3x the
-  learning rate), a fifth of the bound.
+  learning rate), a fifth of the bound. Its own in-process steps, not a shared
+  run: the bound is between two layouts of one bf16 schedule, which no shared
+  run trains.
   """
   whole, split = _bf16_losses("data=4", 20), _bf16_losses("context=4", 20)
   assert whole[-1] < whole[0] - 1.0, whole  # both learn: the bound is between runs that train

@@ -282,7 +282,8 @@ def _steps(config, steps: int) -> list[dict]:
 def test_a_routed_llama_trains_with_its_router_stats_in_the_metrics():
   """Scanned routed layers through `make_train_step`: the loss falls, the stats are reported,
   and the auxiliary losses are in the training loss (a run with the coefficients at 0
-  differs by exactly their weighted sum)."""
+  differs by exactly their weighted sum). Its own in-process steps, not a shared run: the
+  shared runs (tests/shared_runs.py) are dense Llamas."""
   history = _steps(_train_config(), steps=6)
   losses = [float(m["loss"]) for m in history]
   assert losses[-1] < losses[0] - 0.5, losses
