@@ -20,6 +20,11 @@ metadata), so no stale index or model.safetensors is read in place of the
 new one; weights that no export wrote are an error naming them, never
 removed.
 
+A routed Llama (`model.moe_experts`) is written as Mixtral or Qwen2-MoE,
+its family's, with one tensor per expert (`...experts.{e}.w1.weight`): the
+Hub's layout, which transformers 4 and 5 and vLLM read. What neither
+family's config.json can describe is refused before anything is written.
+
 Tensors are written in `dtype`, by default the dtype of the files the run
 was imported from (float32 for a run that was not): bf16 files imported into
 float32 parameters come back bit for bit.
