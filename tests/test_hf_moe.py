@@ -214,3 +214,23 @@ def test_a_missing_expert_tensor_is_an_error_naming_it(tmp_path):
     ValueError, match=rf"tensor '{gone}' \(our blocks/mlp/expert_down\) is missing"
   ):
     _imported(tmp_path, _config(folder))
+
+
+def test_a_folder_with_fused_experts_is_an_error_saying_so(tmp_path):
+  """transformers 5's in-memory names (`experts.gate_up_proj`) in a file: named, not "missing" alone."""
+  folder = f"{FIXTURES}/qwen2_moe"
+  stored = TensorFile(f"{folder}/model.safetensors")
+  tensors = {n: stored.read(n) for n in stored.names() if ".mlp.experts." not in n}
+  gate_up = [
+    np.concatenate(
+      [stored.read(f"model.layers.1.mlp.experts.{e}.{p}_proj.weight") for p in "gate up".split()]
+    )
+    for e in range(4)
+  ]
+  tensors["model.layers.1.mlp.experts.gate_up_proj"] = np.stack(gate_up)
+  write_file(tmp_path / "model.safetensors", tensors)
+  shutil.copy(f"{folder}/config.json", tmp_path / "config.json")
+  with pytest.raises(
+    ValueError, match=r"'model.layers.1.mlp.experts.gate_up_proj' holds the experts fused"
+  ):
+    _imported(tmp_path, _config(folder, scan_layers=False))

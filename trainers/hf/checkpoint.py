@@ -49,6 +49,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exports carry that are computed, not learned.
 COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)
+# transformers 5 holds a mixture's experts as these (its save_pretrained splits them).
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def is_hf_folder(path: str | epath.Path) -> bool:
@@ -109,11 +111,24 @@ def _stack(layout: Layout, shape: tuple, index: tuple | None = None) -> list[tup
   return list(itertools.product(*ranges))
 
 
+def _check_not_fused(weights: Weights, name: str, key: str) -> None:
+  """A folder with the experts fused (`experts.gate_up_proj`, transformers 5's in-memory layout) says so."""
+  fused = [n for n in weights.names() if n.endswith(FUSED_EXPERTS)]
+  if fused:
+    raise ValueError(
+      f"{weights.folder}: tensor {name!r} (our {key}) is missing, and {fused[0]!r} holds the "
+      "experts fused: only the per-expert layout of the Hub's folders is read (transformers' "
+      "save_pretrained writes it)"
+    )
+
+
 def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple) -> list[str]:
   """The HF tensors of our `key`, each checked to be there with the shape ours needs."""
   ours = shape[layout.stacked_axes :]
   names = [layout.hf_name_at(stack) for stack in _stack(layout, shape)]
   for name in names:
+    if name not in weights._where and layout.per_expert:
+      _check_not_fused(weights, name, key)
     if name not in weights._where:
       raise ValueError(
         f"{weights.folder}: tensor {name!r} (our {key}) is missing: is the model config the "
