@@ -90,7 +90,7 @@ def test_each_device_reads_only_its_slice_of_the_experts(family, scan, monkeypat
   """
   folder = f"{FIXTURES}/{family}"
   file_bytes = [0]
-  original_read, original_slice = TensorFile.read, checkpoint._read_slice
+  original_read, original_slice = TensorFile.read, checkpoint.read_slice
 
   def counting_read(self, name, index=None):
     part = original_read(self, name, index)
@@ -108,7 +108,7 @@ def test_each_device_reads_only_its_slice_of_the_experts(family, scan, monkeypat
     return value
 
   monkeypatch.setattr(TensorFile, "read", counting_read)
-  monkeypatch.setattr(checkpoint, "_read_slice", recording_slice)
+  monkeypatch.setattr(checkpoint, "read_slice", recording_slice)
   _, target = _experts_split(_config(folder, scan_layers=scan))
   checkpoint.read_params(folder, target)
   experts = [r for r in reads if ".experts.{e}." in r[0]]

@@ -143,8 +143,12 @@ def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple) -> li
   return names
 
 
-def _read_slice(weights: Weights, layout: Layout, shape: tuple, index: tuple) -> np.ndarray:
-  """Our slice `index` of a parameter of `shape`, in the files' dtype: only its HF tensors' parts."""
+def read_slice(weights: Weights, layout: Layout, shape: tuple, index: tuple) -> np.ndarray:
+  """Our slice `index` (a slice per axis) of a parameter of `shape`, in the files' dtype.
+
+  Only the HF tensors of the slice's layers and experts are opened, each read
+  only in the slice's part (whole heads).
+  """
   depth = layout.stacked_axes
   one, rest = shape[depth:], index[depth:]
   stacks = _stack(layout, shape, index)
@@ -181,7 +185,7 @@ def _reader(
     key = _slice_key(index, shape)
     index = tuple(slice(*k) for k in key)
     if key not in done:
-      value = _read_slice(weights, layout, shape, index)
+      value = read_slice(weights, layout, shape, index)
       counted[0] += value.nbytes
       done[key] = value.astype(dtype)
     uses[key] -= 1
