@@ -5,12 +5,13 @@ and `model.safetensors`, or shards named by `model.safetensors.index.json`.
 `read_params` builds each parameter as a global `jax.Array` with
 `jax.make_array_from_callback`: every process reads, for each of its devices,
 only that device's slice of the HF tensor (whole heads, by byte ranges), one
-parameter at a time; a parameter stacked from many HF tensors (the scanned
-layers, a routed MLP's experts) reads only the tensors of its slice's layers
-and experts, each only in the slice's part, so any split of either axis over
-the mesh reads no more than the devices hold, and casts it to the parameter's dtype (bf16 files into
+parameter at a time, and casts it to the parameter's dtype (bf16 files into
 float32 parameters exactly). No host ever holds more than its devices' share
-of one parameter besides the model it is building.
+of one parameter besides the model it is building. A parameter stacked from
+many HF tensors (the scanned layers; a routed MLP's experts, one tensor
+each) opens only the tensors of the slice's layers and experts, each read
+only in the slice's part, so any split of either axis over the mesh reads
+no more than the devices hold.
 
 Example:
   >>> import jax, numpy as np
@@ -151,9 +152,8 @@ def read_slice(weights: Weights, layout: Layout, shape: tuple, index: tuple) -> 
   """
   depth = layout.stacked_axes
   one, rest = shape[depth:], index[depth:]
-  stacks = _stack(layout, shape, index)
   parts = []
-  for stack in stacks:
+  for stack in _stack(layout, shape, index):
     name = layout.hf_name_at(stack)
     part = weights.file(name).read(name, layout.hf_index(one, rest))
     parts.append(layout.to_ours(part, one, rest))
