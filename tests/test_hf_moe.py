@@ -236,3 +236,86 @@ def test_a_folder_with_fused_experts_is_an_error_saying_so(tmp_path):
     ValueError, match=r"'model.layers.1.mlp.experts.gate_up_proj' holds the experts fused"
   ):
     _imported(tmp_path, _config(folder, scan_layers=False))
+
+
+# The config.json of mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen1.5-MoE-A2.7B, transcribed
+# (transformers 4's spelling: rope_theta, torch_dtype; no rope_parameters).
+HUB_CONFIGS = {
+  "mixtral": {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+  },
+  "qwen2_moe": {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5632,
+    "max_position_embeddings": 8192,
+    "max_window_layers": 21,
+    "model_type": "qwen2_moe",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 16,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_experts_per_tok": 4,
+    "num_experts": 60,
+    "norm_topk_prob": False,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+  },
+}
+
+
+@pytest.mark.parametrize(
+  "family, want",
+  [
+    ("mixtral", {"moe_experts": 8, "moe_top_k": 2, "moe_d_ff": 14336, "moe_shared_d_ff": 0}),
+    ("qwen2_moe", {"moe_experts": 60, "moe_top_k": 4, "moe_d_ff": 1408, "moe_shared_d_ff": 5632}),
+  ],
+)
+def test_the_hubs_own_config_json_reads(family, want):
+  """The real models' configs, not only what the fixture script saved: every field accounted for."""
+  fields = model_config.llama_fields(HUB_CONFIGS[family])
+  assert {k: fields[k] for k in want} == want
+  assert fields["qkv_bias"] == (family == "qwen2_moe") and fields["moe_norm_topk"] == (
+    family == "mixtral"
+  )
+  LlamaConfig(**fields)  # a model this Llama builds
