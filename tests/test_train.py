@@ -67,7 +67,7 @@ def param_hash(result):
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("reference") / "run"
-  result = spmd_train(data, workdir, 2, 2)
+  result = spmd_train(data, workdir, 2, 2, "--config.sample_tokens=8")
   assert result.ok, result.report()
   return {
     "workdir": workdir,
