@@ -6,8 +6,8 @@ device holds one expert, each process two, and the tokens of each layer
 cross the processes to their experts and back. Saved at step 2, the run
 resumes on one process of 4 devices with data=2 x expert=2 (two experts a
 device) to step 4. Every
-step's loss equals that of a straight run on one process of 4 devices with
-data=4 (every expert on every device) over the same data in the same order,
+step's loss equals that of a straight run on one device (every expert
+there, no collectives) over the same data in the same order,
 so the split, the host count and the resume change nothing, the data
 position included. Its own straight run, not a shared one: the shared runs
 (tests/shared_runs.py) are dense; it reads their prepared data.
@@ -49,6 +49,7 @@ def _train(run: Path, data: dict, mesh: list[str], stop_at: int, processes: int,
       "--config.train.warmup_steps=2",
       "--config.log_every=1",
       "--config.eval_every=0",
+      "--config.eval_batches=1",  # the run's closing eval: one batch
       f"--config.checkpoint.every={SAVED}",
       "--config.sample_tokens=0",
       *ROUTED,
@@ -66,11 +67,11 @@ def _train(run: Path, data: dict, mesh: list[str], stop_at: int, processes: int,
 def test_an_expert_axis_across_two_processes_trains_and_resumes_on_one_as_the_straight_run(
   tmp_path: Path,
 ):
-  """Straight: 1 x 4, data=4. Split: 2 x 2, expert=4 (2 across), to SAVED; then 1 x 4, data=2 x
+  """Straight: 1 x 1. Split: 2 x 2, expert=4 (2 across), to SAVED; then 1 x 4, data=2 x
   expert=2."""
   _, facts = llama_tiny_run()
   data = facts["data"]
-  _, straight = _train(tmp_path / "straight", data, ["--config.mesh.ici=data=4"], STEPS, 1, 4)
+  _, straight = _train(tmp_path / "straight", data, ["--config.mesh.ici=data=1"], STEPS, 1, 1)
   run = tmp_path / "run"
   across = ["--config.mesh.ici=data=1,expert=2", "--config.mesh.dcn=expert=2"]
   _train(run, data, across, SAVED, processes=2, devices=2)
