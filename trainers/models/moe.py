@@ -19,7 +19,10 @@ expert multiplies its contiguous group (`jax.lax.ragged_dot` with the group
 sizes), and the outputs are put back in token order and combined with the
 gates. No token is dropped, so training, evals and decoding route the same.
 Under the mesh rules (`spmd.rules.activation_rules`) the tokens form one
-group per batch shard, each routed and sorted on its own device.
+group per batch shard, each routed and sorted on its own device. Where the
+rules split the experts over a mesh axis (`expert`), each device holds its
+experts alone and the tokens of its expert group are all-gathered to it and
+their outputs reduce-scattered back (`_expert_parallel`).
 
 The shared expert (Qwen2-MoE, DeepSeek) is a SwiGLU of width `shared_d_ff`;
 with `shared_gate` its output is scaled by `sigmoid(x @ shared_gate)` per
