@@ -362,6 +362,24 @@ def test_a_routed_llama_decodes_with_its_kv_cache_as_its_full_forward_pass():
   np.testing.assert_allclose(logits, model(prompt), atol=1e-5)
 
 
+@pytest.mark.slow  # compiles a Llama's forward pass and decoding steps: seconds
+def test_a_routed_llama_decodes_on_an_expert_mesh_as_on_one_device(monkeypatch):
+  """data=2 x expert=2, 4 rows (one a device, as the KV cache is split): the prompt and
+  each decoding step dispatched to the experts' devices make the same tokens as alone."""
+  from trainers.models import decode
+
+  model = llama.Llama(_moe_model_config(vocab_size=96), rngs=nnx.Rngs(1))
+  prompt = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1], [2, 9, 9, 4], [70, 1, 33, 6]], jnp.int32)
+  mesh = create_mesh("data=2,expert=2", devices=jax.devices()[:4])
+  alone = decode.generate(model, prompt, 4)
+  dispatched = []
+  placed = moe._expert_parallel
+  monkeypatch.setattr(moe, "_expert_parallel", lambda *a: dispatched.append(1) or placed(*a))
+  on_mesh = decode.generate(model, prompt, 4, rules=rules.FSDP_TP, mesh=mesh)
+  np.testing.assert_array_equal(on_mesh, alone)
+  assert dispatched  # traced through the expert-parallel dispatch
+
+
 @pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
 def test_routed_layers_give_the_same_gradients_under_every_remat_policy():
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
