@@ -190,14 +190,16 @@ def test_train_step_compiles_without_a_fallback_on_tpu(model, ici, rules_name):
 
 
 @pytest.mark.slow  # compiles a train step: seconds
-def test_a_routed_llama_split_over_the_expert_axis_gathers_tokens_not_experts():
+@pytest.mark.parametrize("target", ["cpu", pytest.param("v5p-16", marks=needs_libtpu)])
+def test_a_routed_llama_split_over_the_expert_axis_gathers_tokens_not_experts(target):
   """data=2 x expert=2 x tensor=2: no fallback; no expert weight gathered whole (all 4
   experts on one device) by any collective; the tokens dispatched by all-gathers over
   the expert groups alone (and summed back by reduce-scatters over them), no all-to-all."""
   config = _config("llama", "data=2,expert=2,tensor=2", "fsdp_tp")
   config.model.update(moe_experts=4, moe_top_k=2, moe_d_ff=24)
+  devices = jax.devices()[:8] if target == "cpu" else topology_devices(target)
   compiled: dict = {}
-  assert _fallbacks_of_train_step(config, jax.devices()[:8], compiled) == []
+  assert _fallbacks_of_train_step(config, devices, compiled) == []
   hlo, mesh = compiled["hlo"], compiled["mesh"]
   # An expert weight [layers, 4, 64, 24] (or its d_ff halves over tensor) whole along experts.
   whole = re.compile(r"[\[,]4,(64,(24|12)|(24|12),64)[\],]")
