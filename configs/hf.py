@@ -5,8 +5,12 @@
 
 The folder (local or gs://) holds config.json and model.safetensors (or
 shards with model.safetensors.index.json): Llama 2/3/3.1, Mistral without a
-sliding window, or Qwen2 (`trainers.hf.model_config` names any field the
-model does not implement). `config.model` is set from config.json,
+sliding window, Qwen2, or the mixtures of experts Mixtral and Qwen2-MoE
+(`trainers.hf.model_config` names any field the model does not implement).
+A mixture of experts takes its load-balancing weight from the folder's
+`router_aux_loss_coef` (`model_config.moe_training_fields`); one routed only
+every few layers (Qwen2-MoE's `decoder_sparse_step`) runs with unscanned
+layers, since scanned layers must be alike. `config.model` is set from config.json,
 `checkpoint.init_from` to the folder, and its tokenizer.json, when it has
 one, becomes the run's tokenizer. Parameters are float32 (bf16 files are
 upcast exactly), computed in bfloat16; `spmd-export --format=safetensors`
@@ -42,8 +46,11 @@ def get_config(folder: str):
   # folder without it was trained for its max_position_embeddings, so a run
   # that turns it on (checkpoint.rope_override) starts from that length.
   config.model.rope_original_length = model_config.max_positions(hf)
-  for name, value in model_config.llama_fields(hf).items():
+  fields = {**model_config.llama_fields(hf), **model_config.moe_training_fields(hf)}
+  for name, value in fields.items():
     config.model[name] = value
+  if config.model.moe_every > 1:
+    config.model.scan_layers = False
   config.model.seq_len = min(model_config.max_positions(hf), MAX_SEQ_LEN)
   config.model.param_dtype = "float32"
   config.train.precision = "bfloat16"

@@ -209,7 +209,7 @@ def test_both_spellings_of_rope_settings_read_alike():
   assert model_config.llama_fields(new)["rope_scaling"] == "llama3"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])
 def test_hf_config_takes_shape_tokenizer_and_weights_from_the_folder(family):
   """configs/hf.py:FOLDER builds the folder's model (biases counted) on a TP mesh of 8 devices."""
   folder = f"{FIXTURES}/{family}"
@@ -300,13 +300,22 @@ def test_mistral_without_a_sliding_window_is_a_llama():
 # Out: our parameters as HF tensors (the export's conversion, without a run).
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize(
+  "family, scan",
+  # The mixtures' experts, one tensor each (tests/test_hf_moe.py has their logits);
+  # Qwen2-MoE's fixture routes every other layer, which scanned layers cannot hold.
+  [
+    *((f, scan) for f in FAMILIES for scan in (True, False)),
+    ("mixtral", True),
+    ("qwen2_moe", False),
+  ],
+)
 def test_parameters_convert_back_to_the_files_tensors_bit_for_bit(family, scan):
   folder = f"{FIXTURES}/{family}"
   stored = TensorFile(f"{folder}/model.safetensors")
   params = nnx.to_pure_dict(nnx.state(_imported(folder, _config(folder, scan_layers=scan))))
-  tensors = hf_export.hf_tensors(params, stored.dtype(stored.names()[0]))
+  model_type = model_config.read_config(folder)["model_type"]
+  tensors = hf_export.hf_tensors(params, stored.dtype(stored.names()[0]), model_type)
   assert sorted(tensors) == stored.names()  # tied qwen2: no lm_head.weight
   for name, value in tensors.items():
     assert value.tobytes() == stored.read(name).tobytes(), name

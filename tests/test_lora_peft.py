@@ -300,6 +300,33 @@ def test_merged_weights_give_peft_logits(family, tmp_path):
   np.testing.assert_allclose(logits, golden, rtol=1e-4, atol=1e-4)
 
 
+def test_a_merge_onto_a_mixture_writes_its_experts_back(tmp_path):
+  """LoRA on a Mixtral's attention (adapters at zero): the merged folder is the base's, bit for bit."""
+  folder = f"{FIXTURES}/mixtral"
+  config = hf.get_config(folder)
+  config.lora.targets, config.lora.rank, config.lora.alpha = "q,k,v,o", 4, 12.0
+  run = lora_export.run_adapters(config, "--merge-lora")
+  zeros = {}
+  for adapter in run.adapters:
+    for path, shape in ((adapter.a_path, adapter.a_shape), (adapter.b_path, adapter.b_shape)):
+      node = zeros
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = np.zeros(shape, np.float32)
+  merged = lora_export.MergedWeights(pathlib.Path(folder), hf_export.InMemoryWeights(zeros), run)
+  bf16 = TensorFile(f"{folder}/model.safetensors").dtype("model.norm.weight")
+  hf_export.write_weights(
+    tmp_path, merged, bf16, hf_export.DEFAULT_MAX_SHARD_BYTES, family="mixtral"
+  )
+  ours, theirs = (
+    TensorFile(tmp_path / "model.safetensors"),
+    TensorFile(f"{folder}/model.safetensors"),
+  )
+  assert ours.names() == theirs.names()
+  for name in theirs.names():
+    assert ours.read(name).tobytes() == theirs.read(name).tobytes(), name
+
+
 def test_lora_init_from_needs_the_targets_and_the_base():
   config = hf.get_config(f"{FIXTURES}/llama3")
   config.lora.init_from = f"{FIXTURES}/llama3_lora"

@@ -398,17 +398,19 @@ def test_routed_layers_give_the_same_gradients_under_every_remat_policy():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=policy)
 
 
-def test_hugging_face_import_and_export_refuse_a_routed_llama(tmp_path):
-  """Neither layout exists yet: both say so up front, naming the field."""
+def test_hugging_face_import_and_export_refuse_what_no_family_describes(tmp_path):
+  """A routed Llama into a dense folder, or one no config.json says: named up front."""
+  from configs import hf
   from trainers.checkpoints import hf_export
   from trainers.tasks import llama as llama_task
 
+  config = hf.get_config("tests/fixtures/hf/llama3")
+  config.model.moe_experts = 4
+  with pytest.raises(ValueError, match=r"disagrees with .*: moe_experts=4 but the folder's is 0"):
+    llama_task.llama_config(config)
   config = llama_tiny.get_config()
   config.model.moe_experts = 4
-  config.checkpoint.init_from = "tests/fixtures/hf/llama3"
-  with pytest.raises(ValueError, match="model.moe_experts=4 with checkpoint.init_from="):
-    llama_task.llama_config(config)
-  config.checkpoint.init_from = ""
+  config.model.moe_gate = "sigmoid"  # DeepSeek's gates: neither Mixtral nor Qwen2-MoE has them
   (tmp_path / "config.json").write_text(config.to_json())
-  with pytest.raises(ValueError, match="model.moe_experts=4: a routed Llama has no Hugging Face"):
+  with pytest.raises(ValueError, match="a mixtral config.json cannot describe moe_gate='sigmoid'"):
     hf_export.export(str(tmp_path))

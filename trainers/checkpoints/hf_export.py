@@ -20,6 +20,11 @@ metadata), so no stale index or model.safetensors is read in place of the
 new one; weights that no export wrote are an error naming them, never
 removed.
 
+A routed Llama (`model.moe_experts`) is written as Mixtral or Qwen2-MoE,
+its family's, with one tensor per expert (`...experts.{e}.w1.weight`): the
+Hub's layout, which transformers 4 and 5 and vLLM read. What neither
+family's config.json can describe is refused before anything is written.
+
 Tensors are written in `dtype`, by default the dtype of the files the run
 was imported from (float32 for a run that was not): bf16 files imported into
 float32 parameters come back bit for bit.
@@ -110,6 +115,11 @@ class PlannedTensor:
   layer: int | None  # its index along the source's first axis (scanned layers), or None: all of it
   layout: Layout
   shape: tuple[int, ...]
+  expert: int | None = None  # a routed MLP's: its expert, along the axis after the layers'
+
+  def piece(self, value: np.ndarray) -> np.ndarray:
+    """This tensor from one layer's (or an unscanned parameter's) value: its expert's, if any."""
+    return self.layout.to_hf(value if self.expert is None else value[self.expert])
 
 
 class InMemoryWeights:
@@ -128,31 +138,35 @@ class InMemoryWeights:
     return self._values[name][index]
 
 
-def hf_tensors(params: Any, dtype: np.dtype) -> dict[str, np.ndarray]:
-  """Our Llama's parameters (a nested tree of arrays) as HF tensors in `dtype`, in HF's names."""
+def hf_tensors(params: Any, dtype: np.dtype, family: str = "llama") -> dict[str, np.ndarray]:
+  """Our Llama's parameters (a nested tree of arrays) as HF tensors in `dtype`, in `family`'s names."""
   weights = InMemoryWeights(params)
-  planned = plan_tensors(weights.arrays)
+  planned = plan_tensors(weights.arrays, family)
   tensors = _tensors(weights, planned, np.dtype(dtype), DEFAULT_READ_BLOCK_BYTES)
   return {t.name: np.array(value) for t, value in zip(planned, tensors)}
 
 
-def plan_tensors(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> list[PlannedTensor]:
+def plan_tensors(
+  arrays: dict[str, tuple[tuple[int, ...], np.dtype]], family: str = "llama"
+) -> list[PlannedTensor]:
   """The HF tensors of our Llama's saved parameters, in the order they are read: array by array.
 
-  `arrays`: saved name (`params/...`) -> (shape, dtype), `SavedWeights.arrays`.
+  `arrays`: saved name (`params/...`) -> (shape, dtype), `SavedWeights.arrays`;
+  `family`: the config.json's `model_type`, which names a routed MLP's
+  tensors (one per expert: the Hub's layout, `trainers.hf.layouts`).
   """
   params = {n.removeprefix("params/"): s for n, (s, _) in arrays.items() if n.startswith("params/")}
   scanned = not any(k.split("/")[1:2] and k.split("/")[1].isdigit() for k in params)
   planned = []
   for key in sorted(params):
-    layout, shape = layout_for(key, scanned), params[key]
-    if layout.per_layer:
-      for i in range(shape[0]):
-        hf_shape = layout.hf_shape(shape[1:])
-        planned.append(PlannedTensor(layout.hf_name(i), f"params/{key}", i, layout, hf_shape))
-    else:
-      hf_shape = layout.hf_shape(shape)
-      planned.append(PlannedTensor(layout.hf_name(None), f"params/{key}", None, layout, hf_shape))
+    layout, shape = layout_for(key, scanned, family), params[key]
+    hf_shape = layout.hf_shape(shape[layout.stacked_axes :])
+    layers = range(shape[0]) if layout.per_layer else [None]
+    experts = range(shape[int(layout.per_layer)]) if layout.per_expert else [None]
+    for layer in layers:  # a layer's experts one after another: read a block of layers at once
+      for expert in experts:
+        name = layout.hf_name(layer, expert)
+        planned.append(PlannedTensor(name, f"params/{key}", layer, layout, hf_shape, expert))
   return planned
 
 
@@ -166,17 +180,24 @@ def _tensors(
   i = 0
   while i < len(planned):
     first = planned[i]
-    if first.layer is None:
-      yield first.layout.to_hf(saved.read(first.source)).astype(dtype, copy=False)
-      i += 1
+    if first.layer is None:  # the whole parameter (all its experts) at once
+      value = saved.read(first.source)
+      while i < len(planned) and planned[i].source == first.source:
+        yield planned[i].piece(value).astype(dtype, copy=False)
+        i += 1
       continue
     shape, saved_dtype = saved.arrays[first.source]
     layer_bytes = math.prod(shape[1:]) * saved_dtype.itemsize
     count = min(max(1, block_bytes // max(layer_bytes, 1)), shape[0] - first.layer)
     block = saved.read(first.source, (slice(first.layer, first.layer + count),))
-    for k in range(count):  # the plan lists a weight's layers one after another
-      yield planned[i + k].layout.to_hf(block[k]).astype(dtype, copy=False)
-    i += count
+    # The plan lists a weight's layers (and each layer's experts) one after another.
+    while (
+      i < len(planned)
+      and planned[i].source == first.source
+      and planned[i].layer < first.layer + count
+    ):
+      yield planned[i].piece(block[planned[i].layer - first.layer]).astype(dtype, copy=False)
+      i += 1
     del block
 
 
@@ -238,6 +259,7 @@ def write_weights(
   dtype: np.dtype,
   max_bytes: int,
   read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
+  family: str = "llama",
 ) -> tuple[list[str], int]:
   """model.safetensors, or shards and their index above `max_bytes`: the files' names, the parameter count.
 
@@ -245,7 +267,7 @@ def write_weights(
   """
   folder = epath.Path(folder)
   clear_previous_export(folder)
-  planned = plan_tensors(saved.arrays)
+  planned = plan_tensors(saved.arrays, family)
   groups = _shards(planned, dtype.itemsize, max_bytes)
   tensors = _tensors(saved, planned, dtype, read_block_bytes)
   names = (
@@ -319,7 +341,8 @@ def export(
   `trainers.checkpoints.lora_export.merged_weights`).
 
   Raises:
-    ValueError: the run is not a Llama (or a routed one), `dtype` is not one of
+    ValueError: the run is not a Llama, a routed one is not one Mixtral's or
+      Qwen2-MoE's config.json can describe, `dtype` is not one of
       `EXPORT_DTYPES`, or `out` holds weights no export wrote.
     FileNotFoundError: no checkpoint or no such step.
   """
@@ -336,19 +359,16 @@ def export(
       "folder, --merge-lora the model with them merged into its base weights"
     )
   fields = dataclasses.asdict(llama_config(config))
-  if fields["moe_experts"]:
-    # Mixtral's and Qwen2-MoE's tensor layouts are not written yet: refuse
-    # before reading the checkpoint rather than fail on the first expert.
-    raise ValueError(
-      f"model.moe_experts={fields['moe_experts']}: a routed Llama has no Hugging Face "
-      "export yet (only dense Llama-family folders are written)"
-    )
   init_from = config.checkpoint.init_from
   source = (
     paths.user_path(init_from) if init_from and is_hf_folder(paths.user_path(init_from)) else None
   )
   dtype = dtype or _source_dtype(source)
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
+  base = model_config.read_config(source) if source else None
+  # Before the checkpoint is read or a file written: a routed model no
+  # family's config.json can describe is refused with nothing left behind.
+  hf = model_config.hf_config(fields, np_dtype.name, base)
   ref = saved_run.find_checkpoint(workdir, checkpoint, step)
   # Read a block at a time, whatever mesh saved it.
   saved = SavedWeights(ref) if weights_of is None else weights_of(config, ref)
@@ -356,11 +376,10 @@ def export(
     paths.user_path(out) if out else paths.user_path(workdir) / EXPORT_DIR / f"hf_step_{ref.step}"
   )
   folder.mkdir(parents=True, exist_ok=True)
-  files, count = write_weights(folder, saved, np_dtype, max_shard_bytes, read_block_bytes)
-  base = model_config.read_config(source) if source else None
-  (folder / "config.json").write_text(
-    json.dumps(model_config.hf_config(fields, np_dtype.name, base), indent=2) + "\n"
+  files, count = write_weights(
+    folder, saved, np_dtype, max_shard_bytes, read_block_bytes, hf["model_type"]
   )
+  (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
   files.append("config.json")
   if source is not None:
     for name in carried_files(source):

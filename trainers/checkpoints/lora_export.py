@@ -29,7 +29,8 @@ from trainers.checkpoints import peft, saved_run
 from trainers.checkpoints.export import EXPORT_DIR
 from trainers.checkpoints.hf_export import WRITTEN_BY, _written_by_us
 from trainers.checkpoints.saved_arrays import SavedWeights
-from trainers.hf.checkpoint import Weights, is_hf_folder
+from trainers.hf import model_config
+from trainers.hf.checkpoint import Weights, is_hf_folder, read_slice
 from trainers.hf.layouts import layout_for
 from trainers.hf.safetensors_files import write_streamed
 from trainers.models import lora
@@ -117,6 +118,8 @@ class MergedWeights:
 
   def __init__(self, source: epath.Path, saved: SavedWeights, run: RunAdapters):
     self._weights = Weights(source)
+    # It names a mixture's expert tensors (Mixtral's and Qwen2-MoE's differ).
+    self._family = model_config.read_config(source).get("model_type")
     self._saved = saved
     self._run = run
     self._adapters = {"/".join(a.path): a for a in run.adapters}
@@ -124,24 +127,15 @@ class MergedWeights:
       f"params/{key}": (shape, np.dtype(np.float32)) for key, shape in run.base_shapes.items()
     }
 
-  def _hf(self, name: str) -> np.ndarray:
-    return self._weights.file(name).read(name).astype(np.float32)
-
   def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
     key = name.removeprefix("params/")
     shape = self.arrays[name][0]
-    layout = layout_for(key, self._run.scanned)
-    whole = tuple(slice(None) for _ in shape)
-    if layout.per_layer:
-      layers = range(*(index[0] if index else slice(None)).indices(shape[0]))
-      value = np.stack(
-        [layout.to_ours(self._hf(layout.hf_name(i)), shape[1:], whole[1:]) for i in layers]
-      )
-    else:
-      value = layout.to_ours(self._hf(layout.hf_name(None)), shape, whole)
+    layout = layout_for(key, self._run.scanned, self._family)
+    rows = index[:1] if layout.per_layer else ()  # the block's layers, of W and of A and B
+    part = (*rows, *(slice(None),) * (len(shape) - len(rows)))
+    value = read_slice(self._weights, layout, shape, part).astype(np.float32)
     adapter = self._adapters.get(key)
     if adapter is not None:
-      rows = index[:1] if layout.per_layer else ()  # the block's layers of A and B
       a, b = (
         self._saved.read("params/" + "/".join(p), rows).astype(np.float32)
         for p in (adapter.a_path, adapter.b_path)

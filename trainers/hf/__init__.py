@@ -6,9 +6,11 @@
                         does not implement is an error naming the field
   agreement.py          whether a run's model agrees with the folder it starts
                         from; RoPE and a longer context may differ on request
-  layouts.py            each parameter's HF tensor name and axis layout
+  layouts.py            each parameter's HF tensor name and axis layout; a
+                        routed MLP's experts one tensor each, named by family
   checkpoint.py         `read_params`: a folder's weights as sharded global
                         arrays, each host reading its devices' slices only
+                        (of the layers and experts it holds)
 
 It imports nothing else of `trainers`: the tasks, the restore and the
 export (`trainers.checkpoints.hf_export`, `spmd-export --format=safetensors`)

@@ -7,7 +7,11 @@ and `model.safetensors`, or shards named by `model.safetensors.index.json`.
 only that device's slice of the HF tensor (whole heads, by byte ranges), one
 parameter at a time, and casts it to the parameter's dtype (bf16 files into
 float32 parameters exactly). No host ever holds more than its devices' share
-of one parameter besides the model it is building.
+of one parameter besides the model it is building. A parameter stacked from
+many HF tensors (the scanned layers; a routed MLP's experts, one tensor
+each) opens only the tensors of the slice's layers and experts, each read
+only in the slice's part, so any split of either axis over the mesh reads
+no more than the devices hold.
 
 Example:
   >>> import jax, numpy as np
@@ -27,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -45,6 +50,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exports carry that are computed, not learned.
 COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)
+# transformers 5 holds a mixture's experts as these (its save_pretrained splits them).
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def is_hf_folder(path: str | epath.Path) -> bool:
@@ -98,10 +105,31 @@ def _key(path) -> str:
   return "/".join(parts)
 
 
-def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple, layers: range) -> None:
-  ours = shape[1:] if layout.per_layer else shape
-  for layer in layers:
-    name = layout.hf_name(layer)
+def _stack(layout: Layout, shape: tuple, index: tuple | None = None) -> list[tuple[int, ...]]:
+  """Our indices along the layout's stacked axes (layers, experts) in `index`, each one HF tensor."""
+  index = index or tuple(slice(None) for _ in shape)
+  ranges = [range(*index[a].indices(shape[a])) for a in range(layout.stacked_axes)]
+  return list(itertools.product(*ranges))
+
+
+def _check_not_fused(weights: Weights, name: str, key: str) -> None:
+  """A folder with the experts fused (`experts.gate_up_proj`, transformers 5's in-memory layout) says so."""
+  fused = [n for n in weights.names() if n.endswith(FUSED_EXPERTS)]
+  if fused:
+    raise ValueError(
+      f"{weights.folder}: tensor {name!r} (our {key}) is missing, and {fused[0]!r} holds the "
+      "experts fused: only the per-expert layout of the Hub's folders is read (transformers' "
+      "save_pretrained writes it)"
+    )
+
+
+def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple) -> list[str]:
+  """The HF tensors of our `key`, each checked to be there with the shape ours needs."""
+  ours = shape[layout.stacked_axes :]
+  names = [layout.hf_name_at(stack) for stack in _stack(layout, shape)]
+  for name in names:
+    if name not in weights._where and layout.per_expert:
+      _check_not_fused(weights, name, key)
     if name not in weights._where:
       raise ValueError(
         f"{weights.folder}: tensor {name!r} (our {key}) is missing: is the model config the "
@@ -113,6 +141,26 @@ def _check_shape(weights: Weights, layout: Layout, key: str, shape: tuple, layer
         f"{weights.folder}: tensor {name!r} has shape {have}, but our {key} of shape "
         f"{shape} needs {want}: the model config disagrees with the checkpoint's config.json"
       )
+  return names
+
+
+def read_slice(weights: Weights, layout: Layout, shape: tuple, index: tuple) -> np.ndarray:
+  """Our slice `index` (a slice per axis) of a parameter of `shape`, in the files' dtype.
+
+  Only the HF tensors of the slice's layers and experts are opened, each read
+  only in the slice's part (whole heads).
+  """
+  depth = layout.stacked_axes
+  one, rest = shape[depth:], index[depth:]
+  parts = []
+  for stack in _stack(layout, shape, index):
+    name = layout.hf_name_at(stack)
+    part = weights.file(name).read(name, layout.hf_index(one, rest))
+    parts.append(layout.to_ours(part, one, rest))
+  if not depth:
+    return parts[0]
+  counts = tuple(len(range(*index[a].indices(shape[a]))) for a in range(depth))
+  return np.stack(parts).reshape(*counts, *parts[0].shape)
 
 
 def _slice_key(index: tuple, shape: tuple) -> tuple:
@@ -137,22 +185,7 @@ def _reader(
     key = _slice_key(index, shape)
     index = tuple(slice(*k) for k in key)
     if key not in done:
-      if layout.per_layer:
-        one, rest = shape[1:], index[1:]
-        parts = [
-          layout.to_ours(
-            weights.file(layout.hf_name(i)).read(layout.hf_name(i), layout.hf_index(one, rest)),
-            one,
-            rest,
-          )
-          for i in range(*index[0].indices(shape[0]))
-        ]
-        value = np.stack(parts)
-      else:
-        name = layout.hf_name(None)
-        value = layout.to_ours(
-          weights.file(name).read(name, layout.hf_index(shape, index)), shape, index
-        )
+      value = read_slice(weights, layout, shape, index)
       counted[0] += value.nbytes
       done[key] = value.astype(dtype)
     uses[key] -= 1
@@ -172,6 +205,8 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
       the folder holds tensors the model has no place for (all named).
   """
   weights = Weights(folder)
+  config = weights.folder / "config.json"
+  family = json.loads(config.read_text()).get("model_type") if config.exists() else "llama"
   leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
   keys = [_key(path) for path, _ in leaves]
   scanned = not any(k.split("/")[1:2] and k.split("/")[1].isdigit() for k in keys)
@@ -179,12 +214,9 @@ def read_params(folder: str | epath.Path, target: Any) -> Any:
   arrays = []
   counted = [0]
   for key, (_, leaf) in zip(keys, leaves):
-    layout = layout_for(key, scanned)
+    layout = layout_for(key, scanned, family)
     shape = tuple(leaf.shape)
-    layers = range(shape[0]) if layout.per_layer else range(1)
-    names = [layout.hf_name(i) for i in layers] if layout.per_layer else [layout.hf_name(None)]
-    _check_shape(weights, layout, key, shape, layers if layout.per_layer else [None])
-    used.update(names)
+    used.update(_check_shape(weights, layout, key, shape))
     arrays.append(
       jax.make_array_from_callback(
         shape, leaf.sharding, _reader(weights, layout, shape, leaf.dtype, leaf.sharding, counted)

@@ -2,8 +2,11 @@
 
 Families read: Llama 2, 3 and 3.1 (`rope_scaling` of type `llama3`),
 Mistral without a sliding window (`"sliding_window": null`: transformers
-gives a Mistral config without the field a window of 4096), and Qwen2
-(biases on q/k/v). A field left out takes the value transformers gives it
+gives a Mistral config without the field a window of 4096), Qwen2
+(biases on q/k/v), and the mixtures of experts Mixtral (every layer routed,
+softmax gates renormalised over the top k) and Qwen2-MoE (q/k/v biases, a
+shared expert with its sigmoid gate, `norm_topk_prob`, routed layers every
+`decoder_sparse_step`). A field left out takes the value transformers gives it
 (`FAMILY_DEFAULTS`). Both
 spellings of RoPE's settings are read: `rope_theta` with `rope_scaling`
 (transformers 4) and `rope_parameters` (transformers 5).
@@ -34,12 +37,16 @@ from typing import Any
 
 from etils import epath
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
   "mistral": "MistralForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
+  "mixtral": "MixtralForCausalLM",
+  "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+# Families with q/k/v biases: Qwen2's always, Qwen2-MoE's unless `qkv_bias` is false.
+_BIASED = ("qwen2", "qwen2_moe")
 # config.json fields that describe the files, the tokenizer or inference, not
 # what the model computes.
 KNOWN_INERT = frozenset(
@@ -63,6 +70,8 @@ KNOWN_INERT = frozenset(
     "max_window_layers",  # Qwen2's layers without the sliding window: no window here
     "attention_dropout",  # checked to be 0 below
     "pretraining_tp",  # checked to be 1 below
+    "output_router_logits",  # whether the forward pass returns them, not what it computes
+    "router_aux_loss_coef",  # a training weight: `moe_training_fields`
   }
 )
 
@@ -92,6 +101,44 @@ FAMILY_DEFAULTS = {
     "num_key_value_heads": 32,
     "sliding_window": 4096,
     "max_position_embeddings": 32768,
+  },
+  "mixtral": {
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "num_key_value_heads": 8,
+    "sliding_window": None,
+    "max_position_embeddings": 4096 * 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.001,
+  },
+  "qwen2_moe": {
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "num_key_value_heads": 16,
+    "sliding_window": 4096,
+    "max_position_embeddings": 32768,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.001,
+  },
+}
+# config.json's fields of a routed MLP, read by `_moe` (and `moe_training_fields`).
+_MOE_FIELDS = {
+  "mixtral": {"num_local_experts", "num_experts_per_tok", "router_jitter_noise"},
+  "qwen2_moe": {
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "qkv_bias",
   },
 }
 # Our fields that say how RoPE turns positions into angles (`_rope`'s).
@@ -166,6 +213,84 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
   return fields
 
 
+def _moe(hf: dict[str, Any], family: str) -> dict[str, Any]:
+  """Our moe_* fields: `moe_experts` 0 for a dense family, the routed MLP's for Mixtral and Qwen2-MoE."""
+  defaults = FAMILY_DEFAULTS[family]
+
+  def get(name: str) -> Any:
+    return hf.get(name, defaults.get(name))
+
+  if family == "mixtral":
+    jitter = hf.get("router_jitter_noise", 0.0)
+    if jitter:  # noise on the router's input in training: not implemented
+      raise _unsupported("router_jitter_noise", jitter, "allowed: 0.0")
+    return {
+      "moe_experts": get("num_local_experts"),
+      "moe_top_k": get("num_experts_per_tok"),
+      # Mixtral's experts are intermediate_size wide; every layer is routed.
+      "moe_d_ff": hf.get("intermediate_size"),
+      "moe_every": 1,
+      "moe_gate": "softmax",
+      "moe_norm_topk": True,
+      "moe_shared_d_ff": 0,
+      "moe_shared_gate": True,
+    }
+  if family != "qwen2_moe":
+    return {"moe_experts": 0}
+  experts, step = get("num_experts"), get("decoder_sparse_step")
+  if not experts:  # transformers builds every layer dense
+    return {"moe_experts": 0}
+  shared = get("shared_expert_intermediate_size")
+  if not shared:
+    raise _unsupported(
+      "shared_expert_intermediate_size", shared, "Qwen2-MoE's shared expert must have a width > 0"
+    )
+  # HF's layer i is routed unless i is in mlp_only_layers, or (i + 1) % step != 0;
+  # ours by the step alone: a listed layer the step leaves routed cannot be dense here.
+  routed_listed = sorted(i for i in hf.get("mlp_only_layers") or () if (i + 1) % step == 0)
+  if routed_listed:
+    raise _unsupported(
+      "mlp_only_layers",
+      hf["mlp_only_layers"],
+      f"dense layers only where decoder_sparse_step={step} makes them: layers "
+      f"{routed_listed} would be routed (model.moe_every routes every moe_every-th layer)",
+    )
+  return {
+    "moe_experts": experts,
+    "moe_top_k": get("num_experts_per_tok"),
+    "moe_d_ff": get("moe_intermediate_size"),
+    "moe_every": step,
+    "moe_gate": "softmax",
+    "moe_norm_topk": bool(get("norm_topk_prob")),
+    "moe_shared_d_ff": shared,
+    "moe_shared_gate": True,
+  }
+
+
+def moe_training_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  """The routed MLP's training weights a folder states: none for a dense family.
+
+  transformers' load-balancing loss counts each token's k choices as k
+  whole tokens, `num_experts_per_tok` times ours (`trainers.models.moe`), so
+  `router_aux_loss_coef` becomes that many times our
+  `moe_load_balancing_coef`: the same loss. Neither family has a z-loss.
+  These are settings of the run, not of the model: the agreement check
+  (`trainers.hf.agreement`) leaves them free.
+
+  Example:
+    >>> moe_training_fields({"model_type": "mixtral", "num_experts_per_tok": 2,
+    ...                      "router_aux_loss_coef": 0.02})
+    {'moe_load_balancing_coef': 0.04, 'moe_z_loss_coef': 0.0}
+  """
+  family = hf.get("model_type")
+  if family not in _MOE_FIELDS:
+    return {}
+  defaults = FAMILY_DEFAULTS[family]
+  coef = hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])
+  top_k = hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+  return {"moe_load_balancing_coef": float(coef) * top_k, "moe_z_loss_coef": 0.0}
+
+
 def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """`trainers.models.llama.LlamaConfig`'s fields (sizes, RoPE, biases) that `hf` describes.
 
@@ -187,7 +312,7 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
       raise _unsupported(name, hf[name], f"allowed: {allowed}")
   defaults = FAMILY_DEFAULTS[family]
   window = hf.get("sliding_window", defaults["sliding_window"])
-  if window is not None and not (family == "qwen2" and not hf.get("use_sliding_window")):
+  if window is not None and not (family in _BIASED and not hf.get("use_sliding_window")):
     raise _unsupported("sliding_window", window, "full causal attention only")
   layer_types = hf.get("layer_types")
   if layer_types is not None and set(layer_types) != {"full_attention"}:
@@ -203,8 +328,9 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     "num_kv_heads": hf.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads,
     "norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    "qkv_bias": family == "qwen2",
+    "qkv_bias": family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
     **_rope(hf),
+    **_moe(hf, family),
   }
   head_dim = hf.get("head_dim")
   if head_dim is not None and heads and head_dim * heads != hf.get("hidden_size"):
@@ -232,6 +358,7 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     "use_sliding_window",
     "sliding_window",
     "layer_types",
+    *_MOE_FIELDS.get(family, ()),
   }
   unknown = sorted(set(hf) - consumed - KNOWN_INERT)
   if unknown:
@@ -263,7 +390,7 @@ def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = 
     >>> llama_fields(out)["d_ff"]
     384
   """
-  family = (base or {}).get("model_type") or ("qwen2" if fields["qkv_bias"] else "llama")
+  family = (base or {}).get("model_type") or _family_of(fields)
   out = dict(base or {})
   # Written afresh below in transformers 4's names, which 5 reads too; a
   # base's `dtype` (5's name) would otherwise contradict a chosen --dtype.
@@ -302,6 +429,63 @@ def hf_config(fields: dict[str, Any], dtype: str, base: dict[str, Any] | None = 
     }
   if family == "qwen2" and not fields["qkv_bias"]:
     raise ValueError("a qwen2 config.json needs qkv_bias=True (Qwen2 has q/k/v biases)")
-  if family != "qwen2" and fields["qkv_bias"]:
+  if family not in _BIASED and fields["qkv_bias"]:
     raise ValueError(f"qkv_bias=True has no {family} config.json (Qwen2's has)")
+  out.update(_moe_config(fields, family))
   return out
+
+
+def _family_of(fields: dict[str, Any]) -> str:
+  """The family a model with no source folder is written as."""
+  if fields.get("moe_experts"):
+    return "qwen2_moe" if fields["moe_shared_d_ff"] or fields["moe_every"] > 1 else "mixtral"
+  return "qwen2" if fields["qkv_bias"] else "llama"
+
+
+def _moe_config(fields: dict[str, Any], family: str) -> dict[str, Any]:
+  """config.json's routed-MLP fields of `family`; a `ValueError` naming what it cannot say."""
+  experts = fields.get("moe_experts", 0)
+  if family not in _MOE_FIELDS:
+    if experts:
+      raise ValueError(
+        f"model.moe_experts={experts}: a {family} config.json has no routed MLP "
+        f"(routed Llamas are written as {' or '.join(_MOE_FIELDS)})"
+      )
+    return {}
+  if family == "qwen2_moe" and not experts:
+    return {"num_experts": 0}
+  # What the family's config.json fixes: Mixtral routes every layer with
+  # renormalised softmax gates and no shared expert; Qwen2-MoE has softmax
+  # gates and a sigmoid-gated shared expert.
+  fixed = {"moe_gate": "softmax", "moe_shared_gate": True}
+  if family == "mixtral":
+    fixed.update(moe_every=1, moe_shared_d_ff=0, moe_norm_topk=True)
+  cannot = [f"{name}={fields[name]!r}" for name, value in fixed.items() if fields[name] != value]
+  if family == "qwen2_moe" and not fields["moe_shared_d_ff"]:
+    cannot.append("moe_shared_d_ff=0")  # Qwen2-MoE always has its shared expert
+  if cannot:
+    raise ValueError(
+      f"a {family} config.json cannot describe {', '.join(cannot)} "
+      f'(docs/finetune.md, "Mixtures of experts")'
+    )
+  top_k = fields["moe_top_k"]
+  common = {
+    "num_experts_per_tok": top_k,
+    "router_aux_loss_coef": fields["moe_load_balancing_coef"] / top_k,  # moe_training_fields
+  }
+  if family == "mixtral":
+    return {
+      **common,
+      "num_local_experts": experts,
+      "intermediate_size": fields["moe_d_ff"] or fields["d_ff"],
+    }
+  return {
+    **common,
+    "num_experts": experts,
+    "moe_intermediate_size": fields["moe_d_ff"] or fields["d_ff"],
+    "shared_expert_intermediate_size": fields["moe_shared_d_ff"],
+    "norm_topk_prob": fields["moe_norm_topk"],
+    "decoder_sparse_step": fields["moe_every"],
+    "mlp_only_layers": [],
+    "qkv_bias": fields["qkv_bias"],
+  }

@@ -79,11 +79,6 @@ def llama_config(config: ml_collections.ConfigDict) -> llama.LlamaConfig:
   checkpoint = config.get("checkpoint", {})
   init_from = checkpoint.get("init_from", "")
   if init_from and hf_checkpoint.is_hf_folder(paths.user_path(init_from)):
-    if model.moe_experts:
-      raise ValueError(
-        f"model.moe_experts={model.moe_experts} with checkpoint.init_from={init_from!r}: "
-        "Hugging Face folders load into dense Llamas only (no Mixtral or Qwen2-MoE import yet)"
-      )
     hf = hf_config.read_config(paths.user_path(init_from))
     fields = dataclasses.asdict(model)
     changes = agreement.check_fields(fields, hf, init_from, checkpoint.get("rope_override", False))
