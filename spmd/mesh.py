@@ -129,7 +129,10 @@ def split_axes(mesh: jax.sharding.Mesh) -> tuple[list[tuple[str, int]], list[tup
 # Named meshes from config: `data=-1, fsdp=1, tensor=1`, split into ICI and DCN.
 
 AxisSizes = Sequence[tuple[str, int]]
-DEFAULT_DATA_AXES = ("data", "fsdp")
+EXPERT_AXIS = "expert"
+"""Splits a routed layer's experts, and the batch everywhere else (expert parallelism):
+a data axis, so it may cross DCN and each host feeds the rows of its devices."""
+DEFAULT_DATA_AXES = ("data", "fsdp", EXPERT_AXIS)
 CONTEXT_AXIS = "context"
 """Splits every sequence; like a data axis it may cross DCN (each host feeds its slices)."""
 
@@ -284,9 +287,10 @@ def create_mesh(
       `"data=2"`. Axes not named are 1. Default: none, except on multi-slice
       TPU, where the slices go on the first data axis.
     devices: default `jax.devices()`; or a TPU topology's devices for planning.
-    data_axes: the axes that split the batch; they go across hosts and DCN,
-      the others (model axes) stay inside hosts when they fit. `context`
-      (which splits every sequence) may cross DCN too.
+    data_axes: the axes that split the batch (`data`, `fsdp` and `expert`);
+      they go across hosts and DCN, the others (model axes) stay inside
+      hosts when they fit. `context` (which splits every sequence) may cross
+      DCN too.
 
   Returns:
     A `jax.sharding.Mesh` with `AxisType.Auto` axes, each axis's size ICI x DCN.

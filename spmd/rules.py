@@ -13,9 +13,17 @@ FSDP presets split the weights' `embed` over `fsdp` and then `context`: the
 devices of one sequence hold different slices of the state, not copies
 (MaxText's rules, and Megatron's optimizer sharded over data x context).
 
+Every preset maps `experts` to the mesh axis `expert` (expert parallelism),
+and `batch` to `data`, `fsdp` and then `expert`: outside the routed layers
+the expert devices split the rows like data devices, so none sits idle, and
+inside them each device holds its experts' weights alone
+(`trainers.models.moe` moves the tokens to them).
+
 Example:
   >>> logical_to_spec(("batch", "length", "embed"), FSDP_TP)  # fsdp taken by batch
-  P(('data', 'fsdp'), 'context')
+  P(('data', 'fsdp', 'expert'), 'context')
+  >>> logical_to_spec(("experts", "embed", "mlp"), FSDP_TP)
+  P('expert', ('fsdp', 'context'), 'tensor')
   >>> logical_to_spec(("embed", "mlp"), FSDP_TP)
   P(('fsdp', 'context'), 'tensor')
 """
@@ -30,7 +38,7 @@ from typing import Any
 
 import jax
 
-from spmd.mesh import CONTEXT_AXIS
+from spmd.mesh import CONTEXT_AXIS, EXPERT_AXIS
 from spmd.partition import NamedSpec
 
 MeshAxes = str | tuple[str, ...] | None
@@ -52,8 +60,7 @@ LOGICAL_AXES = (
   "classes",
   "positions",
   # The routed experts of a mixture-of-experts layer (`trainers.models.moe`):
-  # on no mesh axis yet, so each device holds every expert (an `expert` mesh
-  # axis with all-to-all dispatch is a later step).
+  # on the mesh axis `expert` in every preset.
   "experts",
 )
 
@@ -63,18 +70,24 @@ LOGICAL_AXES = (
 # presets split `embed` over it after `fsdp`: a weight's rows over every device
 # that holds no other copy. An activation [batch, length, embed] never gets it
 # on `embed`, since `length` takes it first (a mesh axis is used once per array).
+BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
+"""The mesh axes `batch` takes, in order: `expert` last, so rows stay whole on
+a mesh without it."""
+
 DATA_PARALLEL: Rules = (
-  ("batch", ("data", "fsdp")),
+  ("batch", BATCH_AXES),
   ("length", CONTEXT_AXIS),
-  *((name, None) for name in LOGICAL_AXES if name not in ("batch", "length")),
+  ("experts", EXPERT_AXIS),
+  *((name, None) for name in LOGICAL_AXES if name not in ("batch", "length", "experts")),
 )
 """Pure data parallel: only the batch (and the sequence, over `context`) is split; every
-weight is replicated."""
+weight is replicated but the routed experts (over `expert`)."""
 
 FSDP: Rules = (
-  ("batch", ("data", "fsdp")),
+  ("batch", BATCH_AXES),
   ("length", CONTEXT_AXIS),
   ("embed", ("fsdp", CONTEXT_AXIS)),
+  ("experts", EXPERT_AXIS),
   ("vocab", None),
   *(
     (name, None)
@@ -87,14 +100,13 @@ FSDP: Rules = (
       "norm",
       "classes",
       "positions",
-      "experts",
     )
   ),
 )
 """Fully sharded data parallel: weights split over `fsdp` (and `context`) along `embed`."""
 
 FSDP_TP: Rules = (
-  ("batch", ("data", "fsdp")),
+  ("batch", BATCH_AXES),
   ("length", CONTEXT_AXIS),
   ("embed", ("fsdp", CONTEXT_AXIS)),
   ("mlp", "tensor"),
@@ -103,7 +115,8 @@ FSDP_TP: Rules = (
   # each device holds the K/V heads its query heads read.
   ("kv_heads", "tensor"),
   ("vocab", "tensor"),
-  *((name, None) for name in ("kv", "layers", "norm", "classes", "positions", "experts")),
+  ("experts", EXPERT_AXIS),
+  *((name, None) for name in ("kv", "layers", "norm", "classes", "positions")),
 )
 """FSDP plus tensor parallel: MLP, heads and vocabulary split over `tensor`."""
 
@@ -155,9 +168,9 @@ def logical_to_spec(
 
   Example:
     >>> logical_to_spec(("batch", "length", "mlp"), FSDP_TP)
-    P(('data', 'fsdp'), 'context', 'tensor')
+    P(('data', 'fsdp', 'expert'), 'context', 'tensor')
     >>> logical_to_spec((("batch", "length"), "mlp"), FSDP_TP)
-    P(('data', 'fsdp', 'context'), 'tensor')
+    P(('data', 'fsdp', 'expert', 'context'), 'tensor')
     >>> from spmd.mesh import create_mesh
     >>> logical_to_spec(("batch", "length", "mlp"), FSDP_TP, create_mesh("data=-1,tensor=2"))
     P('data', None, 'tensor')

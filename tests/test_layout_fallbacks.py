@@ -187,3 +187,31 @@ def test_train_step_compiles_without_a_fallback_on_tpu(model, ici, rules_name):
   # compiles fell back: CI's time goes to the layouts that can.
   config = _config(model, ici, rules_name)
   assert _fallbacks_of_train_step(config, topology_devices("v5p-16")) == []
+
+
+@pytest.mark.slow  # compiles a train step: seconds
+@pytest.mark.parametrize("target", ["cpu", pytest.param("v5p-16", marks=needs_libtpu)])
+def test_a_routed_llama_split_over_the_expert_axis_gathers_tokens_not_experts(target):
+  """data=2 x expert=2 x tensor=2: no fallback; no expert weight gathered whole (all 4
+  experts on one device) by any collective; the tokens dispatched by all-gathers over
+  the expert groups alone (and summed back by reduce-scatters over them), no all-to-all."""
+  config = _config("llama", "data=2,expert=2,tensor=2", "fsdp_tp")
+  config.model.update(moe_experts=4, moe_top_k=2, moe_d_ff=24)
+  devices = jax.devices()[:8] if target == "cpu" else topology_devices(target)
+  compiled: dict = {}
+  assert _fallbacks_of_train_step(config, devices, compiled) == []
+  hlo, mesh = compiled["hlo"], compiled["mesh"]
+  # An expert weight [layers, 4, 64, 24] (or its d_ff halves over tensor) whole along experts.
+  whole = re.compile(r"[\[,]4,(64,(24|12)|(24|12),64)[\],]")
+  shapes = [m.group(1) for m in re.finditer(r"= (\S+) (?:all-gather|all-reduce)(?:-start)?\(", hlo)]
+  assert not [s for s in shapes if whole.search(s)], shapes
+  # The routed layer's own collectives (inside its shard_map), forward and backward.
+  moved = {}
+  for line in hlo.splitlines():
+    m = re.search(r"= (\S+) (all-gather|reduce-scatter|all-to-all)(?:-start)?\(.*shard_map/", line)
+    if m:
+      moved.setdefault(m.group(2), set()).add(m.group(1).split("{")[0])
+      assert sorted(parse_groups(line)) == _groups_along(mesh, "expert"), line
+  # Tokens: 8 rows x 16 over data x expert, 32 a device, 64 gathered over expert, d_model 64.
+  assert "f32[64,64]" in moved["all-gather"] and "f32[32,64]" in moved["reduce-scatter"], moved
+  assert "all-to-all" not in moved, moved

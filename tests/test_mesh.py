@@ -209,7 +209,7 @@ def test_a_batch_axis_the_mesh_lacks_is_an_error_naming_it_and_the_axes():
     resolve(config)
   assert str(e.value) == (
     "config.mesh.batch_axes=('data', 'fsdb'): 'fsdb' is not a mesh axis of the trainer; "
-    "its axes: data, fsdp, context, tensor"
+    "its axes: data, fsdp, expert, context, tensor"
   )
 
 
@@ -260,3 +260,30 @@ def test_context_may_cross_dcn_and_the_config_accepts_it_but_not_as_a_batch_axis
   config.mesh.ici, config.mesh.batch_axes = "data=2,context=4", ("data", "context")
   with pytest.raises(ValueError, match="'context' splits every sequence, not the rows"):
     resolve(config)
+
+
+def test_expert_splits_the_experts_in_every_preset_carries_the_batch_and_may_cross_dcn():
+  """`experts` maps to `expert` in every preset, and `batch` takes it after data and fsdp,
+  so outside the routed layers its devices split the rows (none idle). A data axis: it
+  may cross DCN, each host holding one block of it, and the config's batch axes hold it."""
+  from configs import llama_tiny
+  from trainers.config.checks import resolve
+  from trainers.step.mesh import build_mesh
+
+  for name, preset in rules.PRESETS.items():
+    table = dict(preset)
+    assert table["experts"] == "expert" and table["batch"] == ("data", "fsdp", "expert"), name
+  mesh = create_mesh("data=2,expert=2", devices=jax.devices()[:4])
+  experts = rules.logical_to_spec(("experts", "embed", "mlp"), rules.FSDP_TP, mesh)
+  assert experts == rules.NamedSpec("expert")
+  activation = rules.logical_to_spec(("batch", "length", "embed"), rules.FSDP, mesh)
+  assert activation == rules.NamedSpec(("data", "expert"))
+  across = create_mesh("data=1,expert=2", dcn="expert=2", devices=_fake_hosts(2, 2))
+  assert dict(across.shape) == {"data": 1, "expert": 4}
+  procs = np.vectorize(lambda d: d.process_index)(across.devices)
+  assert procs.tolist() == [[0, 0, 1, 1]]
+  config = llama_tiny.get_config()
+  config.mesh.ici = "data=2,expert=2"
+  resolve(config)
+  built, axes = build_mesh(config, jax.devices()[:4])
+  assert dict(built.shape) == {"data": 2, "expert": 2} and axes == ("data", "expert")

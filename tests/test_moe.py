@@ -297,6 +297,58 @@ def test_a_routed_llama_trains_with_its_router_stats_in_the_metrics():
   np.testing.assert_allclose(first["loss"] - plain["loss"], aux, rtol=1e-4)
 
 
+LR = 1e4  # the SGD update is -LR x the gradient: recovered to float32 rounding of it
+
+
+def _loss_and_grads(ici: str, rules_name: str = "fsdp") -> tuple[float, dict]:
+  """One SGD step of the trainer's own step on `ici` (4 CPU devices): the loss and gradients.
+
+  The batch is placed as the run places it, and the gradients are read back
+  from the update, so the test runs the step the trainer runs.
+  """
+  config = _train_config()
+  config.mesh.ici, config.mesh.rules = ici, rules_name
+  config.train.update(optimizer="sgd", momentum=0.0, learning_rate=LR, grad_clip_norm=0.0)
+  task = make_task(config)
+  mesh, axes = build_mesh(config, jax.devices()[:4])
+  setup = make_state(task.model, config, mesh, axes)
+  state = setup.init()
+  before = jax.device_get(state["params"])
+  placement = batch_shardings(task, setup.rules, mesh, axes)
+  batch = {k: jax.device_put(v, placement[k]) for k, v in _batch(task).items()}
+  state, metrics = make_train_step(setup, task, config, mesh, axes)(state, batch)
+  grads = jax.tree.map(lambda b, a: (b - a) / LR, before, jax.device_get(state["params"]))
+  return float(metrics["loss"]), grads
+
+
+@pytest.mark.slow  # compiles a Llama's step per mesh: seconds apiece
+def test_a_routed_llama_split_over_the_expert_axis_has_the_loss_and_gradients_of_data_4():
+  """expert=4 (one expert a device), data=2 x expert=2, and expert=2 x tensor=2 (each expert's
+  d_ff split too): the loss (its auxiliary losses over the global batch) to rtol 1e-5, each
+  gradient to rtol 1e-5 of its own largest entry (sums over tokens added in another order).
+  The float32 policy; the router is float32 under any."""
+  runs = {
+    ici: _loss_and_grads(ici, rules_name)
+    for ici, rules_name in (
+      ("data=4", "fsdp"),
+      ("expert=4", "fsdp"),
+      ("data=2,expert=2", "fsdp"),
+      ("expert=2,tensor=2", "fsdp_tp"),
+    )
+  }
+  ref_loss, ref_grads = runs.pop("data=4")
+  for name, (value, grads) in runs.items():
+    np.testing.assert_allclose(value, ref_loss, rtol=1e-5, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+      np.testing.assert_allclose(
+        a,
+        b,
+        rtol=1e-5,
+        atol=1e-5 * float(np.max(np.abs(b))),
+        err_msg=f"{name} {jax.tree_util.keystr(path)}",
+      )
+
+
 @pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
 def test_a_routed_llama_decodes_with_its_kv_cache_as_its_full_forward_pass():
   """Dropless routing: each token decoded alone takes the experts it takes in the whole row."""
@@ -308,6 +360,24 @@ def test_a_routed_llama_decodes_with_its_kv_cache_as_its_full_forward_pass():
   np.testing.assert_array_equal(cached, decode.generate_uncached(model, prompt, 4))
   logits, _ = decode.prefill(model, prompt)
   np.testing.assert_allclose(logits, model(prompt), atol=1e-5)
+
+
+@pytest.mark.slow  # compiles a Llama's forward pass and decoding steps: seconds
+def test_a_routed_llama_decodes_on_an_expert_mesh_as_on_one_device(monkeypatch):
+  """data=2 x expert=2, 4 rows (one a device, as the KV cache is split): the prompt and
+  each decoding step dispatched to the experts' devices make the same tokens as alone."""
+  from trainers.models import decode
+
+  model = llama.Llama(_moe_model_config(vocab_size=96), rngs=nnx.Rngs(1))
+  prompt = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1], [2, 9, 9, 4], [70, 1, 33, 6]], jnp.int32)
+  mesh = create_mesh("data=2,expert=2", devices=jax.devices()[:4])
+  alone = decode.generate(model, prompt, 4)
+  dispatched = []
+  placed = moe._expert_parallel
+  monkeypatch.setattr(moe, "_expert_parallel", lambda *a: dispatched.append(1) or placed(*a))
+  on_mesh = decode.generate(model, prompt, 4, rules=rules.FSDP_TP, mesh=mesh)
+  np.testing.assert_array_equal(on_mesh, alone)
+  assert dispatched  # traced through the expert-parallel dispatch
 
 
 @pytest.mark.slow  # compiles a Llama's step or forward pass: seconds

@@ -22,7 +22,7 @@ Example:
   >>> _ = (workdir / "config.json").write_text(lm_tiny.get_config().to_json())
   >>> config = saved_config(workdir)
   >>> config.task, config.mesh.batch_axes
-  ('trainers.tasks.lm:make_task', ('data', 'fsdp'))
+  ('trainers.tasks.lm:make_task', ('data', 'fsdp', 'expert'))
   >>> find_checkpoint(workdir)  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...

@@ -26,7 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.ici = "data=-1,fsdp=1,tensor=1"  # inside a slice (or the whole job)
   config.mesh.dcn = ""  # across TPU slices / GPU nodes, e.g. "data=2"
   config.mesh.rules = "fsdp"  # logical axis rules preset: dp, fsdp, fsdp_tp
-  config.mesh.batch_axes = ("data", "fsdp")  # mesh axes that split the batch
+  # Mesh axes that split the batch (those the mesh has): `expert` splits it
+  # outside the routed layers, as MaxText's expert parallelism does.
+  config.mesh.batch_axes = ("data", "fsdp", "expert")
   # Variables without sharding names (e.g. a stock nnx.Linear): "replicate", or
   # "fsdp" = split over the batch axes along their largest divisible dimension.
   config.mesh.unannotated = "replicate"

@@ -19,7 +19,10 @@ expert multiplies its contiguous group (`jax.lax.ragged_dot` with the group
 sizes), and the outputs are put back in token order and combined with the
 gates. No token is dropped, so training, evals and decoding route the same.
 Under the mesh rules (`spmd.rules.activation_rules`) the tokens form one
-group per batch shard, each routed and sorted on its own device.
+group per batch shard, each routed and sorted on its own device. Where the
+rules split the experts over a mesh axis (`expert`), each device holds its
+experts alone and the tokens of its expert group are all-gathered to it and
+their outputs reduce-scattered back (`_expert_parallel`).
 
 The shared expert (Qwen2-MoE, DeepSeek) is a SwiGLU of width `shared_d_ff`;
 with `shared_gate` its output is scaled by `sigmoid(x @ shared_gate)` per
@@ -273,31 +276,22 @@ class MoE(nnx.Module):
     config = self.config
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
-    # Each device routes its own rows: sorted over the whole batch, the tokens
-    # would be gathered onto every device and every device would run every
-    # token's experts. So the tokens form one group per batch shard, each
-    # routed and sorted locally, the experts' weights broadcast per group
-    # (one copy on each device, as an FSDP layer gathers them anyway).
-    groups = _batch_shards()
-    if tokens.shape[0] % groups:
-      groups = 1
-    grouped = constrain(tokens.reshape(groups, -1, d), ("batch", None, None))
+    weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
     # The router in float32: in bfloat16 near-equal logits swap their order,
     # and the exponentials of the gates and z-loss lose their bits.
     router = self.router[...].astype(jnp.float32)
-    logits = jnp.einsum("gnd,de->gne", grouped.astype(jnp.float32), router)
-    experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
-    stats = router_stats(logits, experts, probs, config.num_experts)
-
-    weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
-    if groups == 1:
-      y = _dispatch(grouped[0], experts[0], gates[0], *weights)
+    layout = _expert_layout(x.shape, config.num_experts)
+    if layout is not None:
+      # Expert parallel: each device routes its own tokens and sends them to
+      # the devices that hold their experts (`_expert_parallel`).
+      logits = constrain(
+        jnp.einsum("bld,de->ble", x.astype(jnp.float32), router), ("batch", "length", None)
+      )
+      experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
+      stats = router_stats(logits, experts, probs, config.num_experts)
+      y = _expert_parallel(layout, x, experts, gates, *weights).reshape(-1, d)
     else:
-      names = (("batch", "experts", "embed", "mlp"),) * 2 + (("batch", "experts", "mlp", "embed"),)
-      per_group = [
-        constrain(jnp.broadcast_to(w, (groups, *w.shape)), n) for w, n in zip(weights, names)
-      ]
-      y = jax.vmap(_dispatch)(grouped, experts, gates, *per_group).reshape(-1, d)
+      y, stats = self._routed_per_batch_shard(tokens, router, weights)
     y = y.astype(x.dtype)
     if config.shared_d_ff:
       shared = self.shared(tokens)
@@ -308,6 +302,29 @@ class MoE(nnx.Module):
         shared = (shared.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
       y = y + shared
     return y.reshape(*lead, d), stats
+
+  def _routed_per_batch_shard(self, tokens, router, weights) -> tuple[jax.Array, RouterStats]:
+    """Every expert on every device: tokens [n, d] routed per batch shard, float32 out."""
+    config, d = self.config, tokens.shape[-1]
+    # Each device routes its own rows: sorted over the whole batch, the tokens
+    # would be gathered onto every device and every device would run every
+    # token's experts. So the tokens form one group per batch shard, each
+    # routed and sorted locally, the experts' weights broadcast per group
+    # (one copy on each device, as an FSDP layer gathers them anyway).
+    groups = _batch_shards()
+    if tokens.shape[0] % groups:
+      groups = 1
+    grouped = constrain(tokens.reshape(groups, -1, d), ("batch", None, None))
+    logits = jnp.einsum("gnd,de->gne", grouped.astype(jnp.float32), router)
+    experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
+    stats = router_stats(logits, experts, probs, config.num_experts)
+    if groups == 1:
+      return _dispatch(grouped[0], experts[0], gates[0], *weights), stats
+    names = (("batch", "experts", "embed", "mlp"),) * 2 + (("batch", "experts", "mlp", "embed"),)
+    per_group = [
+      constrain(jnp.broadcast_to(w, (groups, *w.shape)), n) for w, n in zip(weights, names)
+    ]
+    return jax.vmap(_dispatch)(grouped, experts, gates, *per_group).reshape(-1, d), stats
 
 
 def _dispatch(
@@ -334,6 +351,131 @@ def _dispatch(
   # Back in (token, choice) order by the inverse permutation: a gather, not a scatter.
   out = out[jnp.argsort(order)].reshape(-1, top_k, tokens.shape[-1])
   return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertLayout:
+  """Where a routed layer's tokens and experts live under the active rules (expert parallel)."""
+
+  mesh: jax.sharding.Mesh
+  tokens: jax.sharding.PartitionSpec  # x [batch, length, d] and its routing [batch, length, k]
+  up: jax.sharding.PartitionSpec  # expert_gate, expert_up [experts, d_model, d_ff]
+  down: jax.sharding.PartitionSpec  # expert_down [experts, d_ff, d_model]
+  expert_axes: tuple[str, ...]  # the mesh axes that split the experts
+  gathered: bool  # the tokens are split over them too (else each holds them all)
+  mlp_axes: tuple[str, ...]  # the mesh axes that split d_ff (partial sums to add)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_layout(shape: tuple[int, ...], num_experts: int) -> _ExpertLayout | None:
+  """The expert-parallel layout of x [batch, length, d], or None where it does not apply.
+
+  None outside the rules, inside a shard_map, where the rules put `experts`
+  on no mesh axis (of size > 1), for inputs other than [batch, length, d], or
+  where the rows or the sequence do not split evenly (a decoding step's few
+  rows): then every device runs every expert (`MoE._routed_per_batch_shard`).
+  """
+  active = rules.active_rules()
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes or len(shape) != 3:
+    return None
+  active_rules, mesh = active
+  spec = lambda names: rules.logical_to_spec(names, active_rules, mesh)  # noqa: E731
+  up, down = spec(("experts", None, "mlp")), spec(("experts", "mlp"))
+  expert_axes = _axes(up[0] if len(up) else None)
+  if not expert_axes:
+    return None
+  if num_experts % math.prod(mesh.shape[a] for a in expert_axes):
+    raise ValueError(
+      f"moe_experts={num_experts} is not divisible by the {expert_axes} mesh axes "
+      f"of {dict(mesh.shape)} that split the experts"
+    )
+  tokens = spec(("batch", "length"))
+  padded = (*tokens, None, None)[:2]
+  for dim, entry in enumerate(padded):
+    if shape[dim] % math.prod(mesh.shape[a] for a in _axes(entry)):
+      return None
+  split = set(_axes(padded[0])) | set(_axes(padded[1]))
+  if not set(expert_axes) <= split and split & set(expert_axes):
+    return None  # tokens split over some of the expert axes only: no layout here
+  return _ExpertLayout(
+    mesh=mesh,
+    tokens=jax.sharding.PartitionSpec(*padded),
+    up=jax.sharding.PartitionSpec(*up),
+    down=jax.sharding.PartitionSpec(*down),
+    expert_axes=expert_axes,
+    gathered=set(expert_axes) <= split,
+    mlp_axes=_axes(up[2] if len(up) > 2 else None),
+  )
+
+
+def _expert_parallel(layout: _ExpertLayout, x, experts, gates, w_gate, w_up, w_down) -> jax.Array:
+  """The routed experts' output [batch, length, d] in x's dtype, each expert on its own devices.
+
+  Inside a `shard_map` over the whole mesh, each device holds its rows'
+  tokens and routing, and the weights of its `experts / E` experts (E: the
+  expert axes' size), whole along d_model (gathered over fsdp as an FSDP
+  layer's are) and split along d_ff as the rules split `mlp`. The tokens of
+  the E devices of an expert group are all-gathered among them; each device
+  runs its own experts on the (token, choice) pairs routed to them, weights
+  each output by its gate, and the outputs are summed back onto the devices
+  the tokens came from by a reduce-scatter over the expert group (and
+  summed over the `mlp` axes, which hold partial sums). Dropless: the
+  grouped matmuls take a static `tokens * E * min(top_k, experts / E)` rows,
+  the most a device's experts can be sent.
+
+  Why an all-gather and not an all-to-all: an all-to-all of static buffers
+  moves, dropless, a worst-case block of `tokens * min(top_k, experts / E)`
+  rows to each other device, at least what the all-gather moves (`tokens`
+  rows to each); XLA's ragged all-to-all, which moves only the routed rows,
+  does not run on CPU. docs/training.md gives the bytes.
+  """
+  top_k = experts.shape[-1]
+
+  def local(x, experts, gates, w_gate, w_up, w_down):
+    shape, d = x.shape, x.shape[-1]
+    tokens, experts, gates = x.reshape(-1, d), experts.reshape(-1, top_k), gates.reshape(-1, top_k)
+    group = layout.expert_axes
+    if layout.gathered:
+      tokens, experts, gates = (
+        jax.lax.all_gather(a, group, axis=0, tiled=True) for a in (tokens, experts, gates)
+      )
+    mine = w_gate.shape[0]  # this device's experts: mine * index .. mine * (index + 1) - 1
+    owned = experts - mine * jax.lax.axis_index(group)
+    owned = jnp.where((owned >= 0) & (owned < mine), owned, mine).reshape(-1)  # mine: elsewhere
+    bound = tokens.shape[0] * min(top_k, mine)
+    order = jnp.argsort(owned, stable=True)[:bound]
+    sizes = jnp.bincount(owned, length=mine + 1)[:mine].astype(jnp.int32)
+    rows = tokens[order // top_k]
+    gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
+    up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
+    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+    # Rows past the groups (choices of other devices' experts) weigh nothing.
+    weight = jnp.where(jnp.arange(bound) < jnp.sum(sizes), gates.reshape(-1)[order], 0.0)
+    y = (
+      jnp.zeros(tokens.shape, jnp.float32)
+      .at[order // top_k]
+      .add(out.astype(jnp.float32) * weight[:, None])
+    )
+    y = y.astype(x.dtype)
+    if layout.gathered:
+      y = jax.lax.psum_scatter(y, group, scatter_dimension=0, tiled=True)
+    else:
+      y = jax.lax.psum(y, group)
+    if layout.mlp_axes:
+      y = jax.lax.psum(y, layout.mlp_axes)
+    return y.reshape(shape)
+
+  t = layout.tokens
+  placed = jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(t, t, t, layout.up, layout.up, layout.down),
+    out_specs=t,
+  )
+  return placed(x, experts, gates, w_gate, w_up, w_down)
 
 
 def _batch_shards() -> int:

@@ -29,7 +29,7 @@ def trainer_axes() -> tuple[str, ...]:
   """The mesh axes some rule preset (`spmd.rules.PRESETS`) splits along, in order of first use.
 
   >>> trainer_axes()
-  ('data', 'fsdp', 'context', 'tensor')
+  ('data', 'fsdp', 'expert', 'context', 'tensor')
   """
   axes: dict[str, None] = {}
   for preset in rules.PRESETS.values():
@@ -49,11 +49,11 @@ def check_axes(config: ml_collections.ConfigDict) -> None:
 
   >>> from configs import mlp
   >>> config = mlp.get_config()
-  >>> config.mesh.ici = "data=-1,expert=2"
+  >>> config.mesh.ici = "data=-1,experts=2"
   >>> check_axes(config)
   Traceback (most recent call last):
   ...
-  ValueError: config.mesh.ici='data=-1,expert=2': 'expert' is not a mesh axis of the trainer; its axes: data, fsdp, context, tensor (the ones config.mesh.rules splits along)
+  ValueError: config.mesh.ici='data=-1,experts=2': 'experts' is not a mesh axis of the trainer; its axes: data, fsdp, expert, context, tensor (the ones config.mesh.rules splits along)
   """
   known = trainer_axes()
   for name in ("ici", "dcn"):
