@@ -104,6 +104,7 @@ TPU_FIGURES = (
   "P9",
   "P9-mha",
   "P9-long",
+  "E-P9",
   "P11",
   "PL1",
   "PL2",
@@ -132,12 +133,14 @@ def readme_block(rows: list[dict]) -> str:
 def figure_order(row: dict) -> tuple[bool, str, int, str]:
   """Sorts rows by series (P before the others), then number, so P10 follows P8, not P1.
 
+  A series may carry a prefix (the mixture of experts' E-M1, E-P9).
+
   Example:
-    >>> ids = ["M1-xla", "P10", "M1", "P2"]
+    >>> ids = ["M1-xla", "P10", "E-P9", "M1", "P2", "E-M1"]
     >>> sorted(ids, key=lambda i: figure_order({"id": i}))
-    ['P2', 'P10', 'M1', 'M1-xla']
+    ['P2', 'P10', 'E-M1', 'E-P9', 'M1', 'M1-xla']
   """
-  found = re.fullmatch(r"([A-Z]+)(\d+)(.*)", row["id"])
+  found = re.fullmatch(r"((?:[A-Z]+-)?[A-Z]+)(\d+)(.*)", row["id"])
   if found is None:
     raise ValueError(f"figure id {row['id']!r} is not a letter series and a number, e.g. P10")
   series, number, suffix = found.groups()
@@ -457,8 +460,8 @@ def shape_rows(report: dict) -> list[dict]:
       figure(
         s["figure"],
         f"MFU of `spmd-train`'s step, a {s['params'] / 1e6:.3g}M Llama {s['label']} at "
-        f"{s['seq_len']} tokens, on one TPU chip (bf16, splash, packed data; PaLM's FLOPs ÷ "
-        "the chip's peak)",
+        f"{s['seq_len']} tokens, on one TPU chip (bf16, splash, packed data; PaLM's FLOPs"
+        f"{' of the active parameters' if s.get('moe_experts') else ''} ÷ the chip's peak)",
         s["mfu"],
         s["goal"],
         False,

@@ -92,6 +92,7 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     "shapes": {
       "mha": {**shape, "figure": "P9-mha", "label": "without GQA", "mfu": 0.61},
       "long": {**shape, "figure": "P9-long", "label": "GQA", "mfu": 0.57, "seq_len": 4096},
+      "moe": {**shape, "figure": "E-P9", "label": "with 8 experts", "mfu": 0.35, "goal": 0.4},
     },
   }
   shapes_path = tmp_path / "tpu_shapes.json"
@@ -105,7 +106,7 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
   monkeypatch.setattr(run, "TABLE_DOCS", (str(doc),))
   monkeypatch.setattr(sys, "argv", ["run", f"--from-tpu-check={path}", "--update-readme"])
   run.main()
-  only = "--only=P9-mha,p9-long"
+  only = "--only=P9-mha,p9-long,E-P9"
   monkeypatch.setattr(
     sys, "argv", ["run", f"--from-tpu-check={shapes_path}", only, "--update-readme"]
   )
@@ -174,11 +175,12 @@ def test_the_tpu_checks_json_merges_into_the_table_and_keeps_the_cpu_rows(tmp_pa
     and "12 rows: plan does not fit, chip refuses" in chip["PL3"]["detail"]
   )
   assert "`benchmarks/tpu_check.sh --tuning=t.json`" in chip["P11"]["machine"]
-  others = ("P9-mha", "P9-long", "S1", "S2", "E1", "L2", "L3")
+  others = ("P9-mha", "P9-long", "E-P9", "S1", "S2", "E1", "L2", "L3")
   from_check = [r for r in chip.values() if r["id"] not in others]
   assert all(r["date"] == "2026-12-05" for r in from_check)
   assert chip["P9-mha"]["meets_goal"] and not chip["P9-long"]["meets_goal"]
   assert chip["P9-long"]["date"] == "2026-12-07" and chip["P9-long"]["value"] == 0.57
+  assert chip["E-P9"]["value"] == 0.35 and not chip["E-P9"]["meets_goal"]  # goal 0.40
   assert "`benchmarks/tpu_shapes.sh`" in chip["P9-mha"]["machine"]
   assert "540M Llama without GQA at 2048 tokens" in chip["P9-mha"]["what"], chip["P9-mha"]
   assert run.readme_block(rows) in doc.read_text()

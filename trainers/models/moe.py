@@ -59,6 +59,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -291,7 +292,7 @@ class MoE(nnx.Module):
       stats = router_stats(logits, experts, probs, config.num_experts)
       y = _expert_parallel(layout, x, experts, gates, *weights).reshape(-1, d)
     else:
-      y, stats = self._routed_per_batch_shard(tokens, router, weights)
+      y, stats = self._routed_per_batch_shard(x, router, weights)
     y = y.astype(x.dtype)
     if config.shared_d_ff:
       shared = self.shared(tokens)
@@ -303,28 +304,43 @@ class MoE(nnx.Module):
       y = y + shared
     return y.reshape(*lead, d), stats
 
-  def _routed_per_batch_shard(self, tokens, router, weights) -> tuple[jax.Array, RouterStats]:
-    """Every expert on every device: tokens [n, d] routed per batch shard, float32 out."""
-    config, d = self.config, tokens.shape[-1]
-    # Each device routes its own rows: sorted over the whole batch, the tokens
-    # would be gathered onto every device and every device would run every
-    # token's experts. So the tokens form one group per batch shard, each
-    # routed and sorted locally, the experts' weights broadcast per group
-    # (one copy on each device, as an FSDP layer gathers them anyway).
-    groups = _batch_shards()
-    if tokens.shape[0] % groups:
-      groups = 1
-    grouped = constrain(tokens.reshape(groups, -1, d), ("batch", None, None))
-    logits = jnp.einsum("gnd,de->gne", grouped.astype(jnp.float32), router)
+  def _routed_per_batch_shard(self, x, router, weights) -> tuple[jax.Array, RouterStats]:
+    """Every expert on every device: x [batch, length, d] routed per device, float32 [n, d] out.
+
+    Each device routes and sorts its own rows, inside a `shard_map` over the
+    mesh: sorted over the whole batch, the tokens would be gathered onto
+    every device and every device would run every token's experts. The
+    experts' weights come whole along d_model (gathered over fsdp, as an FSDP
+    layer's are) and split along d_ff as the rules split `mlp`, whose partial
+    sums are added. Why not `jax.vmap` over per-device groups of rows: it
+    gives the grouped matmuls a batch dimension, which libtpu's grouped
+    matmul refuses ("number of batch dimensions should be 0"), so no routed
+    model compiled for more than one TPU chip.
+    """
+    config, d = self.config, x.shape[-1]
+    logits = constrain(
+      jnp.einsum("bld,de->ble", x.astype(jnp.float32), router), ("batch", "length", None)
+    )
     experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
     stats = router_stats(logits, experts, probs, config.num_experts)
-    if groups == 1:
-      return _dispatch(grouped[0], experts[0], gates[0], *weights), stats
-    names = (("batch", "experts", "embed", "mlp"),) * 2 + (("batch", "experts", "mlp", "embed"),)
-    per_group = [
-      constrain(jnp.broadcast_to(w, (groups, *w.shape)), n) for w, n in zip(weights, names)
-    ]
-    return jax.vmap(_dispatch)(grouped, experts, gates, *per_group).reshape(-1, d), stats
+    k = config.top_k
+    layout = _per_device_layout(x.shape)
+    if layout is None:
+      flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
+      return _dispatch(*flat, *weights), stats
+    mesh, t, mlp_axes = layout
+    up = jax.sharding.PartitionSpec(None, None, mlp_axes or None)
+    down = jax.sharding.PartitionSpec(None, mlp_axes or None, None)
+
+    def local(x, experts, gates, w_gate, w_up, w_down):
+      flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
+      y = _dispatch(*flat, w_gate, w_up, w_down)
+      if mlp_axes:
+        y = jax.lax.psum(y, mlp_axes)
+      return y.reshape(*x.shape[:-1], d)
+
+    placed = jax.shard_map(local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t)
+    return placed(x, experts, gates, *weights).reshape(-1, d), stats
 
 
 def _dispatch(
@@ -340,17 +356,83 @@ def _dispatch(
   Dropless: each (token, choice) pair sorted by expert, so each expert's
   rows are one contiguous group of the grouped matmuls.
   """
-  top_k, num_experts = experts.shape[-1], w_gate.shape[0]
-  flat = experts.reshape(-1)
+  (n, d), (top_k, num_experts) = tokens.shape, (experts.shape[-1], w_gate.shape[0])
+  # Pairs in (choice, token) order: pair c * n + t is token t's choice c, so
+  # that the experts' outputs, put back, are [top_k, n, d], whole [n, d]
+  # blocks a choice. In (token, choice) order they were [n, top_k, d], whose
+  # second-to-last axis of 2 a TPU tiles by 8: a relayout copy of every
+  # output (and its float32 widening) on the chip, about 4 % of a step.
+  flat = experts.T.reshape(-1)
   order = jnp.argsort(flat, stable=True)
+  unsort = jnp.argsort(order)
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  rows = tokens[order // top_k]
+  rows = _token_copies(top_k, tokens, order, unsort)
   gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
   up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
   out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
-  # Back in (token, choice) order by the inverse permutation: a gather, not a scatter.
-  out = out[jnp.argsort(order)].reshape(-1, top_k, tokens.shape[-1])
-  return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates)
+  # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
+  out = _permuted(out, unsort, order).reshape(top_k, n, d)
+  return _sum_of_choices(out, gates.T)
+
+
+# The two row shuffles of the dispatch, with the backward JAX cannot see: it
+# transposes a gather to a scatter-add, slow on a TPU (about 7 % of a step
+# there), where both are a permutation and its inverse, so their gradients
+# are gathers too.
+@jax.custom_vjp
+def _permuted(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """`x[index]` for a permutation `index` whose inverse is `inverse`."""
+  return x[index]
+
+
+def _permuted_fwd(x, index, inverse):
+  return x[index], inverse
+
+
+def _permuted_bwd(inverse, g):
+  return g[inverse], None, None
+
+
+_permuted.defvjp(_permuted_fwd, _permuted_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _token_copies(top_k: int, tokens: jax.Array, order: jax.Array, unsort: jax.Array) -> jax.Array:
+  """`tokens[order % n]`: each of n tokens' `top_k` copies, in the pairs' `order`.
+
+  `order` is a permutation of the k n pairs in (choice, token) order and
+  `unsort` its inverse. The gradient puts the copies back by `unsort` and
+  sums each token's k of them, in float32.
+  """
+  return tokens[order % tokens.shape[0]]
+
+
+def _token_copies_fwd(top_k, tokens, order, unsort):
+  return tokens[order % tokens.shape[0]], unsort
+
+
+def _token_copies_bwd(top_k, unsort, g):
+  copies = g[unsort].reshape(top_k, -1, g.shape[-1])
+  return _sum_of_choices(copies).astype(g.dtype), None, None
+
+
+def _sum_of_choices(blocks: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+  """The float32 sum of `blocks` [k, n, d] over k, each block weighed by `weights` [k, n].
+
+  Written as k slices so that XLA widens each inside one fused loop; a
+  reduction or a dot over the stacked blocks made the TPU write a float32
+  copy of all of them first.
+  """
+  total = None
+  for c in range(blocks.shape[0]):
+    term = blocks[c].astype(jnp.float32)
+    if weights is not None:
+      term = term * weights[c][:, None]
+    total = term if total is None else total + term
+  return total
+
+
+_token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,16 +560,27 @@ def _expert_parallel(layout: _ExpertLayout, x, experts, gates, w_gate, w_up, w_d
   return placed(x, experts, gates, w_gate, w_up, w_down)
 
 
-def _batch_shards() -> int:
-  """Devices the active rules split the batch over; 1 outside them or inside a shard_map."""
+def _per_device_layout(shape: tuple[int, ...]):
+  """`(mesh, tokens' spec, mlp axes)` for routing x [batch, length, d] per device, or None.
+
+  None outside the rules or inside a shard_map, for inputs other than
+  [batch, length, d], where no device count above 1 splits the tokens, or where the rows or
+  the sequence do not split evenly (a decoding step's few rows): then the
+  tokens are routed as one group.
+  """
   active = rules.active_rules()
-  if active is None or jax.sharding.get_abstract_mesh().manual_axes:
-    return 1
+  if active is None or jax.sharding.get_abstract_mesh().manual_axes or len(shape) != 3:
+    return None
   active_rules, mesh = active
-  spec = rules.logical_to_spec(("batch",), active_rules, mesh)
-  entry = spec[0] if len(spec) else None
-  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-  return math.prod(mesh.shape[a] for a in axes)
+  tokens = (*rules.logical_to_spec(("batch", "length"), active_rules, mesh), None, None)[:2]
+  if math.prod(mesh.shape[a] for entry in tokens for a in _axes(entry)) == 1:
+    return None
+  for dim, entry in enumerate(tokens):
+    if shape[dim] % math.prod(mesh.shape[a] for a in _axes(entry)):
+      return None
+  up = rules.logical_to_spec(("experts", None, "mlp"), active_rules, mesh)
+  mlp_axes = _axes(up[2] if len(up) > 2 else None)
+  return mesh, jax.sharding.PartitionSpec(*tokens), mlp_axes
 
 
 def active_params(config: MoEConfig) -> int:
