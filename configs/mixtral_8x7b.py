@@ -18,40 +18,20 @@ tokens a device, 4608 rows on v5p-256): benchmarks/moe_memory.py (E-M1)
 compares the bytes a device needs with MaxText's own compile of it.
 """
 
-from configs import default
-from trainers.tasks import llama
+from configs import llama3_8b
 
 
 def get_config():
-  config = default.get_config()
-  config.task = "llama"
-  config.model = llama.default_model_config()
+  # Llama-3-8B's layers, heads, widths, dtypes, remat and schedule; Mixtral's
+  # vocabulary, sequence, RoPE base and routed MLPs, at MaxText's batch.
+  config = llama3_8b.get_config()
   config.model.vocab_size = 32000
   config.model.seq_len = 4096
-  config.model.num_layers = 32
-  config.model.d_model = 4096
-  config.model.num_heads = 32
-  config.model.num_kv_heads = 8
-  config.model.d_ff = 14336
+  config.model.rope_theta = 1e6
   config.model.moe_experts = 8
   config.model.moe_top_k = 2
   config.model.moe_d_ff = 14336
-  config.model.rope_theta = 1e6
-  config.model.tie_embeddings = False
-  config.train.precision = "bfloat16"
-  config.model.param_dtype = "float32"
-  config.model.scan_layers = True
-  config.model.remat_policy = "full"
   config.global_batch = 4608  # 36 rows a device on v5p-256's 128 chips
   config.mesh.ici = "data=1,fsdp=-1,tensor=1"
   config.mesh.rules = "fsdp"
-  config.train.steps = 100_000
-  config.train.learning_rate = 3e-4
-  config.train.warmup_steps = 2000
-  config.train.b2 = 0.95
-  config.log_every = 10
-  config.eval_every = 1000
-  config.checkpoint.every = 1000
-  # No end-of-run sample: the data is bytes with no tokenizer, so it would show ids.
-  config.sample_tokens = 0
   return config
