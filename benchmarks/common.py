@@ -296,7 +296,7 @@ def markdown(rows: list[dict]) -> str:
   ]
   for r in rows:
     met = {True: "yes", False: "**no**", None: "—"}[r["meets_goal"]]
-    lines.append(
-      f"| {r['id']} | {r['what']} | {r['value']:.3f} | {r['goal']} | {met} | {r['detail']} |"
-    )
+    # No value: the figure could not be measured (e.g. the compiler refused), its detail says why.
+    value = "none" if r["value"] is None else f"{r['value']:.3f}"
+    lines.append(f"| {r['id']} | {r['what']} | {value} | {r['goal']} | {met} | {r['detail']} |")
   return "\n".join(lines) + "\n"
