@@ -1,4 +1,4 @@
-"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, C1, C3, D1-D3, I1) in one run, as JSON and Markdown.
+"""`make bench`: every performance figure (P1-P8, P10, M1, M2, L1, C1, C3, E-M1, E-M2, D1-D3, I1) in one run, as JSON and Markdown.
 
   python -m benchmarks.run [--only=P4,P5] [--out=workdir/bench] [--update-readme]
 
@@ -28,6 +28,10 @@ counts and process layouts):
   C1      benchmarks/context_memory.py  Llama-3-8B's bytes per device on v5p-256 at
                                     131,072 tokens x 32 rows, fsdp=16 x context=8
                                     (libtpu) vs MaxText's context parallelism
+  E-M1, E-M2  benchmarks/moe_memory.py  Mixtral 8x7B's bytes per device on v5p-256 (pure
+                                    FSDP, 4096 tokens x 36 rows a chip, libtpu) vs MaxText's
+                                    megablox compile; the expert MLPs' executed FLOPs ÷ the
+                                    active parameters' (E-M2-cf1.25: a capacity layout, computed)
   C3      benchmarks/context_balance.py  causal attention blocks per context shard at
                                     131k tokens on 8 shards, from the block mask: the
                                     busiest ÷ the mean, and all ÷ one unsplit device
@@ -94,6 +98,7 @@ BENCHMARKS = [
   ("lora_memory", ("L1",), {}),
   ("context_memory", ("C1",), {}),
   ("context_balance", ("C3", "C3-total"), {}),
+  ("moe_memory", ("E-M1", "E-M2", "E-M2-cf1.25"), {}),
   ("data_prep", ("D1", "D2", "D3"), {}),
   ("hf_import", ("I1",), {}),
 ]

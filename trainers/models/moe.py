@@ -205,7 +205,20 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   """
   if jnp.dtype(w.dtype) == jnp.dtype(x.dtype):
     return jax.lax.ragged_dot(x, w, group_sizes)
+  # Inside a shard_map, a weight the same on every device (invariant) times
+  # rows that differ (varying) has a gradient that differs per device until
+  # summed: made varying here, its gradient is summed by the cast's transpose,
+  # and the custom VJP's gradient has its input's type.
+  missing = tuple(sorted(_varying(x) - _varying(w)))
+  if missing:
+    w = jax.lax.pcast(w, missing, to="varying")
   return _narrowed_grouped(x, w, group_sizes)
+
+
+def _varying(x: jax.Array) -> frozenset:
+  """The manual mesh axes x differs over (inside a shard_map; outside: none)."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)  # JAX 0.10; `vma` before it
+  return frozenset(manual.varying if manual is not None else getattr(jax.typeof(x), "vma", ()))
 
 
 # The weight's gradient: x [rows, in] and the cotangent [rows, out] contracted
