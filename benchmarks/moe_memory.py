@@ -23,10 +23,10 @@ bf16 compute), compiled for v5p-256 rather than v5p-512 and with its
 default float32 weights (that setting stores bf16 weights; ours are float32,
 and both sides keep the same dtypes here). It needs no expert parallelism.
 It is not recomputed here: MaxText stays out of this project's dependencies.
-Where libtpu refuses our step (it does now on more than one chip: the
-per-batch-shard `vmap` in `trainers.models.moe` gives each `ragged_dot` a
-batch dimension, which libtpu's grouped matmul does not take), the row has
-no value and its detail quotes libtpu.
+Where libtpu refuses our step (it did on more than one chip while
+`trainers.models.moe` routed each batch shard in a `vmap`, which gave each
+`ragged_dot` a batch dimension libtpu's grouped matmul does not take), the
+row has no value and its detail quotes libtpu.
 
 E-M2 is the expert MLPs' FLOPs the step executes ÷ the active parameters'
 MLP FLOPs (tokens x top_k x 3 matmuls x 2 x d_model x d_ff, x3 for the
