@@ -200,6 +200,7 @@ def test_train_on_bpe_then_resume_with_another_tokenizer_is_refused(tmp_path):
   config.train.steps = 4
   config.checkpoint.every = 2
   config.eval_every = 4
+  config.sample_tokens = 8  # the sample's text goes through the run's tokenizer
   workdir = tmp_path / "run"
   summary = train_and_evaluate(config, str(workdir))
   assert summary["steps"] == 4 and 0.9 < summary["real_token_share"] <= 1.0
