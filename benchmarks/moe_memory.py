@@ -74,7 +74,13 @@ jax.config.update("jax_platforms", "cpu")
 from jax._src.interpreters import partial_eval as pe  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.pod_memory import GIB, MAXTEXT_FIELD, compiled_plan, describe  # noqa: E402
+from benchmarks.pod_memory import (  # noqa: E402
+  GIB,
+  MAXTEXT_FIELD,
+  compiled_plan,
+  describe,
+  plan_arguments,
+)
 from spmd import rules as rules_lib  # noqa: E402
 from spmd.topology import topology_devices  # noqa: E402
 from trainers.step.loss import abstract_batch, batch_shardings  # noqa: E402
@@ -224,14 +230,7 @@ def load_config(args: argparse.Namespace):
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/mixtral_8x7b.py")
-  parser.add_argument("--topology", default="v5p-256")
-  parser.add_argument("--seq-len", type=int, default=0, help="shrink the model (tests)")
-  parser.add_argument("--num-layers", type=int, default=0, help="shrink the model (tests)")
-  parser.add_argument("--global-batch", type=int, default=0, help="shrink the batch (tests)")
-  parser.add_argument("--json")
-  args = parser.parse_args()
+  args = plan_arguments(__doc__.splitlines()[0], "configs/mixtral_8x7b.py")
   config = load_config(args)
   chips = len(topology_devices(args.topology))
   name = (

@@ -112,15 +112,21 @@ def describe(ours: Compiled) -> str:
   )
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/llama3_8b.py")
+def plan_arguments(description: str, config: str) -> argparse.Namespace:
+  """The command line of a pod-memory figure: `--config` (default `config`), `--topology`, the
+  shrinking flags its test passes and `--json`."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--config", default=config)
   parser.add_argument("--topology", default="v5p-256")
   parser.add_argument("--seq-len", type=int, default=0, help="shrink the model (tests)")
   parser.add_argument("--num-layers", type=int, default=0, help="shrink the model (tests)")
   parser.add_argument("--global-batch", type=int, default=0, help="shrink the batch (tests)")
   parser.add_argument("--json")
-  args = parser.parse_args()
+  return parser.parse_args()
+
+
+def main() -> None:
+  args = plan_arguments(__doc__.splitlines()[0], "configs/llama3_8b.py")
   fused = plan_for(args, "auto")
   xla = plan_for(args, "xla")
   name = f"{os.path.basename(args.config)} on {args.topology}, pure FSDP"

@@ -54,15 +54,15 @@ agree with `latest.json`. With `--only`, only those figures are replaced
 (each row keeps its own date).
 
 The chip's figures (P4-tpu, P9, P11, PL1-PL3, P9 at two more shapes, P9-mha
-and P9-long, the decode speeds S1 and S2, the eval speed E1 and LoRA's L2
-and L3: `TPU_FIGURES`) come from the JSON of the TPU check
+and P9-long, a mixture of experts' MFU E-P9, the decode speeds S1 and S2,
+the eval speed E1 and LoRA's L2 and L3: `TPU_FIGURES`) come from the JSON of the TPU check
 (`benchmarks/tpu_check.sh` on a TPU machine), of the shapes' runs
 (`benchmarks/tpu_shapes.sh`), of `benchmarks.tpu_sample`, of
 `benchmarks.tpu_evals` and of `benchmarks.tpu_lora`, merged without running
 anything here:
 
   python -m benchmarks.run --from-tpu-check=tpu_check.json [--only=P9,P11] --update-readme
-  python -m benchmarks.run --from-tpu-check=tpu_shapes.json --only=P9-mha,P9-long --update-readme
+  python -m benchmarks.run --from-tpu-check=tpu_shapes.json --only=P9-mha,P9-long,E-P9 --update-readme
   python -m benchmarks.run --from-tpu-check=tpu_sample.json --only=S1,S2 --update-readme
   python -m benchmarks.run --from-tpu-check=e1.json --only=E1 --update-readme
   python -m benchmarks.run --from-tpu-check=tpu_lora.json --only=L2,L3 --update-readme

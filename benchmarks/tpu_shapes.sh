@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# P9 at two more Llama shapes, through spmd-train, on a fresh one-chip TPU machine:
-#   benchmarks/tpu_shapes.sh [--shapes=mha,long] [--steps=24] [--out=FILE]
+# P9 at more Llama shapes (two dense, one mixture of experts), through spmd-train, on a fresh one-chip TPU machine:
+#   benchmarks/tpu_shapes.sh [--shapes=mha,long,moe] [--steps=24] [--out=FILE]
 # It installs the harness's needs as benchmarks/tpu_check.sh does
 # (benchmarks/tpu_setup.sh), then runs benchmarks/tpu_shapes.py, which writes
 # JSON ($OUT/tpu_shapes.json, or --out) that
-#   python -m benchmarks.run --from-tpu-check=FILE --only=P9-mha,P9-long --update-readme
+#   python -m benchmarks.run --from-tpu-check=FILE --only=P9-mha,P9-long,E-P9 --update-readme
 # merges into benchmarks/latest.json and the README's table.
 set -euo pipefail
 cd "$(dirname "$0")/.."

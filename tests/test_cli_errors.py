@@ -96,7 +96,7 @@ def _cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     (
       "spmd-train",
       [f"--config={CONFIG}", f"--workdir={tmp / 'w'}", "--config.mesh.ici=data=1,bogus=2"],
-      "'bogus' is not a mesh axis of the trainer; its axes: data, fsdp, context, tensor",
+      "'bogus' is not a mesh axis of the trainer; its axes: data, fsdp, expert, context, tensor",
     ),
     (
       "spmd-train",

@@ -223,7 +223,11 @@ def make_state(
   tx, schedule = optim.make_optimizer(config.train, task_optimizer)
   rules = rules_lib.preset(config.mesh.rules)
   unannotated = config.mesh.get("unannotated", "replicate")
-  batch_axes = tuple(config.mesh.batch_axes if batch_axes is None else batch_axes)
+  # Axes the mesh lacks have size 1 (as `build_mesh` reads them): a mesh built
+  # without `expert` or `context` still takes the default batch axes.
+  batch_axes = tuple(
+    a for a in (config.mesh.batch_axes if batch_axes is None else batch_axes) if a in mesh.shape
+  )
 
   def in_context(fn: Callable) -> Callable:
     # The model is built under the mesh and the rules (outside any trace, as

@@ -109,8 +109,10 @@ def make_train_step(
   """`(state, batch) -> (state, metrics)`, jitted over the mesh, state donated.
 
   `flat_reduce` says whether gradients are summed as one flat vector
-  (`flat_gradient_reduction`); None decides it here.
+  (`flat_gradient_reduction`); None decides it here. Batch axes the mesh
+  lacks have size 1 and are left out (as `build_mesh` reads them).
   """
+  batch_axes = tuple(a for a in batch_axes if a in mesh.shape)
   check_micro_batches(config, mesh, batch_axes)
   # With `config.lora`, gradients of the adapters only (`trainers.step.trainable`).
   value_and_grad = trainable.value_and_grad(loss_fn(setup, task, train=True), setup.trainable_paths)
