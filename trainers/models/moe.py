@@ -331,9 +331,9 @@ class MoE(nnx.Module):
     model compiled for more than one TPU chip.
     """
     config, d = self.config, x.shape[-1]
-    logits = constrain(
-      jnp.einsum("bld,de->ble", x.astype(jnp.float32), router), ("batch", "length", None)
-    )
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router)
+    if x.ndim == 3:  # [batch, length, d]; other shapes are routed as one group
+      logits = constrain(logits, ("batch", "length", None))
     experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
     stats = router_stats(logits, experts, probs, config.num_experts)
     k = config.top_k
