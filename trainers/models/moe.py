@@ -294,18 +294,18 @@ class MoE(nnx.Module):
     # The router in float32: in bfloat16 near-equal logits swap their order,
     # and the exponentials of the gates and z-loss lose their bits.
     router = self.router[...].astype(jnp.float32)
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router)
+    if x.ndim == 3:  # [batch, length, d]; other shapes are routed as one group
+      logits = constrain(logits, ("batch", "length", None))
+    experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
+    stats = router_stats(logits, experts, probs, config.num_experts)
     layout = _expert_layout(x.shape, config.num_experts)
     if layout is not None:
       # Expert parallel: each device routes its own tokens and sends them to
       # the devices that hold their experts (`_expert_parallel`).
-      logits = constrain(
-        jnp.einsum("bld,de->ble", x.astype(jnp.float32), router), ("batch", "length", None)
-      )
-      experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
-      stats = router_stats(logits, experts, probs, config.num_experts)
       y = _expert_parallel(layout, x, experts, gates, *weights).reshape(-1, d)
     else:
-      y, stats = self._routed_per_batch_shard(x, router, weights)
+      y = _routed_per_device(x, experts, gates, weights)
     y = y.astype(x.dtype)
     if config.shared_d_ff:
       shared = self.shared(tokens)
@@ -317,43 +317,38 @@ class MoE(nnx.Module):
       y = y + shared
     return y.reshape(*lead, d), stats
 
-  def _routed_per_batch_shard(self, x, router, weights) -> tuple[jax.Array, RouterStats]:
-    """Every expert on every device: x [batch, length, d] routed per device, float32 [n, d] out.
 
-    Each device routes and sorts its own rows, inside a `shard_map` over the
-    mesh: sorted over the whole batch, the tokens would be gathered onto
-    every device and every device would run every token's experts. The
-    experts' weights come whole along d_model (gathered over fsdp, as an FSDP
-    layer's are) and split along d_ff as the rules split `mlp`, whose partial
-    sums are added. Why not `jax.vmap` over per-device groups of rows: it
-    gives the grouped matmuls a batch dimension, which libtpu's grouped
-    matmul refuses ("number of batch dimensions should be 0"), so no routed
-    model compiled for more than one TPU chip.
-    """
-    config, d = self.config, x.shape[-1]
-    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router)
-    if x.ndim == 3:  # [batch, length, d]; other shapes are routed as one group
-      logits = constrain(logits, ("batch", "length", None))
-    experts, gates, probs = route(logits, config.top_k, config.gate, config.norm_topk)
-    stats = router_stats(logits, experts, probs, config.num_experts)
-    k = config.top_k
-    layout = _per_device_layout(x.shape)
-    if layout is None:
-      flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
-      return _dispatch(*flat, *weights), stats
-    mesh, t, mlp_axes = layout
-    up = jax.sharding.PartitionSpec(None, None, mlp_axes or None)
-    down = jax.sharding.PartitionSpec(None, mlp_axes or None, None)
+def _routed_per_device(x, experts, gates, weights) -> jax.Array:
+  """Every expert on every device: x [..., d] and its routing, float32 [n, d] out.
 
-    def local(x, experts, gates, w_gate, w_up, w_down):
-      flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
-      y = _dispatch(*flat, w_gate, w_up, w_down)
-      if mlp_axes:
-        y = jax.lax.psum(y, mlp_axes)
-      return y.reshape(*x.shape[:-1], d)
+  Each device sorts and runs its own rows, inside a `shard_map` over the
+  mesh: sorted over the whole batch, the tokens would be gathered onto
+  every device and every device would run every token's experts. The
+  experts' weights come whole along d_model (gathered over fsdp, as an FSDP
+  layer's are) and split along d_ff as the rules split `mlp`, whose partial
+  sums are added. Why not `jax.vmap` over per-device groups of rows: it
+  gives the grouped matmuls a batch dimension, which libtpu's grouped
+  matmul refuses ("number of batch dimensions should be 0"), so no routed
+  model compiled for more than one TPU chip.
+  """
+  d, k = x.shape[-1], experts.shape[-1]
+  layout = _per_device_layout(x.shape)
+  if layout is None:
+    flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
+    return _dispatch(*flat, *weights)
+  mesh, t, mlp_axes = layout
+  up = jax.sharding.PartitionSpec(None, None, mlp_axes or None)
+  down = jax.sharding.PartitionSpec(None, mlp_axes or None, None)
 
-    placed = jax.shard_map(local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t)
-    return placed(x, experts, gates, *weights).reshape(-1, d), stats
+  def local(x, experts, gates, w_gate, w_up, w_down):
+    flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
+    y = _dispatch(*flat, w_gate, w_up, w_down)
+    if mlp_axes:
+      y = jax.lax.psum(y, mlp_axes)
+    return y.reshape(*x.shape[:-1], d)
+
+  placed = jax.shard_map(local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t)
+  return placed(x, experts, gates, *weights).reshape(-1, d)
 
 
 def _dispatch(
@@ -471,12 +466,12 @@ def _expert_layout(shape: tuple[int, ...], num_experts: int) -> _ExpertLayout | 
   None outside the rules, inside a shard_map, where the rules put `experts`
   on no mesh axis (of size > 1), for inputs other than [batch, length, d], or
   where the rows or the sequence do not split evenly (a decoding step's few
-  rows): then every device runs every expert (`MoE._routed_per_batch_shard`).
+  rows): then every device runs every expert (`_routed_per_device`).
   """
-  active = rules.active_rules()
-  if active is None or jax.sharding.get_abstract_mesh().manual_axes or len(shape) != 3:
+  found = _token_split(shape)
+  if found is None:
     return None
-  active_rules, mesh = active
+  active_rules, mesh, padded = found
   spec = lambda names: rules.logical_to_spec(names, active_rules, mesh)  # noqa: E731
   up, down = spec(("experts", None, "mlp")), spec(("experts", "mlp"))
   expert_axes = _axes(up[0] if len(up) else None)
@@ -487,11 +482,6 @@ def _expert_layout(shape: tuple[int, ...], num_experts: int) -> _ExpertLayout | 
       f"moe_experts={num_experts} is not divisible by the {expert_axes} mesh axes "
       f"of {dict(mesh.shape)} that split the experts"
     )
-  tokens = spec(("batch", "length"))
-  padded = (*tokens, None, None)[:2]
-  for dim, entry in enumerate(padded):
-    if shape[dim] % math.prod(mesh.shape[a] for a in _axes(entry)):
-      return None
   split = set(_axes(padded[0])) | set(_axes(padded[1]))
   if not set(expert_axes) <= split and split & set(expert_axes):
     return None  # tokens split over some of the expert axes only: no layout here
@@ -573,24 +563,36 @@ def _expert_parallel(layout: _ExpertLayout, x, experts, gates, w_gate, w_up, w_d
   return placed(x, experts, gates, w_gate, w_up, w_down)
 
 
-def _per_device_layout(shape: tuple[int, ...]):
-  """`(mesh, tokens' spec, mlp axes)` for routing x [batch, length, d] per device, or None.
+def _token_split(shape: tuple[int, ...]):
+  """`(rules, mesh, the tokens' spec along batch and length)` for x [batch, length, d], or None.
 
-  None outside the rules or inside a shard_map, for inputs other than
-  [batch, length, d], where no device count above 1 splits the tokens, or where the rows or
-  the sequence do not split evenly (a decoding step's few rows): then the
-  tokens are routed as one group.
+  None outside the rules, inside a shard_map, for inputs other than
+  [batch, length, d], or where the rows or the sequence do not split evenly
+  over their mesh axes (a decoding step's few rows).
   """
   active = rules.active_rules()
   if active is None or jax.sharding.get_abstract_mesh().manual_axes or len(shape) != 3:
     return None
   active_rules, mesh = active
   tokens = (*rules.logical_to_spec(("batch", "length"), active_rules, mesh), None, None)[:2]
-  if math.prod(mesh.shape[a] for entry in tokens for a in _axes(entry)) == 1:
-    return None
   for dim, entry in enumerate(tokens):
     if shape[dim] % math.prod(mesh.shape[a] for a in _axes(entry)):
       return None
+  return active_rules, mesh, tokens
+
+
+def _per_device_layout(shape: tuple[int, ...]):
+  """`(mesh, tokens' spec, mlp axes)` for routing x [batch, length, d] per device, or None.
+
+  None where `_token_split` is, or where no device count above 1 splits the
+  tokens: then they are routed as one group.
+  """
+  found = _token_split(shape)
+  if found is None:
+    return None
+  active_rules, mesh, tokens = found
+  if math.prod(mesh.shape[a] for entry in tokens for a in _axes(entry)) == 1:
+    return None
   up = rules.logical_to_spec(("experts", None, "mlp"), active_rules, mesh)
   mlp_axes = _axes(up[2] if len(up) > 2 else None)
   return mesh, jax.sharding.PartitionSpec(*tokens), mlp_axes
