@@ -18,8 +18,7 @@
   holding its first device and handed to the others through JAX's
   distributed key-value store (`jax_share_binary_between_hosts`). The
   processes of a job compile the same program (SPMD), so the others' compiles
-  were the same work done again, on the same two cores: a 4 x 1 run of
-  tests/configs/train_tiny.py took 33 CPU s from an empty cache instead of 55.
+  were the same work done again, on the same two cores.
   Programs on one process's devices alone never wait for another.
 
 The first process to call `apply()` (the pytest controller under xdist)

@@ -310,8 +310,8 @@ _NARROW_LM_SMALL = (
 )
 def test_plans_for_real_tpu_topologies(topology, num_slices, hosts):
   devices = {"v4-32": 16, "v5e-256": 256, "v5p-256": 128}[topology] * num_slices
-  # One row a chip: libtpu's compile time grows with the rows a chip holds (16
-  # rows on v4-32 cost 33 CPU s), and none of the checks below needs more.
+  # One row a chip: libtpu's compile time grows with the rows a chip holds,
+  # and none of the checks below needs more.
   global_batch = devices
   done = _spmd_plan(
     "--config=configs/lm_small.py",

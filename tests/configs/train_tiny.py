@@ -24,7 +24,7 @@ def get_config():
   config.eval_every = 10
   config.eval_batches = 2
   config.checkpoint.every = 5
-  # No sample at the end (about 0.75 CPU s a run): tests/test_train.py's
+  # No sample at the end (its decode costs every run CPU): tests/test_train.py's
   # reference run asks for one and checks it.
   config.sample_tokens = 0
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error

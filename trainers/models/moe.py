@@ -369,7 +369,7 @@ def _dispatch(
   # that the experts' outputs, put back, are [top_k, n, d], whole [n, d]
   # blocks a choice. In (token, choice) order they were [n, top_k, d], whose
   # second-to-last axis of 2 a TPU tiles by 8: a relayout copy of every
-  # output (and its float32 widening) on the chip, about 4 % of a step.
+  # output (and its float32 widening) on the chip (E-P9, docs/performance.md).
   flat = experts.T.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   unsort = jnp.argsort(order)
@@ -384,9 +384,9 @@ def _dispatch(
 
 
 # The two row shuffles of the dispatch, with the backward JAX cannot see: it
-# transposes a gather to a scatter-add, slow on a TPU (about 7 % of a step
-# there), where both are a permutation and its inverse, so their gradients
-# are gathers too.
+# transposes a gather to a scatter-add, slow on a TPU (E-P9,
+# docs/performance.md), where both are a permutation and its inverse, so
+# their gradients are gathers too.
 @jax.custom_vjp
 def _permuted(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
   """`x[index]` for a permutation `index` whose inverse is `inverse`."""
