@@ -20,6 +20,10 @@
   processes of a job compile the same program (SPMD), so the others' compiles
   were the same work done again, on the same two cores.
   Programs on one process's devices alone never wait for another.
+- Bytecode written and read back (`__pycache__`, git-ignored), whatever
+  `PYTHONDONTWRITEBYTECODE` says: every process a test starts imports the
+  checkout's few hundred modules, and without bytecode each compiles them
+  all again (about 0.2 CPU s a process, hundreds of processes a run).
 
 The first process to call `apply()` (the pytest controller under xdist)
 owns the session folder and removes it when the run ends; the processes it
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,6 +100,8 @@ def apply() -> None:
     folder = Path(tempfile.mkdtemp(prefix="spmd-tests-"))
     _owned.append(folder)
     os.environ[SESSION_DIR_ENV] = str(folder)
+  os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+  sys.dont_write_bytecode = False
   os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
   os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -92,6 +92,11 @@ SPLASH_FLOAT32_MAX_BLOCK = 512
 """The largest splash block for float32 inputs: at 1024 the fused backward kernel asks
 17.5 MiB of scoped VMEM, over the 16 MiB the v5e compiler allows, and the compile fails."""
 
+SPLASH_RESIDUALS = "attention_core"
+"""The name splash gives its residuals (its output and each row's log-sum-exp), so that a
+remat policy can keep them (`trainers.models.layers.CHECKPOINT_POLICIES`) and the
+backward pass does not run the attention's forward kernel again."""
+
 SPLASH_FUSED_BACKWARD = True
 """Splash's backward pass in one kernel (dq, dk and dv together) rather than a dq
 kernel and a dk/dv kernel, which recompute the scores twice: faster on a v5e chip.
@@ -394,7 +399,12 @@ def _splash_local(q, k, v, segment_ids, *, block: int, interpret: bool) -> jax.A
   # Heads a multiple of kv_heads is grouped-query attention in the kernel
   # itself: query head i reads key/value head i // (heads // kv_heads).
   kernel = splash.make_splash_mha(
-    mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    mask,
+    block_sizes=sizes,
+    head_shards=1,
+    q_seq_shards=1,
+    interpret=interpret,
+    residual_checkpoint_name=SPLASH_RESIDUALS,
   )
   return _run_splash(kernel, q, k, v, segment_ids, segment_ids)
 
@@ -570,6 +580,7 @@ def splash_context_attention(
     head_shards=1,
     q_seq_shards=shards,
     interpret=interpret,
+    residual_checkpoint_name=SPLASH_RESIDUALS,
   )
   P = jax.sharding.PartitionSpec
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))

@@ -243,10 +243,37 @@ def _narrowed_grouped_bwd(residuals, g):
   x, narrow, group_sizes, marker = residuals
   _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
   (dx,) = x_vjp(g)
-  dw = jax.lax.ragged_dot_general(
+  return dx, _weight_gradient(x, g, group_sizes).astype(marker.dtype), None
+
+
+WEIGHT_GRADIENT_KERNEL = "xla"
+"""Which kernel sums each group's weight gradient: "xla" (`ragged_dot_general`, which
+libtpu lowers densely over the groups) or "tgmm" (megablox's grouped kernel, on a TPU
+only, over each group's own rows; `TGMM_TILING`)."""
+
+TGMM_TILING: tuple[int, int, int] | None = None
+"""tgmm's (rows, in, out) tile; None: the largest of 512, 256, 128 dividing each."""
+
+
+def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Each group's x [rows, in] contracted with g [rows, out] over its rows: [groups, in, out], f32."""
+  tiling = TGMM_TILING or tuple(
+    next((t for t in (512, 256, 128) if size % t == 0), 0)
+    for size in (x.shape[0], *x.shape[1:], g.shape[1])
+  )
+  if WEIGHT_GRADIENT_KERNEL == "tgmm" and jax.default_backend() == "tpu" and all(tiling):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox
+
+    return megablox.tgmm(
+      x.swapaxes(0, 1),
+      g,
+      group_sizes.astype(jnp.int32),
+      preferred_element_type=jnp.float32,
+      tiling=tiling,
+    )
+  return jax.lax.ragged_dot_general(
     x, g, group_sizes, _WEIGHT_GRAD_DIMS, preferred_element_type=jnp.float32
   )
-  return dx, dw.astype(marker.dtype), None
 
 
 _narrowed_grouped.defvjp(_narrowed_grouped_fwd, _narrowed_grouped_bwd)
