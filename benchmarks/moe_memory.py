@@ -44,10 +44,13 @@ group sizes: dropless, every (token, choice) pair once.
 
 What libtpu does with the two kinds: a ragged dot over the rows (the
 forward, and the input gradient) is its grouped kernel, at the tight count;
-the weight gradient (the rows contracted within each group) is lowered as
-a dense batched matmul of every group's masked copy of the rows, `groups`
-times the tight count, and that is executed, not only counted. MaxText's
-megablox runs that gradient as a grouped kernel too (`tgmm`).
+the weight gradient (the rows contracted within each group) XLA's
+`ragged_dot_general` would lower as a dense batched matmul of every group's
+masked copy of the rows, `groups` times the tight count. On a TPU the step
+runs it as megablox's grouped kernel (`tgmm`, as MaxText does;
+`trainers.models.moe.WEIGHT_GRADIENT_KERNEL`), which libtpu's cost analysis
+cannot see into: its count is the rows of the tiles it visits, at most a
+tile more a group (`_tgmm_flops`).
 
 The capacity-factor row (E-M2-cf1.25) is computed, not compiled: the
 routed MLP here is dropless and has no capacity option. A capacity layout
@@ -83,6 +86,7 @@ from benchmarks.pod_memory import (  # noqa: E402
 )
 from spmd import rules as rules_lib  # noqa: E402
 from spmd.topology import topology_devices  # noqa: E402
+from trainers.models import moe  # noqa: E402
 from trainers.step.loss import abstract_batch, batch_shardings  # noqa: E402
 from trainers.step.mesh import build_mesh  # noqa: E402
 from trainers.step.state import make_state  # noqa: E402
@@ -133,10 +137,16 @@ def _inner_jaxprs(params: dict):
         yield item
 
 
+def _is_tgmm(eqn) -> bool:
+  """Whether `eqn` is megablox's grouped weight-gradient kernel (a Pallas call named tgmm)."""
+  return eqn.primitive.name == "pallas_call" and "tgmm" in str(eqn.params.get("name", ""))
+
+
 def _ragged_eqns(jaxpr, times: int = 1):
-  """(eqn, executions) of every ragged_dot_general under `jaxpr`, scans' lengths multiplied."""
+  """(eqn, executions) of every grouped matmul under `jaxpr` (XLA's ragged dots and
+  megablox's tgmm), scans' lengths multiplied."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "ragged_dot_general":
+    if eqn.primitive.name == "ragged_dot_general" or _is_tgmm(eqn):
       yield eqn, times
     inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
     for sub in _inner_jaxprs(eqn.params):
@@ -156,6 +166,18 @@ def _tight_flops(eqn) -> tuple[int, bool]:
     out //= groups
   contraction = math.prod(lhs[d] for d in lhs_contract)
   return 2 * out * contraction, contracted
+
+
+def _tgmm_flops(eqn) -> tuple[int, float]:
+  """tgmm's (tight, executed) FLOPs: 2 x rows x in x out, and at most `rows / tm + groups`
+  tiles of `tm` rows visited (a tile a group boundary crosses is visited once for each of
+  its groups, an empty group once), each computed whole. No compile: libtpu's cost
+  analysis does not see inside a Pallas kernel."""
+  groups, d_in, d_out = eqn.outvars[0].aval.shape
+  rows = eqn.invars[-1].aval.shape[0]  # the cotangent [rows, out]
+  with moe._kernel("tgmm"):
+    tm = moe.weight_gradient_tiling(rows, d_in, d_out, groups)[0]
+  return 2 * rows * d_in * d_out, 2.0 * (rows + groups * tm) * d_in * d_out
 
 
 def _libtpu_flops(eqn, device) -> float:
@@ -186,13 +208,20 @@ def grouped_matmuls(config, topology: str) -> list[GroupedMatmul]:
   placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
   batch = abstract_batch(task, config.global_batch, placement)
   step = make_train_step(setup, task, config, mesh, batch_axes)
-  jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
+  # Traced on a CPU device, where the weight gradients would take XLA's ragged
+  # dot: the kernel a TPU's step takes (`moe.WEIGHT_GRADIENT_KERNEL`).
+  with moe._kernel("tgmm"):
+    jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
   # Dead code out, as XLA takes it out: the custom VJP's backward runs
   # `jax.vjp` for the input gradient, whose primal product nothing reads.
   jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
   chip = topology_devices(topology)[0]
   found, cost = [], {}
   for eqn, times in _ragged_eqns(jaxpr):
+    if _is_tgmm(eqn):
+      tight, executed = _tgmm_flops(eqn)
+      found.append(GroupedMatmul(times, tight, executed, True))
+      continue
     key = (tuple(v.aval for v in eqn.invars), str(eqn.params))
     if key not in cost:
       cost[key] = _libtpu_flops(eqn, chip)
@@ -286,8 +315,8 @@ def main() -> None:
       True,
       f"{len(matmuls)} grouped matmuls a step, libtpu's cost of each alone: "
       f"{executed / 1e12:,.3f} TFLOP a chip vs {ideal / 1e12:,.3f}; the routed "
-      f"rows alone (group sizes) {tight / ideal:.3f}; the weight gradients, lowered densely "
-      f"over the {model.moe_experts} experts, {weight_grads / executed:.0%} of it",
+      f"rows alone (group sizes) {tight / ideal:.3f}; the weight gradients (megablox's tgmm, "
+      f"at most a tile of rows more a group) {weight_grads / executed:.0%} of it",
       where,
     ),
     common.row(

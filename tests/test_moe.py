@@ -132,6 +132,28 @@ def test_a_float32_experts_gradient_under_bfloat16_is_summed_in_float32():
   np.testing.assert_array_equal(dx, plain_dx)
 
 
+def test_megablox_tgmm_sums_each_groups_weight_gradient_as_xla_does():
+  """The TPU's weight-gradient kernel (megablox's tgmm, interpreted here) on groups of
+  uneven sizes, one empty and one across a tile's edge: each group's float32 sum of its
+  own rows' bfloat16 products, as XLA's ragged dot gives; the input's gradient unchanged."""
+  x = jax.random.normal(jax.random.key(0), (512, 128), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (E, 128, 256), jnp.float32)
+  g = jax.random.normal(jax.random.key(2), (512, 256), jnp.bfloat16)
+  sizes = jnp.array([10, 260, 0, 242], jnp.int32)
+  grads = {}
+  for kernel in ("xla", "tgmm"):
+    with moe._kernel(kernel):
+      assert (moe.weight_gradient_tiling(512, 128, 256, E) is None) == (kernel == "xla")
+      _, vjp = jax.vjp(moe.grouped_matmul, x, w, sizes)
+      jaxpr = str(jax.make_jaxpr(vjp)(g))
+      assert ("pallas_call" in jaxpr) == (kernel == "tgmm"), kernel
+      grads[kernel] = vjp(g)[:2]
+  (dx, dw), (xla_dx, xla_dw) = grads["tgmm"], grads["xla"]
+  np.testing.assert_array_equal(dx, xla_dx)
+  np.testing.assert_allclose(dw, xla_dw, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(xla_dw))))
+  assert dw.dtype == jnp.float32 and not np.any(dw[2])  # the empty group's gradient is 0
+
+
 def test_a_float32_weight_shared_by_devices_gets_its_gradient_summed_over_them_under_bfloat16():
   """Inside a shard_map each device's rows differ and the weight does not: the weight's
   gradient (the float32 custom VJP's) is the sum over devices, the whole batch's."""

@@ -81,11 +81,14 @@ print("compiled", reading.compiled, "remats", reading.remats)
 @pytest.mark.multiprocess
 @needs_libtpu
 def test_the_check_models_policy_fits_a_batch_that_keeping_every_product_does_not():
-  """The check model's `remat_policy` at 11 rows on a v5e told it has 256 MiB: no recomputing.
+  """The check model's `remat_policy` at 11 rows on a v5e told it has 280 MiB: no recomputing.
 
   Keeping every weight matmul's output ("minimal"), the compiler refuses
   this step; the check model's policy keeps the query, key and value
-  projections' outputs out of the stacks, and the step compiles as written.
+  projections' outputs out of the stacks and keeps splash's output and
+  log-sum-exp (177 against 187 MiB of temporaries at this size: "minimal"
+  first compiles at 286 MiB, this policy at 278, and both are refused at
+  274), and the step compiles as written.
   Its own process for LIBTPU_INIT_ARGS, as above.
   """
   env = {k: v for k, v in os.environ.items() if k not in ("TPU_LOG_DIR", "LIBTPU_INIT_ARGS")}
@@ -94,7 +97,7 @@ def test_the_check_models_policy_fits_a_batch_that_keeping_every_product_does_no
     capture_output=True,
     text=True,
     cwd=ROOT,
-    env=dict(env, PYTHONPATH=str(ROOT), LIBTPU_INIT_ARGS="--xla_tpu_max_hbm_size_mib=256"),
+    env=dict(env, PYTHONPATH=str(ROOT), LIBTPU_INIT_ARGS="--xla_tpu_max_hbm_size_mib=280"),
   )
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   assert "compiled True remats 0" in done.stdout, done.stdout

@@ -16,7 +16,7 @@ Each reports its step time, MFU, the compiler's peak and whether XLA
 rematerialized to fit (`.remat` in the optimized HLO). The MoE shape
 (`configs/llama_tpu_shape_moe.py`) runs default and no_qkv+core, then with
 megablox's `tgmm` for the weight gradients at each of `--tgmm_tilings`
-(`moe.WEIGHT_GRADIENT_KERNEL`). Prints one JSON line a variant.
+("xla": XLA's ragged dot; "auto": the product's tiles; `moe.WEIGHT_GRADIENT_KERNEL`). Prints one JSON line a variant.
 """
 
 from __future__ import annotations
@@ -71,11 +71,9 @@ def tgmm_agrees() -> float:
   x = jax.random.normal(kx, (2048, 512), jnp.bfloat16)
   g = jax.random.normal(kg, (2048, 1024), jnp.bfloat16)
   sizes = jnp.array([100, 0, 700, 1248], jnp.int32)
-  moe.WEIGHT_GRADIENT_KERNEL, moe.TGMM_TILING = "tgmm", None
-  ours = jax.jit(moe._weight_gradient)(x, g, sizes)
-  moe.WEIGHT_GRADIENT_KERNEL = "xla"
-  xla = jax.jit(moe._weight_gradient)(x, g, sizes)
-  moe.WEIGHT_GRADIENT_KERNEL = "tgmm"
+  tgmm = ((512, 512, 512), False)
+  ours = jax.jit(moe._weight_gradient, static_argnums=3)(x, g, sizes, tgmm)
+  xla = jax.jit(moe._weight_gradient, static_argnums=3)(x, g, sizes, None)
   return float(jnp.max(jnp.abs(ours - xla)) / jnp.max(jnp.abs(xla)))
 
 
@@ -87,8 +85,9 @@ def main() -> None:
   parser.add_argument("--variants", default="default,no_qkv+core,minimal+core")
   parser.add_argument("--moe_variants", default="default,no_qkv+core")
   parser.add_argument("--tgmm_tilings", default="512x1024x1024,512x512x512,1024x512x1024,auto")
+  parser.add_argument("--tgmm_variant", default="default", help="the policy the tgmm runs use")
   args = parser.parse_args()
-  for name in args.variants.split(","):
+  for name in filter(None, args.variants.split(",")):
     row = run(name, check_config(args.rows), args.steps)
     print(json.dumps({"model": "check", "rows": args.rows, "variant": name, **row}), flush=True)
   moe_config = llama_tpu_shape_moe.get_config()
@@ -97,11 +96,12 @@ def main() -> None:
   for name in filter(None, args.moe_variants.split(",")):
     row = run(name, moe_config, args.steps)
     print(json.dumps({"model": "moe", "rows": args.moe_rows, "variant": name, **row}), flush=True)
-  moe.WEIGHT_GRADIENT_KERNEL = "tgmm"
   print(json.dumps({"tgmm_equals_xla": tgmm_agrees()}), flush=True)
   for tiling in filter(None, args.tgmm_tilings.split(",")):
-    moe.TGMM_TILING = None if tiling == "auto" else tuple(int(t) for t in tiling.split("x"))
-    row = run("default", moe_config, args.steps)
+    moe.WEIGHT_GRADIENT_KERNEL = "xla" if tiling == "xla" else "tgmm"
+    if tiling not in ("xla", "auto"):
+      moe._TGMM_TILES = tuple((int(t),) for t in tiling.split("x"))
+    row = run(args.tgmm_variant, moe_config, args.steps)
     print(json.dumps({"model": "moe", "rows": args.moe_rows, "tgmm": tiling, **row}), flush=True)
 
 

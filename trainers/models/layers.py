@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd import context
-from trainers.models.attention import check_kernel
+from trainers.models.attention import SPLASH_RESIDUALS, check_kernel
 from trainers.models.matmul import matmul
 
 
@@ -171,12 +171,18 @@ CHECKPOINT_POLICIES = {
   # Keep everything: in a rolled loop every intermediate becomes a stacked buffer.
   "none": None,
   # "minimal" less the query, key and value projections: keep the outputs a
-  # block names `SAVED_OUTPUTS` (the attention's output projection, the MLP's
-  # gate and up). The three cheapest weight matmuls are recomputed in the
-  # backward pass, and each layer holds a third less, which is what lets a
-  # chip's largest batch fit without XLA rematerializing a bigger product.
+  # block names (the attention's output projection, the MLP's gate and up)
+  # and splash's residuals (its output and log-sum-exp, `SPLASH_RESIDUALS`).
+  # The three cheapest weight matmuls are recomputed in the backward pass,
+  # and each layer holds a third less, which is what lets a chip's largest
+  # batch fit without XLA rematerializing a bigger product. Splash's
+  # residuals cost about what the query projection would and save running
+  # the attention's forward kernel again in the backward pass (on a v5e
+  # chip, the check model at 8 rows: 445 to 427 ms a step,
+  # docs/performance.md); "minimal", which keeps every weight matmul's
+  # output, does not keep them, and with them that step does not fit.
   "minimal_no_qkv": jax.checkpoint_policies.save_only_these_names(
-    "attention_out", "mlp_gate", "mlp_up"
+    "attention_out", "mlp_gate", "mlp_up", SPLASH_RESIDUALS
   ),
 }
 

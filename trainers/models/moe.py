@@ -58,8 +58,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib
 import math
 from typing import NamedTuple
 
@@ -70,7 +72,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import rules
 from spmd.rules import constrain
-from trainers.models import param
+from trainers.models import attention, param
 from trainers.models.layers import dense, fan_in_init
 
 GATES = ("softmax", "sigmoid")
@@ -203,7 +205,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32)).tolist()
     [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
   """
-  if jnp.dtype(w.dtype) == jnp.dtype(x.dtype):
+  tiling = weight_gradient_tiling(x.shape[0], x.shape[1], w.shape[2], w.shape[0])
+  # Static, chosen here where the program's platform is known (a plan for a TPU
+  # traces on a CPU machine): tgmm's tile, and whether it runs interpreted.
+  tgmm = None if tiling is None else (tiling, attention.current_platform() != "tpu")
+  if jnp.dtype(w.dtype) == jnp.dtype(x.dtype) and tgmm is None:
     return jax.lax.ragged_dot(x, w, group_sizes)
   # Inside a shard_map, a weight the same on every device (invariant) times
   # rows that differ (varying) has a gradient that differs per device until
@@ -212,13 +218,71 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   missing = tuple(sorted(_varying(x) - _varying(w)))
   if missing:
     w = jax.lax.pcast(w, missing, to="varying")
-  return _narrowed_grouped(x, w, group_sizes)
+  return _narrowed_grouped(x, w, group_sizes, tgmm)
 
 
 def _varying(x: jax.Array) -> frozenset:
   """The manual mesh axes x differs over (inside a shard_map; outside: none)."""
   manual = getattr(jax.typeof(x), "manual_axis_type", None)  # JAX 0.10; `vma` before it
   return frozenset(manual.varying if manual is not None else getattr(jax.typeof(x), "vma", ()))
+
+
+WEIGHT_GRADIENT_KERNEL = "auto"
+"""Which kernel sums each group's weight gradient (the rows of a group contracted):
+"tgmm", megablox's grouped kernel, over each group's own rows; "xla", XLA's
+`ragged_dot_general`, which libtpu lowers densely over the groups (every group's
+weight against every row: experts ÷ top_k times the FLOPs); "auto", tgmm where the
+program is for a TPU and its shapes tile (`weight_gradient_tiling`), else XLA. On a
+v5e chip tgmm gave the same gradients bit for bit and a faster step
+(docs/performance.md, E-P9). Elsewhere tgmm runs interpreted: for tests only."""
+
+# tgmm's tiles, largest first: rows, the weight's input and output widths. At
+# 1024 x 512 x 1024 a tile's operands and float32 sums fit a v5e core's scoped
+# VMEM; 512 x 1024 x 1024 did not.
+_TGMM_TILES = ((1024, 512, 256, 128), (512, 256, 128), (1024, 512, 256, 128))
+
+
+def weight_gradient_tiling(
+  rows: int, d_in: int, d_out: int, groups: int
+) -> tuple[int, int, int] | None:
+  """tgmm's (rows, in, out) tile for these shapes if it sums the weight gradients, else None.
+
+  A tile of rows is at most a group's even share: tgmm computes each tile a
+  group boundary crosses once for each of its groups, at most a tile more
+  a group.
+
+  Example:
+    >>> with _kernel("tgmm"):
+    ...   weight_gradient_tiling(32768, 1536, 1024, groups=8)
+    (1024, 512, 1024)
+    >>> with _kernel("tgmm"):
+    ...   weight_gradient_tiling(1024, 256, 512, groups=4)
+    (256, 256, 512)
+    >>> with _kernel("tgmm"):
+    ...   weight_gradient_tiling(100, 1536, 1024, groups=8) is None  # no tile divides 100
+    True
+  """
+  kernel = WEIGHT_GRADIENT_KERNEL
+  if kernel == "auto":
+    kernel = "tgmm" if attention.current_platform() == "tpu" else "xla"
+  if kernel == "xla":
+    return None
+  tiling = tuple(
+    next((t for t in tiles if size % t == 0 and t <= share), 0)
+    for tiles, size, share in zip(_TGMM_TILES, (rows, d_in, d_out), (rows // groups, d_in, d_out))
+  )
+  return tiling if all(tiling) else None
+
+
+@contextlib.contextmanager
+def _kernel(name: str):
+  """`WEIGHT_GRADIENT_KERNEL` set to `name` inside (for the examples and tests)."""
+  global WEIGHT_GRADIENT_KERNEL
+  before, WEIGHT_GRADIENT_KERNEL = WEIGHT_GRADIENT_KERNEL, name
+  try:
+    yield
+  finally:
+    WEIGHT_GRADIENT_KERNEL = before
 
 
 # The weight's gradient: x [rows, in] and the cotangent [rows, out] contracted
@@ -228,51 +292,42 @@ _WEIGHT_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-@jax.custom_vjp
-def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tgmm) -> jax.Array:
   return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
 
 
-def _narrowed_grouped_fwd(x, w, group_sizes):
+def _narrowed_grouped_fwd(x, w, group_sizes, tgmm):
   narrow = w.astype(x.dtype)
   marker = jnp.zeros((0,), w.dtype)  # carries w's dtype into the backward pass
   return jax.lax.ragged_dot(x, narrow, group_sizes), (x, narrow, group_sizes, marker)
 
 
-def _narrowed_grouped_bwd(residuals, g):
+def _narrowed_grouped_bwd(tgmm, residuals, g):
   x, narrow, group_sizes, marker = residuals
   _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
   (dx,) = x_vjp(g)
-  return dx, _weight_gradient(x, g, group_sizes).astype(marker.dtype), None
+  return dx, _weight_gradient(x, g, group_sizes, tgmm).astype(marker.dtype), None
 
 
-WEIGHT_GRADIENT_KERNEL = "xla"
-"""Which kernel sums each group's weight gradient: "xla" (`ragged_dot_general`, which
-libtpu lowers densely over the groups) or "tgmm" (megablox's grouped kernel, on a TPU
-only, over each group's own rows; `TGMM_TILING`)."""
+def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, tgmm) -> jax.Array:
+  """Each group's x [rows, in] contracted with g [rows, out] over its rows: [groups, in, out], f32.
 
-TGMM_TILING: tuple[int, int, int] | None = None
-"""tgmm's (rows, in, out) tile; None: the largest of 512, 256, 128 dividing each."""
-
-
-def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """Each group's x [rows, in] contracted with g [rows, out] over its rows: [groups, in, out], f32."""
-  tiling = TGMM_TILING or tuple(
-    next((t for t in (512, 256, 128) if size % t == 0), 0)
-    for size in (x.shape[0], *x.shape[1:], g.shape[1])
-  )
-  if WEIGHT_GRADIENT_KERNEL == "tgmm" and jax.default_backend() == "tpu" and all(tiling):
-    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox
-
-    return megablox.tgmm(
-      x.swapaxes(0, 1),
-      g,
-      group_sizes.astype(jnp.int32),
-      preferred_element_type=jnp.float32,
-      tiling=tiling,
+  `tgmm`: (tgmm's tile, interpreted or not), or None for XLA's ragged dot.
+  """
+  if tgmm is None:
+    return jax.lax.ragged_dot_general(
+      x, g, group_sizes, _WEIGHT_GRAD_DIMS, preferred_element_type=jnp.float32
     )
-  return jax.lax.ragged_dot_general(
-    x, g, group_sizes, _WEIGHT_GRAD_DIMS, preferred_element_type=jnp.float32
+  # The module itself: the package's `gmm` attribute is its grouped-matmul function.
+  megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  return megablox.tgmm(
+    x.swapaxes(0, 1),
+    g,
+    group_sizes.astype(jnp.int32),
+    preferred_element_type=jnp.float32,
+    tiling=tgmm[0],
+    interpret=tgmm[1],
   )
 
 

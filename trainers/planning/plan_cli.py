@@ -53,7 +53,7 @@ def _flags(argv: list[str]) -> flags.FlagValues | None:
   flags.DEFINE_integer("gpus_per_host", 8, "GPUs per node (with --gpu)", flag_values=fv)
   flags.DEFINE_string(
     "efficiency",
-    "0.35,0.55",
+    "0.35,0.6",
     "assumed low,high share of peak FLOP/s for the step-time range",
     flag_values=fv,
   )
@@ -101,7 +101,7 @@ def _main(argv: list[str]) -> int:
   except ValueError:
     efficiency = ()
   if len(efficiency) != 2:
-    raise errors.UserError(f"--efficiency={fv.efficiency!r}: give low,high, e.g. 0.35,0.55")
+    raise errors.UserError(f"--efficiency={fv.efficiency!r}: give low,high, e.g. 0.35,0.6")
   if not any(a.startswith(("--verbosity", "-v")) for a in argv):
     logging.set_verbosity(logging.WARNING)
   import jax
