@@ -1,9 +1,11 @@
 """The trainer end to end: the real entry point, on 1, 2 and 4 processes.
 
 One 2-process x 2-device run of 20 steps is the reference; the other runs
-must match it: other process counts (losses to 1e-5), a resume from a copy of
-its step-10 checkpoint on the same layout (bit-identical state), a resume on
-another process count. Runs that later tests read are module fixtures, and
+must match it: a resume from a copy of its step-10 checkpoint on the same
+layout (bit-identical state), and a chain across the other process counts (4 x
+1 trains steps 1-10 and saves, 1 x 4 resumes its checkpoint for steps 11-20;
+losses to 1e-5), which shows each layout's steps and a resume on another
+process count in two jobs. Runs that later tests read are module fixtures, and
 tests change only copies of them.
 Preemption, kills and other faults are in tests/faults.
 """
@@ -66,14 +68,37 @@ def param_hash(result):
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
+  """The 2 x 2 run of 20 steps, launched with the machine's own JAX platform (no
+  JAX_PLATFORMS, as a user's launch without --platform), so that
+  `test_a_cpu_run_prints_no_libtpu_lines` reads its processes' output."""
   workdir = tmp_path_factory.mktemp("reference") / "run"
-  result = spmd_train(data, workdir, 2, 2, "--config.sample_tokens=8")
+  result = run_local(
+    [
+      sys.executable,
+      "-m",
+      "trainers.run.train_cli",
+      *flags(data, workdir, "--config.sample_tokens=8"),
+    ],
+    num_processes=2,
+    devices_per_process=2,
+    timeout_s=240,
+    grace_s=10,
+    echo=False,
+    cwd=str(ROOT),
+    env={
+      "PYTHONPATH": str(ROOT),
+      "SPMD_AGREEMENT_TIMEOUT_S": "60",
+      "JAX_COMPILATION_CACHE_DIR": data["cache"],
+    },
+    platform=None,
+  )
   assert result.ok, result.report()
   return {
     "workdir": workdir,
     "losses": losses(workdir),
     "hash": param_hash(result),
     "output": result.processes[0].output,
+    "outputs": [p.output for p in result.processes],
   }
 
 
@@ -101,15 +126,6 @@ def four_processes_ten_steps(data, tmp_path_factory):
   return workdir
 
 
-def test_same_losses_for_any_process_count(data, tmp_path, reference, four_processes_ten_steps):
-  one = spmd_train(data, tmp_path / "run", 1, 4, "--config.train.stop_at_step=10")
-  assert one.ok, one.report()
-  for workdir in (tmp_path / "run", four_processes_ten_steps):
-    got = losses(workdir)
-    for step in range(1, 11):
-      assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), (workdir, step)
-
-
 def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
   # The straight run as it stood at step 10 (its checkpoint there; stopping at a
   # step is checked by `four_processes_ten_steps`), resumed to the end.
@@ -124,17 +140,22 @@ def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
   assert [got[s] for s in range(11, 21)] == [reference["losses"][s] for s in range(11, 21)]
 
 
-def test_resume_on_another_process_count(data, tmp_path, reference, four_processes_ten_steps):
-  # Saved by 4 processes x 1 device, resumed by 1 process x 4 devices: the
-  # layout `test_same_losses_for_any_process_count` compiles, so the resume
-  # compiles nothing of its own. A restore onto another device count (2 x 2 ->
-  # 1 x 8) is tests/faults/test_checkpoint_damage.py's.
+def test_same_losses_for_any_process_count_across_a_resume(
+  data, tmp_path, reference, four_processes_ten_steps
+):
+  # Saved by 4 processes x 1 device, resumed by 1 process x 4 devices: steps
+  # 1-10 are 4 x 1's from a fresh start, 11-20 are 1 x 4's from a restored state,
+  # each against the 2 x 2 reference's same data order and schedule. A restore
+  # onto another device count (2 x 2 -> 1 x 8) is tests/faults/test_checkpoint_damage.py's.
   workdir = copy_of(four_processes_ten_steps, tmp_path / "run")
   resumed = spmd_train(data, workdir, 1, 4)
   assert resumed.ok, resumed.report()
-  got = losses(workdir)
+  assert re.search(r"state from\s+: checkpoint step 10\n", resumed.processes[0].output)
+  four, got = losses(four_processes_ten_steps), losses(workdir)
+  for step in range(1, 11):
+    assert four[step] == pytest.approx(reference["losses"][step], rel=1e-5), ("4 x 1", step)
   for step in range(11, 21):
-    assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
+    assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), ("1 x 4", step)
 
 
 def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
@@ -154,39 +175,27 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
   assert "examples/s" in result.processes[0].output
 
 
-def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
+def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path, reference):
   """With the tpu extra installed and no TPU here, JAX must not initialise libtpu (it
   prints a block of hostname errors): single-process and launched runs alike.
 
-  Each run starts its backend, trains and saves, which is what could print the lines;
-  two steps of the reference's own schedule (`stop_at_step`, no sample), so the
-  launched 2 x 2 run's step is the one the reference compiled."""
-
-  def command(workdir):
-    overrides = (
-      "--config.train.stop_at_step=2",
-      "--config.eval_every=0",
-      "--config.sample_tokens=0",
-    )
-    return [sys.executable, "-m", "trainers.run.train_cli", *flags(data, workdir, *overrides)]
-
+  Each run starts its backend, trains and saves, which is what could print the lines.
+  The launched run is the 2 x 2 reference (launched without JAX_PLATFORMS); the
+  single-process one is two steps of its schedule (`stop_at_step`, no sample)."""
+  overrides = (
+    "--config.train.stop_at_step=2",
+    "--config.eval_every=0",
+    "--config.sample_tokens=0",
+  )
+  command = [
+    sys.executable,
+    "-m",
+    "trainers.run.train_cli",
+    *flags(data, tmp_path / "one", *overrides),
+  ]
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"])
-  alone = subprocess.run(
-    command(tmp_path / "one"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-  )
+  alone = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
   assert alone.returncode == 0, alone.stdout + alone.stderr
-  launched = run_local(
-    command(tmp_path / "two"),
-    num_processes=2,
-    devices_per_process=2,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
-    platform=None,  # the machine's own choice, as a user's launch without --platform
-  )
-  assert launched.ok, launched.report()
-  for out in (alone.stdout + alone.stderr, *(p.output for p in launched.processes)):
+  for out in (alone.stdout + alone.stderr, *reference["outputs"]):
     assert "TPU_WORKER_HOSTNAMES" not in out and "libtpu" not in out, out
