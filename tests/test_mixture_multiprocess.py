@@ -3,6 +3,7 @@ global batches, each source's windows once per epoch over the hosts, the shares 
 batch, and a position saved by 2 processes resumed by 4."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -56,10 +57,14 @@ def load(path):
 
 @pytest.fixture(scope="module")
 def streams(sources, tmp_path_factory):
-  """The mixture's first STEPS global batches streamed on 1, 2 and 4 processes: their folders."""
+  """The mixture's first STEPS global batches streamed on 1, 2 and 4 processes: their folders.
+
+  The 2-process stream also saves its position after 6 steps (`save_at`), for the
+  resume below: one job both streams and saves."""
   root = tmp_path_factory.mktemp("streams")
   for n in (1, 2, 4):
-    assert_ok(run("stream", sources, root / f"n{n}", n, f"steps={STEPS}"))
+    save = ("save_at=6",) if n == 2 else ()
+    assert_ok(run("stream", sources, root / f"n{n}", n, f"steps={STEPS}", *save))
   return {n: root / f"n{n}" for n in (1, 2, 4)}
 
 
@@ -88,9 +93,11 @@ def test_same_mixture_on_1_2_4_processes_each_window_once_per_source_epoch(strea
 
 
 def test_a_position_saved_on_2_processes_resumes_the_mixture_on_4(sources, streams, tmp_path):
-  """The reference is the 2-process stream of the test above: a stream's batch at a step is
-  the same however many steps it runs (the 1, 2 and 4-process streams agree step by step)."""
-  assert_ok(run("save", sources, tmp_path / "resume", 2, "steps=6"))
+  """Saved by the 2-process stream of the test above after 6 steps, resumed on 4; the
+  reference is that stream's own later batches (the 1, 2 and 4-process streams agree
+  step by step)."""
+  (tmp_path / "resume").mkdir()
+  shutil.copy(streams[2] / "state.json", tmp_path / "resume" / "state.json")
   assert load(tmp_path / "resume" / "state.json")["next_step"] == 6
   assert_ok(run("resume", sources, tmp_path / "resume", 4, "steps=8"))
   expected = load(streams[2] / "hashes.json")

@@ -1,6 +1,7 @@
 """The input pipeline on 1, 2 and 4 real processes: same global batches, each row once."""
 
 import json
+import shutil
 
 import pytest
 
@@ -35,16 +36,25 @@ def load(path):
     return json.load(f)
 
 
-def test_global_batches_identical_for_1_2_4_processes_and_each_row_once(corpus, tmp_path):
-  hashes = {}
+@pytest.fixture(scope="module")
+def streams(corpus, tmp_path_factory):
+  """The first 14 global batches streamed on 1, 2 and 4 processes: their folders.
+
+  The 2-process stream also saves its position after 5 steps (`save_at`), for
+  the resume below: one job both streams and saves."""
+  root = tmp_path_factory.mktemp("streams")
   for n in (1, 2, 4):
-    result = run("stream", corpus, tmp_path / f"n{n}", n, "steps=14")
-    assert_ok(result)
-    hashes[n] = load(tmp_path / f"n{n}" / "hashes.json")
+    save = ("save_at=5",) if n == 2 else ()
+    assert_ok(run("stream", corpus, root / f"n{n}", n, "steps=14", *save))
+  return {n: root / f"n{n}" for n in (1, 2, 4)}
+
+
+def test_global_batches_identical_for_1_2_4_processes_and_each_row_once(streams):
+  hashes = {n: load(folder / "hashes.json") for n, folder in streams.items()}
   assert hashes[1] == hashes[2] == hashes[4] and len(hashes[1]) == 14
 
   # Over one epoch, the hosts of the 4-process run fed every used record once.
-  per_host = [load(tmp_path / "n4" / f"indices_p{p}.json") for p in range(4)]
+  per_host = [load(streams[4] / f"indices_p{p}.json") for p in range(4)]
   spe, n = per_host[0]["steps_per_epoch"], per_host[0]["num_records"]
   assert 14 > spe  # the run crossed an epoch boundary
   fed = [i for h in per_host for s in range(spe) for i in h["indices"][str(s)]]
@@ -53,15 +63,16 @@ def test_global_batches_identical_for_1_2_4_processes_and_each_row_once(corpus, 
   assert rows == [(0, 4), (4, 8), (8, 12), (12, 16)]
 
 
-def test_resume_continues_the_same_stream_on_another_process_count(corpus, tmp_path):
-  reference = run("stream", corpus, tmp_path / "ref", 2, "steps=9")
-  assert_ok(reference)
-  saved = run("save", corpus, tmp_path / "resume", 2, "steps=5")
-  assert_ok(saved)
+def test_resume_continues_the_same_stream_on_another_process_count(corpus, streams, tmp_path):
+  """Saved by the 2-process stream of the test above after 5 steps, resumed on 4; the
+  reference is that stream's own later batches (the 1, 2 and 4-process streams agree
+  step by step)."""
+  (tmp_path / "resume").mkdir()
+  shutil.copy(streams[2] / "state.json", tmp_path / "resume" / "state.json")
   assert load(tmp_path / "resume" / "state.json")["next_step"] == 5
   resumed = run("resume", corpus, tmp_path / "resume", 4, "steps=4")
   assert_ok(resumed)
-  expected = load(tmp_path / "ref" / "hashes.json")
+  expected = load(streams[2] / "hashes.json")
   got = load(tmp_path / "resume" / "resumed.json")
   assert got == {str(s): expected[str(s)] for s in range(5, 9)}
 

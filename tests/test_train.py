@@ -1,10 +1,12 @@
 """The trainer end to end: the real entry point, on 1, 2 and 4 processes.
 
 One 2-process x 2-device run of 20 steps is the reference; the other runs
-must match it: other process counts (losses to 1e-5), a resume from a copy of
-its step-10 checkpoint on the same layout (bit-identical state), a resume on
-another process count. Runs that later tests read are module fixtures, and
-tests change only copies of them.
+must match it: 1 process x 4 devices from a fresh start to step 10 (losses to
+1e-5), and a copy of the reference's step-10 checkpoint resumed to the end on
+4 processes x 1 device, bit-identical (this model's step is the same to the
+last bit on 2 x 2 and 4 x 1): resume exactness, a resume on another process
+count and the third process count in one job. Runs that later tests read are
+module fixtures, and tests change only copies of them.
 Preemption, kills and other faults are in tests/faults.
 """
 
@@ -66,14 +68,37 @@ def param_hash(result):
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
+  """The 2 x 2 run of 20 steps, launched with the machine's own JAX platform (no
+  JAX_PLATFORMS, as a user's launch without --platform), so that
+  `test_a_cpu_run_prints_no_libtpu_lines` reads its processes' output."""
   workdir = tmp_path_factory.mktemp("reference") / "run"
-  result = spmd_train(data, workdir, 2, 2, "--config.sample_tokens=8")
+  result = run_local(
+    [
+      sys.executable,
+      "-m",
+      "trainers.run.train_cli",
+      *flags(data, workdir, "--config.sample_tokens=8"),
+    ],
+    num_processes=2,
+    devices_per_process=2,
+    timeout_s=240,
+    grace_s=10,
+    echo=False,
+    cwd=str(ROOT),
+    env={
+      "PYTHONPATH": str(ROOT),
+      "SPMD_AGREEMENT_TIMEOUT_S": "60",
+      "JAX_COMPILATION_CACHE_DIR": data["cache"],
+    },
+    platform=None,
+  )
   assert result.ok, result.report()
   return {
     "workdir": workdir,
     "losses": losses(workdir),
     "hash": param_hash(result),
     "output": result.processes[0].output,
+    "outputs": [p.output for p in result.processes],
   }
 
 
@@ -93,48 +118,35 @@ def test_two_processes_train_and_the_loss_falls(reference):
 
 
 @pytest.fixture(scope="module")
-def four_processes_ten_steps(data, tmp_path_factory):
-  """4 processes x 1 device, stopped after 10 of the 20 steps."""
-  workdir = tmp_path_factory.mktemp("four") / "run"
-  result = spmd_train(data, workdir, 4, 1, "--config.train.stop_at_step=10")
+def one_process_ten_steps(data, tmp_path_factory):
+  """1 process x 4 devices from a fresh start, stopped after 10 of the 20 steps."""
+  workdir = tmp_path_factory.mktemp("one") / "run"
+  result = spmd_train(data, workdir, 1, 4, "--config.train.stop_at_step=10")
   assert result.ok, result.report()
   return workdir
 
 
-def test_same_losses_for_any_process_count(data, tmp_path, reference, four_processes_ten_steps):
-  one = spmd_train(data, tmp_path / "run", 1, 4, "--config.train.stop_at_step=10")
-  assert one.ok, one.report()
-  for workdir in (tmp_path / "run", four_processes_ten_steps):
-    got = losses(workdir)
-    for step in range(1, 11):
-      assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), (workdir, step)
+def test_same_losses_on_one_process(reference, one_process_ten_steps):
+  got = losses(one_process_ten_steps)
+  assert sorted(got) == list(range(1, 11)), got
+  for step in range(1, 11):
+    assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
 
 
-def test_stop_and_resume_is_bit_identical(data, tmp_path, reference):
-  # The straight run as it stood at step 10 (its checkpoint there; stopping at a
-  # step is checked by `four_processes_ten_steps`), resumed to the end.
+def test_stop_and_resume_on_four_processes_is_bit_identical(data, tmp_path, reference):
+  # The straight 2 x 2 run as it stood at step 10 (its checkpoint there; stopping
+  # at a step is checked by `one_process_ten_steps`), resumed to the end on
+  # 4 processes x 1 device. A restore onto another device count (2 x 2 -> 1 x 8)
+  # is tests/faults/test_checkpoint_damage.py's.
   workdir = copy_of(reference["workdir"], tmp_path / "run")
   for later in ("15", "20"):
     shutil.rmtree(workdir / "checkpoints" / later)
-  second = spmd_train(data, workdir, 2, 2)
+  second = spmd_train(data, workdir, 4, 1)
   assert second.ok, second.report()
   assert re.search(r"state from\s+: checkpoint step 10\n", second.processes[0].output)
   assert param_hash(second) == reference["hash"]
   got = losses(workdir)
   assert [got[s] for s in range(11, 21)] == [reference["losses"][s] for s in range(11, 21)]
-
-
-def test_resume_on_another_process_count(data, tmp_path, reference, four_processes_ten_steps):
-  # Saved by 4 processes x 1 device, resumed by 1 process x 4 devices: the
-  # layout `test_same_losses_for_any_process_count` compiles, so the resume
-  # compiles nothing of its own. A restore onto another device count (2 x 2 ->
-  # 1 x 8) is tests/faults/test_checkpoint_damage.py's.
-  workdir = copy_of(four_processes_ten_steps, tmp_path / "run")
-  resumed = spmd_train(data, workdir, 1, 4)
-  assert resumed.ok, resumed.report()
-  got = losses(workdir)
-  for step in range(11, 21):
-    assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
 
 
 def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
@@ -154,39 +166,29 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
   assert "examples/s" in result.processes[0].output
 
 
-def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path):
+def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path, reference):
   """With the tpu extra installed and no TPU here, JAX must not initialise libtpu (it
   prints a block of hostname errors): single-process and launched runs alike.
 
-  Each run starts its backend, trains and saves, which is what could print the lines;
-  two steps of the reference's own schedule (`stop_at_step`, no sample), so the
-  launched 2 x 2 run's step is the one the reference compiled."""
-
-  def command(workdir):
-    overrides = (
-      "--config.train.stop_at_step=2",
-      "--config.eval_every=0",
-      "--config.sample_tokens=0",
-    )
-    return [sys.executable, "-m", "trainers.run.train_cli", *flags(data, workdir, *overrides)]
-
+  Each run starts its backend, trains and saves, which is what could print the lines.
+  The launched run is the 2 x 2 reference (launched without JAX_PLATFORMS); the
+  single-process one (no launcher, no coordinator) is two steps of its schedule
+  (`stop_at_step`, no sample) on 4 CPU devices: the step the 1 x 4 run above
+  compiled, read from the compilation cache."""
+  overrides = (
+    "--config.train.stop_at_step=2",
+    "--config.eval_every=0",
+    "--config.sample_tokens=0",
+  )
+  command = [
+    sys.executable,
+    "-m",
+    "trainers.run.train_cli",
+    *flags(data, tmp_path / "one", *overrides),
+  ]
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"])
-  alone = subprocess.run(
-    command(tmp_path / "one"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-  )
+  env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"], SPMD_CPU_DEVICES="4")
+  alone = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
   assert alone.returncode == 0, alone.stdout + alone.stderr
-  launched = run_local(
-    command(tmp_path / "two"),
-    num_processes=2,
-    devices_per_process=2,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": data["cache"]},
-    platform=None,  # the machine's own choice, as a user's launch without --platform
-  )
-  assert launched.ok, launched.report()
-  for out in (alone.stdout + alone.stderr, *(p.output for p in launched.processes)):
+  for out in (alone.stdout + alone.stderr, *reference["outputs"]):
     assert "TPU_WORKER_HOSTNAMES" not in out and "libtpu" not in out, out

@@ -1,11 +1,13 @@
 """One process of a multi-process input-pipeline test.
 
 Usage: data_worker.py MODE DATASET DATA_DIR OUT_DIR [options as key=value]
-  stream   write each step's global-batch hash and this host's record indices
+  stream   write each step's global-batch hash and this host's record indices; with
+           save_at=N, also the state after its first N steps to OUT_DIR/state.json
+           (as save writes it), so one job is both a stream and a saved position
   resume   restore from OUT_DIR/state.json and write the next steps' hashes
   save     run some steps and write the state to OUT_DIR/state.json
   open     just open (for the error cases)
-Options: global_batch, steps, seq_len, mesh, seed, data_dir_p<N>, and packed=<identity>
+Options: global_batch, steps, save_at, seq_len, mesh, seed, data_dir_p<N>, and packed=<identity>
 for a packed_lm dataset (windows with segment ids, its plan's identity), or sources=<spec>
 for a mixture of data.sources (DATASET is then ignored; the sources are prepared in
 DATA_DIR already, by the test, and each host finds them there as spmd-train's do).
@@ -110,6 +112,8 @@ if mode == "stream":
   hashes, indices = {}, {}
   it = batches.iterator(0, prefetch=2, num_steps=steps)
   for step, batch in it:
+    if pid == 0 and step + 1 == int(opts.get("save_at", 0)):  # save_at steps consumed
+      write("state.json", it.state().to_dict())
     hashes[step] = global_hash(batch)
     if opts.get("sources"):  # (source, example of that source) of each of this host's rows
       indices[step] = np.stack(batches.row_sources(step, batches._rows), axis=1).tolist()

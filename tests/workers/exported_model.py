@@ -1,11 +1,13 @@
 """A plain Python process (one CPU device, no jax.distributed) uses an spmd-export file.
 
-  python tests/workers/exported_model.py EXPORT.npz DATA_DIR EXAMPLES
+  python tests/workers/exported_model.py EXPORT.npz DATA_DIR EXAMPLES[,EXAMPLES...]
 
 Rebuilds the model from the file alone, runs it over the first EXAMPLES
 examples of the eval split in order (0: all of them), read straight from the
 prepared records, and prints one JSON line: the loss, its weight, the logits'
-shape, and the device count.
+shape, and the device count. Several counts (comma-separated) print a line
+each, in order, from the one process: a test that needs both a prefix and
+the whole split starts one process, not two.
 """
 
 import json
@@ -59,4 +61,5 @@ def main(path: str, data_dir: str, examples: int) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+  for examples in sys.argv[3].split(","):
+    main(sys.argv[1], sys.argv[2], int(examples))
