@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, ClassVar, NamedTuple
 
+from spmd.errors import EXIT_PEER_FAILED
+
 _ECHO_LOCK = threading.Lock()  # one line at a time on stdout, whichever child printed it
 
 
@@ -389,9 +391,14 @@ def env_assignment(text: str) -> tuple[str, str]:
 
 
 def _consequence_rank(returncode: int) -> int:
-  """Lower for a likely cause: a signal from outside, then an error exit, then an abort."""
-  if returncode == -signal.SIGABRT:
-    return 2  # JAX aborts a process whose peer died
+  """Lower for a likely cause: a signal from outside, then an error exit, then a consequence.
+
+  A consequence is an abort (JAX aborts a process whose peer died) or the
+  trainer's own exit for "another process failed first"; a busy machine can
+  let both the cause and its consequence end between two polls.
+  """
+  if returncode == -signal.SIGABRT or returncode == EXIT_PEER_FAILED:
+    return 2
   return 0 if returncode < 0 else 1
 
 

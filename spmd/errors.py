@@ -31,6 +31,9 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 EXIT_USER_ERROR = 2  # the shell's "usage" status: what argparse and absl's usage use
+# A process that stops because another failed first exits with this, so that
+# the launcher names the other as the cause (`launch.processes.watch`).
+EXIT_PEER_FAILED = 87
 
 
 class UserError(ValueError):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launch import allocator, launch_cli, local
+from launch import allocator, launch_cli, local, processes
 from launch.processes import OutputReader, popen
 
 pytestmark = pytest.mark.multiprocess  # every test starts processes
@@ -45,6 +45,16 @@ def test_fail_fast_stops_the_others_and_names_the_first_failure():
   assert "process 1 failed first: exit code 3" in result.summary()
   assert result.processes[0].returncode == -9 and result.processes[0].killed_by_launcher
   assert "stopped by the launcher" in result.summary()
+
+
+def test_a_process_that_stopped_for_its_peer_is_not_named_when_both_end_between_two_polls():
+  """Process 0 exits 87 ("another process failed first") as process 1 exits 1: on a
+  busy machine the launcher can see both at its next poll, and names process 1."""
+  done = [subprocess.Popen([PY, "-c", f"import sys; sys.exit({code})"]) for code in (87, 1)]
+  for proc in done:
+    proc.wait()  # both have ended before the launcher looks
+  outcome = processes.watch(done, 1, 60, None, on_kill=lambda: 0.0)
+  assert outcome.first_failure == 1
 
 
 def test_a_killed_process_is_named_with_its_signal():

@@ -42,11 +42,11 @@ from typing import Any, NoReturn
 import jax
 
 from spmd import multihost
+from spmd.errors import EXIT_PEER_FAILED  # another process failed first
 
 log = logging.getLogger(__name__)
 
 EXIT_NO_PROGRESS = 86  # sysexits-free and distinct: the launcher reports it as such
-EXIT_PEER_FAILED = 87  # another process failed first
 _KEY = "spmd/progress/"
 _FAILED = "spmd/failed/"  # process id -> its error
 _SEEN = "spmd/failure_seen/"  # process id -> it has read a peer's error
