@@ -46,11 +46,11 @@ What libtpu does with the two kinds: a ragged dot over the rows (the
 forward, and the input gradient) is its grouped kernel, at the tight count;
 the weight gradient (the rows contracted within each group) XLA's
 `ragged_dot_general` would lower as a dense batched matmul of every group's
-masked copy of the rows, `groups` times the tight count. On a TPU the step
-runs it as megablox's grouped kernel (`tgmm`, as MaxText does;
-`trainers.models.moe.WEIGHT_GRADIENT_KERNEL`), which libtpu's cost analysis
-cannot see into: its count is the rows of the tiles it visits, at most a
-tile more a group (`_tgmm_flops`).
+masked copy of the rows, `groups` times the tight count, and a split step
+runs it so. One chip's step runs it as megablox's grouped kernel (`tgmm`, as
+MaxText does; `trainers.models.moe.WEIGHT_GRADIENT_KERNEL`), which libtpu's
+cost analysis cannot see into: where a traced step holds it, its count is the
+rows of the tiles it visits, at most a tile more a group (`_tgmm_flops`).
 
 The capacity-factor row (E-M2-cf1.25) is computed, not compiled: the
 routed MLP here is dropless and has no capacity option. A capacity layout
@@ -208,10 +208,9 @@ def grouped_matmuls(config, topology: str) -> list[GroupedMatmul]:
   placement = batch_shardings(task, rules_lib.preset(config.mesh.rules), mesh, batch_axes)
   batch = abstract_batch(task, config.global_batch, placement)
   step = make_train_step(setup, task, config, mesh, batch_axes)
-  # Traced on a CPU device, where the weight gradients would take XLA's ragged
-  # dot: the kernel a TPU's step takes (`moe.WEIGHT_GRADIENT_KERNEL`).
-  with moe._kernel("tgmm"):
-    jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
+  # A chip of a split step routes its rows in a shard_map, where the weight
+  # gradients are XLA's ragged dot (`moe.WEIGHT_GRADIENT_KERNEL`), as traced here.
+  jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
   # Dead code out, as XLA takes it out: the custom VJP's backward runs
   # `jax.vjp` for the input gradient, whose primal product nothing reads.
   jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
@@ -315,8 +314,8 @@ def main() -> None:
       True,
       f"{len(matmuls)} grouped matmuls a step, libtpu's cost of each alone: "
       f"{executed / 1e12:,.3f} TFLOP a chip vs {ideal / 1e12:,.3f}; the routed "
-      f"rows alone (group sizes) {tight / ideal:.3f}; the weight gradients (megablox's tgmm, "
-      f"at most a tile of rows more a group) {weight_grads / executed:.0%} of it",
+      f"rows alone (group sizes) {tight / ideal:.3f}; the weight gradients, lowered densely "
+      f"over the {model.moe_experts} experts, {weight_grads / executed:.0%} of it",
       where,
     ),
     common.row(

@@ -209,6 +209,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   # Static, chosen here where the program's platform is known (a plan for a TPU
   # traces on a CPU machine): tgmm's tile, and whether it runs interpreted.
   tgmm = None if tiling is None else (tiling, attention.current_platform() != "tpu")
+  if _varying(x):
+    # Inside a shard_map that checks what varies over its axes, JAX refuses
+    # megablox's kernel (its output's shape does not say): XLA's ragged dot.
+    tgmm = None
   if jnp.dtype(w.dtype) == jnp.dtype(x.dtype) and tgmm is None:
     return jax.lax.ragged_dot(x, w, group_sizes)
   # Inside a shard_map, a weight the same on every device (invariant) times
@@ -232,7 +236,8 @@ WEIGHT_GRADIENT_KERNEL = "auto"
 "tgmm", megablox's grouped kernel, over each group's own rows; "xla", XLA's
 `ragged_dot_general`, which libtpu lowers densely over the groups (every group's
 weight against every row: experts ÷ top_k times the FLOPs); "auto", tgmm where the
-program is for a TPU and its shapes tile (`weight_gradient_tiling`), else XLA. On a
+program is for a TPU and its shapes tile (`weight_gradient_tiling`), outside a
+shard_map (one device's routing; the split ones route in a shard_map), else XLA. On a
 v5e chip tgmm gave the same gradients bit for bit and a faster step
 (docs/performance.md, E-P9). Elsewhere tgmm runs interpreted: for tests only."""
 
