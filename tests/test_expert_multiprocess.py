@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(90
 STEPS = 4
 # Each leg of the resumed run stops (and saves: checkpoint.every=1) here; the next resumes.
 LEGS = (  # (stop at, processes, devices a process, mesh)
-  (2, 4, 1, ["--config.mesh.ici=data=1", "--config.mesh.dcn=expert=4"]),
+  (2, 4, 1, ["--config.mesh.ici=data=1,expert=1", "--config.mesh.dcn=expert=4"]),
   (3, 2, 2, ["--config.mesh.ici=data=1,expert=2", "--config.mesh.dcn=expert=2"]),
   (4, 1, 4, ["--config.mesh.ici=data=2,expert=2"]),
 )
