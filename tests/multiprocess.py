@@ -54,11 +54,14 @@ def run_trainer(
   cache: str,
   timeout_s: float = 240,
   env: dict[str, str] | None = None,
+  platform: str | None = "cpu",
 ) -> LocalJobResult:
   """`spmd-train ARGS` (`python -m trainers.run.train_cli`) as a job of `num_processes`.
 
   `cache`: the compilation cache the test's runs share, so each layout
-  compiles once. Not checked: a test of a refusal reads the result itself.
+  compiles once. `platform`: JAX_PLATFORMS, or None for the machine's own
+  (`launch.local.run_local`). Not checked: a test of a refusal reads the
+  result itself.
   """
   extra = {
     "PYTHONPATH": str(ROOT),
@@ -75,6 +78,7 @@ def run_trainer(
     echo=False,
     cwd=str(ROOT),
     env=extra,
+    platform=platform,
   )
 
 

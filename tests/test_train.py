@@ -20,7 +20,6 @@ import sys
 import numpy as np
 import pytest
 
-from launch.local import run_local
 from tests.multiprocess import ROOT, run_trainer
 from tests.shared_runs import copy_of
 
@@ -72,24 +71,11 @@ def reference(data, tmp_path_factory):
   JAX_PLATFORMS, as a user's launch without --platform), so that
   `test_a_cpu_run_prints_no_libtpu_lines` reads its processes' output."""
   workdir = tmp_path_factory.mktemp("reference") / "run"
-  result = run_local(
-    [
-      sys.executable,
-      "-m",
-      "trainers.run.train_cli",
-      *flags(data, workdir, "--config.sample_tokens=8"),
-    ],
+  result = run_trainer(
+    flags(data, workdir, "--config.sample_tokens=8"),
     num_processes=2,
     devices_per_process=2,
-    timeout_s=240,
-    grace_s=10,
-    echo=False,
-    cwd=str(ROOT),
-    env={
-      "PYTHONPATH": str(ROOT),
-      "SPMD_AGREEMENT_TIMEOUT_S": "60",
-      "JAX_COMPILATION_CACHE_DIR": data["cache"],
-    },
+    cache=data["cache"],
     platform=None,
   )
   assert result.ok, result.report()
