@@ -47,10 +47,8 @@ forward, and the input gradient) is its grouped kernel, at the tight count;
 the weight gradient (the rows contracted within each group) XLA's
 `ragged_dot_general` would lower as a dense batched matmul of every group's
 masked copy of the rows, `groups` times the tight count, and a split step
-runs it so. One chip's step runs it as megablox's grouped kernel (`tgmm`, as
-MaxText does; `trainers.models.moe.WEIGHT_GRADIENT_KERNEL`), which libtpu's
-cost analysis cannot see into: where a traced step holds it, its count is the
-rows of the tiles it visits, at most a tile more a group (`_tgmm_flops`).
+runs it so. Only one chip's step runs it as megablox's grouped kernel
+(`tgmm`, as MaxText does; `trainers.models.moe.WEIGHT_GRADIENT_KERNEL`).
 
 The capacity-factor row (E-M2-cf1.25) is computed, not compiled: the
 routed MLP here is dropless and has no capacity option. A capacity layout
@@ -86,7 +84,6 @@ from benchmarks.pod_memory import (  # noqa: E402
 )
 from spmd import rules as rules_lib  # noqa: E402
 from spmd.topology import topology_devices  # noqa: E402
-from trainers.models import moe  # noqa: E402
 from trainers.step.loss import abstract_batch, batch_shardings  # noqa: E402
 from trainers.step.mesh import build_mesh  # noqa: E402
 from trainers.step.state import make_state  # noqa: E402
@@ -137,16 +134,10 @@ def _inner_jaxprs(params: dict):
         yield item
 
 
-def _is_tgmm(eqn) -> bool:
-  """Whether `eqn` is megablox's grouped weight-gradient kernel (a Pallas call named tgmm)."""
-  return eqn.primitive.name == "pallas_call" and "tgmm" in str(eqn.params.get("name", ""))
-
-
 def _ragged_eqns(jaxpr, times: int = 1):
-  """(eqn, executions) of every grouped matmul under `jaxpr` (XLA's ragged dots and
-  megablox's tgmm), scans' lengths multiplied."""
+  """(eqn, executions) of every ragged_dot_general under `jaxpr`, scans' lengths multiplied."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "ragged_dot_general" or _is_tgmm(eqn):
+    if eqn.primitive.name == "ragged_dot_general":
       yield eqn, times
     inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
     for sub in _inner_jaxprs(eqn.params):
@@ -166,18 +157,6 @@ def _tight_flops(eqn) -> tuple[int, bool]:
     out //= groups
   contraction = math.prod(lhs[d] for d in lhs_contract)
   return 2 * out * contraction, contracted
-
-
-def _tgmm_flops(eqn) -> tuple[int, float]:
-  """tgmm's (tight, executed) FLOPs: 2 x rows x in x out, and at most `rows / tm + groups`
-  tiles of `tm` rows visited (a tile a group boundary crosses is visited once for each of
-  its groups, an empty group once), each computed whole. No compile: libtpu's cost
-  analysis does not see inside a Pallas kernel."""
-  groups, d_in, d_out = eqn.outvars[0].aval.shape
-  rows = eqn.invars[-1].aval.shape[0]  # the cotangent [rows, out]
-  with moe._kernel("tgmm"):
-    tm = moe.weight_gradient_tiling(rows, d_in, d_out, groups)[0]
-  return 2 * rows * d_in * d_out, 2.0 * (rows + groups * tm) * d_in * d_out
 
 
 def _libtpu_flops(eqn, device) -> float:
@@ -217,10 +196,6 @@ def grouped_matmuls(config, topology: str) -> list[GroupedMatmul]:
   chip = topology_devices(topology)[0]
   found, cost = [], {}
   for eqn, times in _ragged_eqns(jaxpr):
-    if _is_tgmm(eqn):
-      tight, executed = _tgmm_flops(eqn)
-      found.append(GroupedMatmul(times, tight, executed, True))
-      continue
     key = (tuple(v.aval for v in eqn.invars), str(eqn.params))
     if key not in cost:
       cost[key] = _libtpu_flops(eqn, chip)

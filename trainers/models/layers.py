@@ -177,10 +177,9 @@ CHECKPOINT_POLICIES = {
   # and each layer holds a third less, which is what lets a chip's largest
   # batch fit without XLA rematerializing a bigger product. Splash's
   # residuals cost about what the query projection would and save running
-  # the attention's forward kernel again in the backward pass (on a v5e
-  # chip, the check model at 8 rows: 445 to 427 ms a step,
+  # the attention's forward kernel again in the backward pass (P9,
   # docs/performance.md); "minimal", which keeps every weight matmul's
-  # output, does not keep them, and with them that step does not fit.
+  # output, does not keep them: with them the check model's 8 rows do not fit.
   "minimal_no_qkv": jax.checkpoint_policies.save_only_these_names(
     "attention_out", "mlp_gate", "mlp_up", SPLASH_RESIDUALS
   ),
