@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd import multihost
+from spmd import compile_meeting, multihost
 from spmd._jit import cross_process, tracing
 from spmd._jit.arguments import Arguments
 from spmd._jit.fast_path import FastPath
@@ -343,6 +343,8 @@ class ShardedJitFunction:
       pieces if owner is self else None,
     )
     multihost.check_agreement(f"sharded_jit({self._name})", record)
+    # JAX names the program after the function it traces (`body` takes its name).
+    compile_meeting.expect(getattr(self._fun, "__name__", "sharded_jit_fun"))
 
   # -- arguments -------------------------------------------------------------
 

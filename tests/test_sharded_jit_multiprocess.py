@@ -60,13 +60,31 @@ TRACER_SCENARIOS = [
 ]
 
 
-def test_tracers_of_global_arrays_match_one_process_on_the_full_data():
+@pytest.fixture(scope="module")
+def slow_compile_then_tracers():
+  # One job for two claims: the slow compile must be the job's first call.
+  return run_worker(
+    "sharded_jit_worker", "slow-compile,tracers", num_processes=2, devices_per_process=2
+  )
+
+
+def test_tracers_of_global_arrays_match_one_process_on_the_full_data(slow_compile_then_tracers):
   """jax.grad, jax.vjp and jax.jit of a cross-process call on global arrays."""
-  result = run_worker("sharded_jit_worker", "tracers", num_processes=2, devices_per_process=2)
+  result = slow_compile_then_tracers
   assert_ok(result)
   for p in result.processes:
     for scenario in TRACER_SCENARIOS:
       assert f"PASS {scenario}\n" in p.output, result.report()
+
+
+def test_no_process_runs_a_new_program_before_every_process_has_compiled_it(
+  slow_compile_then_tracers,
+):
+  """A host that compiles later holds the others back (gloo gives them 30 s at the first run)."""
+  result = slow_compile_then_tracers
+  assert_ok(result)
+  for p in result.processes:
+    assert "PASS the first run waits for the slowest compile\n" in p.output, result.report()
 
 
 def test_a_failure_at_a_new_signature_on_the_fast_path_is_one_round_one_trace():

@@ -6,6 +6,7 @@ Usage: sharded_jit_worker.py MODE[,MODE...]; modes: all, tracers, agree-once,
 """
 
 import sys
+import time
 
 import numpy as np
 
@@ -323,6 +324,51 @@ def changed_signature(changing):
   print(f"process {pid}: UNEXPECTED: the calls returned", flush=True)
 
 
+def first_run_waits_for_the_slowest_compile(delay_s=3.0):
+  """Process 1 finishes compiling `delay_s` later; no process runs the program before it.
+
+  XLA's CPU collectives give peers a fixed 30 s to meet at a program's first
+  run; spmd.compile_meeting closes the gap after compiling. Must run before
+  any other cross-process call, so that this delay is the first listener.
+  """
+  import jax.monitoring
+
+  client = multihost.runtime_client()
+
+  delayed = []
+
+  def late(event, duration, **kwargs):
+    named = str(kwargs.get("fun_name", "")).endswith("(slowly_compiled)")
+    compiled = event == "/jax/core/compile/backend_compile_duration"
+    if pid == 1 and named and compiled and not delayed:
+      time.sleep(delay_s)
+      delayed.append(True)
+      client.key_value_set("test/compiled_at", repr(time.time()))
+
+  jax.monitoring.register_event_duration_secs_listener(late)
+
+  def slowly_compiled(x):
+    return jnp.sum(x) * jnp.ones((N, 1))
+
+  f = sharded_jit(
+    slowly_compiled,
+    in_parts=P(N, 1),
+    out_parts=P(N, 1),
+    local_in_parts=P(L, 1),
+    local_out_parts=P(L, 1),
+  )
+  out = f(X[mine])
+  returned_at = time.time()
+  close(out, np.full((N // nproc, 1), X.sum()), "the slowly compiled program's result")
+  compiled_at = float(client.blocking_key_value_get("test/compiled_at", 60_000))
+  if returned_at < compiled_at:
+    raise AssertionError(
+      f"process {pid} ran the program {compiled_at - returned_at:.2f}s before process 1 "
+      "had compiled it"
+    )
+  print("PASS the first run waits for the slowest compile", flush=True)
+
+
 def expect_error(fn, what):
   try:
     fn()
@@ -347,6 +393,8 @@ def main(mode):
       compiles_once,
     ):
       scenario()
+  elif mode == "slow-compile":
+    first_run_waits_for_the_slowest_compile()
   elif mode == "tracers":
     tracers_of_global_arrays()
   elif mode == "agree-once":

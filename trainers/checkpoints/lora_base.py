@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd import compile_meeting
 from trainers.checkpoints.damage import CheckpointError
 
 KEY = "lora_base"  # where a checkpoint's data record keeps it
@@ -56,7 +57,9 @@ def content_hash(weights: Any) -> str:
   Every process must call it (the sums are one computation over the mesh).
   """
   leaves = jax.tree_util.tree_leaves_with_path(weights)
-  sums = jax.jit(lambda xs: [_word_sums(x) for x in xs])([x for _, x in leaves])
+  arrays = [x for _, x in leaves]
+  sums_of = jax.jit(lambda xs: [_word_sums(x) for x in xs])
+  sums = compile_meeting.compile_together("the base weights' content hash", sums_of, arrays)(arrays)
   digest = hashlib.sha256()
   for (path, x), s in zip(leaves, sums):
     # Fully replicated results: every process reads its own copy.

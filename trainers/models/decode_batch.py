@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from spmd import compile_meeting
 from spmd import rules as rules_lib
 from trainers.models import decode, llama
 from trainers.models import transformer as lm
@@ -278,16 +279,30 @@ def generate_batch(
   prompt_len = jnp.int32(tokens.shape[1])
   # Compiled ahead, so that each program's run is timed without its compilation.
   timed = time.perf_counter()
-  prefill = _prefill.lower(
-    graphdef, state, tokens, starts, keys, max_len, *sampling, tuple(rules), mesh
-  ).compile()
+  # Together: a host that compiles later must not leave the others waiting
+  # past the collectives' own deadline at the first run (spmd.compile_meeting).
+  prefill = compile_meeting.compile_together(
+    "generate's prefill",
+    _prefill,
+    graphdef,
+    state,
+    tokens,
+    starts,
+    keys,
+    max_len,
+    *sampling,
+    tuple(rules),
+    mesh,
+  )
   compile_seconds = time.perf_counter() - timed
   timed = time.perf_counter()
   first, cache = jax.block_until_ready(prefill(state, tokens, starts, keys))
   prefill_seconds = time.perf_counter() - timed
   timed = time.perf_counter()
   static = (num_tokens, *sampling, eos_id, pad_id, tuple(rules), mesh)
-  run = _decode.lower(graphdef, state, first, cache, starts, keys, prompt_len, *static).compile()
+  run = compile_meeting.compile_together(
+    "generate's decode", _decode, graphdef, state, first, cache, starts, keys, prompt_len, *static
+  )
   compile_seconds += time.perf_counter() - timed
   timed = time.perf_counter()
   out, lengths, steps = jax.block_until_ready(run(state, first, cache, starts, keys, prompt_len))
