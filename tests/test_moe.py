@@ -154,6 +154,49 @@ def test_megablox_tgmm_sums_each_groups_weight_gradient_as_xla_does():
   assert dw.dtype == jnp.float32 and not np.any(dw[2])  # the empty group's gradient is 0
 
 
+@pytest.mark.slow  # compiles the routing on four devices with tgmm interpreted: seconds
+def test_a_split_routing_sums_its_weight_gradients_with_tgmm_as_one_device_with_xla():
+  """Inside the routed shard_maps (each device its rows, d_ff split over tensor; and the
+  experts split over expert, the batch over data), megablox's tgmm, interpreted, gives the
+  loss and gradients of one device with XLA's ragged dot: each weight's gradient summed
+  over the devices that share it exactly once. The split step must hold the kernel: a
+  shard_map that checks what varies over its axes would keep XLA's ragged dot."""
+  config = moe.MoEConfig(d_model=128, num_experts=E, top_k=K, d_ff=256)
+  graphdef, params = nnx.split(moe.MoE(config, rngs=nnx.Rngs(0)))
+  # 512 tokens: each device's groups are at least a tile of tgmm's rows (128).
+  x = jax.random.normal(jax.random.key(1), (4, 128, 128))
+
+  def loss(params, x):
+    y, stats = nnx.merge(graphdef, params).routed(x)
+    return jnp.sum(y**2) + stats.load_balancing_loss + stats.z_loss
+
+  with moe._kernel("xla"):
+    want = jax.jit(jax.value_and_grad(loss))(params, x)
+  layouts = (
+    ("data=2,tensor=2", rules.FSDP_TP, P("data")),
+    ("data=2,expert=2", rules.FSDP, P(("data", "expert"))),
+  )
+  for ici, preset, rows in layouts:
+    mesh = create_mesh(ici, devices=jax.devices()[:4])
+
+    def split_loss(params, x):
+      with rules.activation_rules(preset, mesh):
+        return loss(params, x)
+
+    placed = jax.device_put(x, NamedSharding(mesh, rows))
+    with moe._kernel("tgmm"):
+      step = jax.value_and_grad(split_loss)
+      # Three weight gradients, each megablox's jitted tgmm around its Pallas kernel
+      # (the printed jaxpr shows a repeated jit's body once).
+      jaxpr = str(jax.make_jaxpr(step)(params, placed))
+      assert jaxpr.count("name=tgmm") == 3 and "pallas_call" in jaxpr, ici
+      got = jax.jit(step)(params, placed)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(b))), err_msg=f"{ici} {path}"
+      )
+
+
 def test_a_float32_weight_shared_by_devices_gets_its_gradient_summed_over_them_under_bfloat16():
   """Inside a shard_map each device's rows differ and the weight does not: the weight's
   gradient (the float32 custom VJP's) is the sum over devices, the whole batch's."""

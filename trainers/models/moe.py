@@ -212,6 +212,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   if _varying(x):
     # Inside a shard_map that checks what varies over its axes, JAX refuses
     # megablox's kernel (its output's shape does not say): XLA's ragged dot.
+    # The routed shard_maps turn the check off where tgmm runs (`_checks_vma`).
     tgmm = None
   if jnp.dtype(w.dtype) == jnp.dtype(x.dtype) and tgmm is None:
     return jax.lax.ragged_dot(x, w, group_sizes)
@@ -236,10 +237,11 @@ WEIGHT_GRADIENT_KERNEL = "auto"
 "tgmm", megablox's grouped kernel, over each group's own rows; "xla", XLA's
 `ragged_dot_general`, which libtpu lowers densely over the groups (every group's
 weight against every row: experts ÷ top_k times the FLOPs); "auto", tgmm where the
-program is for a TPU and its shapes tile (`weight_gradient_tiling`), outside a
-shard_map (one device's routing; the split ones route in a shard_map), else XLA. On a
-v5e chip tgmm gave the same gradients bit for bit and a faster step
-(docs/performance.md, E-P9). Elsewhere tgmm runs interpreted: for tests only."""
+program is for a TPU and its shapes tile (`weight_gradient_tiling`), else XLA. A
+split step's routing runs in a shard_map, which then does not check what varies
+over its axes (`_checks_vma`). On a v5e chip tgmm gave the same gradients bit for
+bit and a faster step (docs/performance.md, E-P9). Elsewhere tgmm runs
+interpreted: for tests only."""
 
 # tgmm's tiles, largest first: rows, the weight's input and output widths. At
 # 1024 x 512 x 1024 a tile's operands and float32 sums fit a v5e core's scoped
@@ -277,6 +279,25 @@ def weight_gradient_tiling(
     for tiles, size, share in zip(_TGMM_TILES, (rows, d_in, d_out), (rows // groups, d_in, d_out))
   )
   return tiling if all(tiling) else None
+
+
+def _checks_vma(rows: int, d_model: int, d_ff: int, groups: int) -> bool:
+  """Whether a routed shard_map may check what varies over its axes: not where tgmm runs.
+
+  Its grouped matmuls are [rows, d_model] by [groups, d_model, d_ff] (gate,
+  up) and [rows, d_ff] by [groups, d_ff, d_model] (down), on one device's
+  shapes. JAX refuses megablox's kernel inside a shard_map that checks (the
+  kernel's output shape does not say what varies), so a shard_map where tgmm
+  sums a weight gradient runs unchecked, as MaxText's does. Unchecked, JAX
+  transposes as it did before the check existed, and as exactly: the gradient
+  of an input whose spec leaves out a mesh axis (the weights, over the batch
+  axes) is summed over that axis once, at the shard_map's edge; an output's
+  cotangent is divided by the size of the axes its spec leaves out and summed
+  back by psum's transpose, an all-reduce of the cotangent that the checked
+  transpose does without. So the check stays on where XLA's ragged dot runs.
+  """
+  shapes = ((d_model, d_ff), (d_ff, d_model))
+  return all(weight_gradient_tiling(rows, a, b, groups) is None for a, b in shapes)
 
 
 @contextlib.contextmanager
@@ -434,7 +455,11 @@ def _routed_per_device(x, experts, gates, weights) -> jax.Array:
       y = jax.lax.psum(y, mlp_axes)
     return y.reshape(*x.shape[:-1], d)
 
-  placed = jax.shard_map(local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t)
+  rows = math.prod(x.shape[:-1]) // _devices(mesh, t) * k
+  check = _checks_vma(rows, d, weights[0].shape[2] // _devices(mesh, mlp_axes), weights[0].shape[0])
+  placed = jax.shard_map(
+    local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t, check_vma=check
+  )
   return placed(x, experts, gates, *weights).reshape(-1, d)
 
 
@@ -640,14 +665,25 @@ def _expert_parallel(layout: _ExpertLayout, x, experts, gates, w_gate, w_up, w_d
       y = jax.lax.psum(y, layout.mlp_axes)
     return y.reshape(shape)
 
-  t = layout.tokens
+  t, mesh, (num_experts, d, d_ff) = layout.tokens, layout.mesh, w_gate.shape
+  # One device's grouped matmuls: its bound of rows, its experts, its share of d_ff.
+  group = _devices(mesh, layout.expert_axes)
+  tokens = math.prod(x.shape[:-1]) // _devices(mesh, t) * (group if layout.gathered else 1)
+  mine = num_experts // group
+  local_d_ff = d_ff // _devices(mesh, layout.mlp_axes)
   placed = jax.shard_map(
     local,
-    mesh=layout.mesh,
+    mesh=mesh,
     in_specs=(t, t, t, layout.up, layout.up, layout.down),
     out_specs=t,
+    check_vma=_checks_vma(tokens * min(top_k, mine), d, local_d_ff, mine),
   )
   return placed(x, experts, gates, w_gate, w_up, w_down)
+
+
+def _devices(mesh: jax.sharding.Mesh, spec) -> int:
+  """How many devices split an array over the mesh axes `spec` names (a spec or axes)."""
+  return math.prod(mesh.shape[a] for entry in spec for a in _axes(entry))
 
 
 def _token_split(shape: tuple[int, ...]):
