@@ -179,7 +179,7 @@ def test_a_split_routing_sums_its_weight_gradients_with_tgmm_as_one_device_with_
   for ici, preset, rows in layouts:
     mesh = create_mesh(ici, devices=jax.devices()[:4])
 
-    def split_loss(params, x):
+    def split_loss(params, x, preset=preset, mesh=mesh):
       with rules.activation_rules(preset, mesh):
         return loss(params, x)
 
