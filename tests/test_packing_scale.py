@@ -1,6 +1,6 @@
 """Packing a prepared source's records (`trainers.data.prepare.source_shards`) from files of many short
-documents: a record's memory and time stay the same when a file holds 4x the documents, and the
-records are those `pack_documents` cuts from the whole stream, read in any order.
+documents: a record's memory and the document starts read for it stay the same when a file holds
+4x the documents, and the records are those `pack_documents` cuts from the whole stream, read in any order.
 
 A file of many short documents (a JSONL of titles, say) puts a document
 start every few tokens; the tests pack such files beside a file of one long
@@ -13,7 +13,6 @@ rather than anything packing holds.
 import json
 import pathlib
 import tempfile
-import time
 import tracemalloc
 from unittest import mock
 
@@ -79,12 +78,6 @@ def make_every_record(stream: source_shards._Stream) -> None:
     source_shards._record(stream, r, LAYOUT)
 
 
-def cpu_seconds(stream: source_shards._Stream) -> float:
-  started = time.process_time()
-  make_every_record(stream)
-  return time.process_time() - started
-
-
 def test_a_records_memory_stays_the_same_for_a_file_of_4x_the_documents(tmp_path):
   """The traced peak while making every record of a file of 400k short documents (and a long one of
   as many tokens) is within 1.15x of that for 100k: a record holds its own documents' starts,
@@ -104,22 +97,40 @@ def test_a_records_memory_stays_the_same_for_a_file_of_4x_the_documents(tmp_path
   assert ratio <= 1.15, (ratio, peaks)
 
 
-def test_packing_time_follows_the_records_for_a_file_of_4x_the_documents(tmp_path):
-  """Making every record of a file of 400k short documents (and a long one of as many tokens) takes
-  at most 6x the CPU time it takes for 100k: linear is 4x; masking every start of the file
-  for each record, 16x. The records are made as `prepare_shards` makes them before serializing
-  them, from spill files written here; CPU time of this process, so other processes on the
-  machine do not count, the least of 3 tries, so a pause does not either, and a ratio, so the
-  machine's speed does not either."""
-  seconds = {}
-  for count in (100_000, 400_000):
-    spill = tmp_path / f"{count}"
-    notes = spill_files(spill, count)
-    seconds[count] = min(
-      cpu_seconds(source_shards._Stream(spill, notes, LAYOUT.dtype)) for _ in "abc"
-    )
-  ratio = seconds[400_000] / seconds[100_000]
-  assert ratio <= 6, (ratio, seconds)
+def test_packing_reads_each_document_start_once_for_a_file_of_4x_the_documents(tmp_path):
+  """Making every record of a file of 100k and of 400k short documents (and a long one of as many
+  tokens) reads each document start from the spill files once, and a block more at most per
+  file: the work follows the records, whatever a file's count. Packing that read or masked every
+  start of the file for each record (the defect this guards) reads records x documents: 16x
+  the work for 4x the documents. Counted, not timed: the two sizes take milliseconds, and on a
+  busy machine the larger one's time grows with the cache misses of other processes."""
+  read = {"starts": 0, "tokens": 0}
+  real_fromfile = np.fromfile
+
+  def counting_fromfile(file, dtype=float, count=-1, *args, **kwargs):
+    out = real_fromfile(file, dtype, count, *args, **kwargs)
+    name = str(getattr(file, "name", file))
+    for kind in read:
+      if name.endswith(f".{kind}"):
+        read[kind] += len(out)
+    return out
+
+  counts = {}
+  for documents in (100_000, 400_000):
+    spill = tmp_path / f"{documents}"
+    notes = spill_files(spill, documents)
+    read.update(starts=0, tokens=0)
+    with mock.patch.object(source_shards.np, "fromfile", counting_fromfile):
+      make_every_record(source_shards._Stream(spill, notes, LAYOUT.dtype))
+    tokens = sum(n["tokens"] for n in notes)
+    records = -(-tokens // LAYOUT.run)
+    counts[documents] = dict(read, records=records)
+    # Each start once, and at most one block past a file's last record; each token once, and
+    # the one a record shares with the next.
+    assert read["starts"] <= documents + 1 + len(notes) * source_shards._STARTS_BLOCK, counts
+    assert read["tokens"] <= tokens + records, counts
+  ratio = counts[400_000]["starts"] / counts[100_000]["starts"]
+  assert 3.9 <= ratio <= 4.1, counts
 
 
 def test_the_records_of_files_of_many_short_documents_are_those_of_the_whole_stream(tmp_path):
