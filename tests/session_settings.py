@@ -8,11 +8,18 @@
   a program computes: a test that compares two runs compares two runs
   compiled alike. A test that checks the default pipeline itself (the
   README's demo) takes `default_pipeline_env()`.
-- One persistent compilation cache for the whole run, with no minimum
-  compile time, so a program compiled by one test, worker or job is read
-  back by the next. It is on from the first compile, so no test depends on
-  another having switched it on. Tests that read XLA's log keep it off for
-  their compile (`spmd.compiler_log`).
+- One persistent compilation cache for each xdist worker, with no minimum
+  compile time, so a program compiled by one test or job is read back by
+  the next on that worker. It is on from the first compile, so no test
+  depends on another having switched it on. Tests that read XLA's log keep
+  it off for their compile (`spmd.compiler_log`). Not one for the whole
+  run: with the compile shared between a job's processes (below), a job
+  whose process 0 finds a program in the cache and whose process 1 does
+  not (another worker's job wrote it between their two reads, or process 1
+  read it half-written) hangs: process 1 waits for a compile process 0
+  never shares, until the job's limit or JAX's shutdown barrier ends it.
+  A worker runs one test at a time, so only the job it runs writes its
+  cache, and only that job's process 0.
 - One compile per job, not one per process: a program that spans the
   processes of a job and is not in the cache yet is compiled by the process
   holding its first device and handed to the others through JAX's
@@ -108,7 +115,9 @@ def apply() -> None:
   os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
   sys.dont_write_bytecode = False
   os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache")
+  # One cache a worker (see the module docstring: a job's processes must see it alike).
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache" / worker)
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_SHARE_BINARY_BETWEEN_HOSTS"] = "1"
   # A process waits this long for another's compile (JAX's default: 20 minutes);
