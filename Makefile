@@ -23,13 +23,9 @@ sharded-jit-demo: $(BIN)/.installed
 	$(BIN)/spmd-launch local --num-processes 2 --devices-per-process 2 --timeout 300 -- \
 		$(BIN)/python examples/sharded_jit_demo.py
 
-# Three pytest-xdist workers on two cores: a job's processes wait on each other
-# (one compiles, the others take its program; process 0 writes the summary), and
-# fault tests wait out their limits, so a third worker takes the cores they leave
-# (27.6 minutes against 32 with two, on this 2-core machine). `loadgroup` keeps
-# the tests that share a module's setup (a reference run, say) on one worker
-# (conftest.py groups them).
-WORKERS ?= -n 3 --dist loadgroup
+# Two pytest-xdist workers, one per core; `loadgroup` keeps the tests that share a
+# module's setup (a reference run, say) on one worker (conftest.py groups them).
+WORKERS ?= -n 2 --dist loadgroup
 
 # The full suite, as CI runs it; it ends with its 25 slowest tests.
 test: $(BIN)/.installed

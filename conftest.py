@@ -1,8 +1,8 @@
 """Every test process sees 8 CPU devices, set before JAX starts its backend.
 
 Every process of the run (pytest, its xdist workers, the jobs tests start)
-compiles with XLA's fast CPU pipeline into a persistent compilation cache
-(`tests/session_settings.py`), one cache a worker.
+compiles with XLA's fast CPU pipeline into one shared compilation cache
+(`tests/session_settings.py`).
 
 `make test-fast` sets `SPMD_TEST_TIER=fast` and deselects the `multiprocess`
 and `slow` tests. There, a test that still starts a process fails, naming the

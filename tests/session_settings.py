@@ -8,25 +8,19 @@
   a program computes: a test that compares two runs compares two runs
   compiled alike. A test that checks the default pipeline itself (the
   README's demo) takes `default_pipeline_env()`.
-- One persistent compilation cache for each xdist worker, with no minimum
-  compile time, so a program compiled by one test or job is read back by
-  the next on that worker. It is on from the first compile, so no test
-  depends on another having switched it on. Tests that read XLA's log keep
-  it off for their compile (`spmd.compiler_log`). Not one for the whole
-  run: with the compile shared between a job's processes (below), a job
-  whose process 0 finds a program in the cache and whose process 1 does
-  not (another worker's job wrote it between their two reads, or process 1
-  read it half-written) hangs: process 1 waits for a compile process 0
-  never shares, until the job's limit or JAX's shutdown barrier ends it.
-  A worker runs one test at a time, so only the job it runs writes its
-  cache, and only that job's process 0.
-- One compile per job, not one per process: a program that spans the
-  processes of a job and is not in the cache yet is compiled by the process
-  holding its first device and handed to the others through JAX's
-  distributed key-value store (`jax_share_binary_between_hosts`). The
-  processes of a job compile the same program (SPMD), so the others' compiles
-  were the same work done again, on the same two cores.
-  Programs on one process's devices alone never wait for another.
+- One persistent compilation cache for the whole run, with no minimum
+  compile time, so a program compiled by one test, worker or job is read
+  back by the next. It is on from the first compile, so no test depends on
+  another having switched it on. Tests that read XLA's log keep it off for
+  their compile (`spmd.compiler_log`).
+- Each process of a job compiles what the cache lacks itself. JAX's
+  `jax_share_binary_between_hosts` (process 0 compiles, the others wait for
+  its program) hung jobs beside this cache: when process 0 finds a program
+  there and process 1 does not (another job wrote it between their reads,
+  or process 1 read it half-written), process 1 waits for a compile process
+  0 never shares, until the job's limit, gloo's deadline at the next
+  collective or JAX's shutdown barrier ends the job. One cache a worker did
+  not end it (a job's processes still disagreed about some programs).
 - Bytecode written and read back (`__pycache__`, git-ignored), whatever
   `PYTHONDONTWRITEBYTECODE` says: every process a test starts imports the
   checkout's few hundred modules, and without bytecode each compiles them
@@ -65,9 +59,6 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
 # eviction scan fails on, and nothing more is cached for the rest of the run.
 # A reader that finds an entry half-written gets a decompression error, which
 # JAX reports as a warning before it compiles the program itself.
-
-# How long a process waits for the compile another process of its job shares.
-SHARED_COMPILE_WAIT_MS = 600_000
 
 _owned: list[Path] = []
 
@@ -115,15 +106,8 @@ def apply() -> None:
   os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
   sys.dont_write_bytecode = False
   os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
-  # One cache a worker (see the module docstring: a job's processes must see it alike).
-  worker = os.environ.get("PYTEST_XDIST_WORKER", "controller")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache" / worker)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(session_dir() / "jax_cache")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  os.environ["JAX_SHARE_BINARY_BETWEEN_HOSTS"] = "1"
-  # A process waits this long for another's compile (JAX's default: 20 minutes);
-  # every job a test starts has a shorter limit of its own, so this only bounds
-  # a process that outlives its job's limit.
-  os.environ["JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"] = str(SHARED_COMPILE_WAIT_MS)
 
 
 def clean_up() -> None:

@@ -47,11 +47,9 @@ def run_make_demo(workdir: Path) -> subprocess.CompletedProcess:
     f"DEMO_FLAGS={DEMO_FLAGS}",
   ]
   # The checkout's own modules, whatever the venv's editable install points at;
-  # XLA's default pipeline and the demo's own compilation cache, each process
-  # compiling for itself, as a user has them.
+  # XLA's default pipeline and the demo's own compilation cache, as a user has them.
   env = dict(default_pipeline_env(), PYTHONPATH=str(ROOT))
-  for test_setting in ("JAX_COMPILATION_CACHE_DIR", "JAX_SHARE_BINARY_BETWEEN_HOSTS"):
-    env.pop(test_setting)
+  env.pop("JAX_COMPILATION_CACHE_DIR")
   process = subprocess.Popen(
     command,
     cwd=ROOT,
