@@ -162,6 +162,8 @@ class ShardedJitFunction:
     self._fun = fun
     self._args = arguments
     self._name = arguments.name
+    # What JAX names the compiled program after (`jit(<this>)`): the traced body takes it.
+    self._program_name = getattr(fun, "__name__", "sharded_jit_fun")
     self._plan: Plan | None = None  # when the count is fixed: the one plan
     self._plans: dict[int, Plan] = {}  # when discovered: one per count
     self._signature_counts: dict[Any, int] = {}
@@ -313,7 +315,7 @@ class ShardedJitFunction:
       broadcast_prefix(self._args.out_parts, out, "out_parts")  # a clear error
       return out
 
-    body.__name__ = getattr(fun, "__name__", "sharded_jit_fun")
+    body.__name__ = self._program_name
     body.__qualname__ = name
     return body
 
@@ -343,8 +345,7 @@ class ShardedJitFunction:
       pieces if owner is self else None,
     )
     multihost.check_agreement(f"sharded_jit({self._name})", record)
-    # JAX names the program after the function it traces (`body` takes its name).
-    compile_meeting.expect(getattr(self._fun, "__name__", "sharded_jit_fun"))
+    compile_meeting.expect(self._program_name)
 
   # -- arguments -------------------------------------------------------------
 
