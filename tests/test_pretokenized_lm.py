@@ -181,6 +181,7 @@ def test_a_vocabulary_of_1000_trains_samples_ids_and_ends_cleanly(data_dir, tmp_
   config.compilation_cache_dir = compilation_cache_dir()
   config.train.steps, config.eval_every, config.checkpoint.every = 4, 0, 0
   config.sample_tokens = 8  # train_tiny's runs end without a sample
+  config.loss_curve = True  # and without a loss curve
   summary = train_and_evaluate(config, str(tmp_path / "run"))
   assert summary["steps"] == 4 and np.isfinite(summary["eval_loss"])
   written = json.loads((tmp_path / "run" / "summary.json").read_text())

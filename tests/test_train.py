@@ -72,7 +72,7 @@ def reference(data, tmp_path_factory):
   `test_a_cpu_run_prints_no_libtpu_lines` reads its processes' output."""
   workdir = tmp_path_factory.mktemp("reference") / "run"
   result = run_trainer(
-    flags(data, workdir, "--config.sample_tokens=8"),
+    flags(data, workdir, "--config.sample_tokens=8", "--config.loss_curve=True"),
     num_processes=2,
     devices_per_process=2,
     cache=data["cache"],

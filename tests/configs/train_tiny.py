@@ -27,6 +27,10 @@ def get_config():
   # No sample at the end (its decode costs every run CPU): tests/test_train.py's
   # reference run asks for one and checks it.
   config.sample_tokens = 0
+  # No loss.png either (matplotlib costs process 0 about a CPU second a run):
+  # the runs that check it (test_train's reference, the fault tests of the
+  # run's end) ask for it.
+  config.loss_curve = False
   config.transfer_guard = "disallow"  # any implicit transfer in the loop is an error
   # Fault injection (tests/injection.py), off, so tests can set it by
   # override (--config.hook_settings.faults.inject_stall=...); the param hash

@@ -59,7 +59,8 @@ def test_a_gs_run_killed_mid_save_resumes_bit_identical_and_writes_nothing_local
   bucket_dir = gcs.root / "bucket" / "run-killed"
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())  # this process reads the bucket too
-  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
+  # With the loss curve: the run's end writes it to the store too.
+  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data", "--config.loss_curve=True")
 
   first = harness.start(data, workdir, *flags, env=env, cwd=cwd)
   try:
@@ -141,7 +142,8 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
   bucket_dir = gcs.root / "bucket" / run
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())
-  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data")
+  # With the loss curve: the run's end writes it to the store too.
+  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data", "--config.loss_curve=True")
   budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
   entry, delay = (
     ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")

@@ -78,6 +78,7 @@ def test_a_coordinator_slow_at_the_end_of_the_run_ends_the_job_cleanly(data, tmp
     data,
     workdir,
     *harness.long_run(every=1000),
+    "--config.loss_curve=True",  # the slow end is the loss curve's
     entry="tests.workers.slow_chief_end_train",
     env={"SPMD_TEST_END_DELAY_S": "12"},
   )

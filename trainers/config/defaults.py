@@ -193,6 +193,9 @@ def get_config() -> ml_collections.ConfigDict:
   # tokenizer the prompt is its UTF-8 bytes and the sample is shown as ids.
   config.sample_tokens = 96
   config.sample_prompt = "def "
+  # loss.png at the end of the run, drawn by process 0 with matplotlib (about a
+  # CPU second, mostly its import); False leaves it out of the run and its summary.
+  config.loss_curve = True
   # Persistent compilation cache: restarts skip XLA compiles. Default: the
   # JAX_COMPILATION_CACHE_DIR environment variable, else <workdir>/../.jax_cache.
   config.compilation_cache_dir = ""

@@ -111,8 +111,9 @@ def publish(
   chief: bool,
   report: Callable[[], str],
   own_entries: Sequence[str] = (),
+  draw_loss_curve: bool = True,
 ) -> dict[str, Any]:
-  """Process 0 writes the loss curve and `summary.json`; then the report joins the summary.
+  """Process 0 writes the loss curve (if `draw_loss_curve`) and `summary.json`; then the report joins the summary.
 
   `report()` runs on every process, after the files are written; process 0
   prints the summary and the report. Returns `summary` with `report` added.
@@ -120,9 +121,10 @@ def publish(
   """
   if chief:
     try:
-      summary["loss_curve"] = str(
-        loss_curve.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
-      )
+      if draw_loss_curve:
+        summary["loss_curve"] = str(
+          loss_curve.plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss.png")
+        )
       (workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     except OSError as e:
       # A store's own error names a host and port, not the run: say what was being written.

@@ -195,6 +195,7 @@ def _train_and_evaluate(
     chief,
     lambda: summary.task_report(task, setup, loop.state, loop.step),
     own_entries=[k for k, v in loop.summary_entries.items() if results.get(k) is v],
+    draw_loss_curve=config.loss_curve,
   )
   tracker.finish(published)
   # 7. Every process leaves when process 0 does: its own end (the loss curve,
