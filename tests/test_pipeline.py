@@ -351,3 +351,13 @@ def test_a_short_last_record_gives_only_its_windows_each_once_per_epoch(block):
       create_mesh("data=-1"),
       plan=dataclasses.replace(plan, examples=n * per - per),
     )
+
+
+def test_the_record_order_shuffles_with_grains_own_index_shuffle():
+  # record_order loads grain's compiled bijection without importing all of grain;
+  # it must be grain's function itself, as `grain.experimental` exports it.
+  from grain import experimental
+
+  assert record_order.index_shuffle is experimental.index_shuffle
+  order = [record_order.index_shuffle(i, 9, 7, 4) for i in range(10)]
+  assert sorted(order) == list(range(10))

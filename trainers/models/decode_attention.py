@@ -39,8 +39,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+# Pallas's TPU half (Mosaic's lowering) is imported where the kernel is built, not
+# here: every run imports this module through the sampler, and most never run it
+# (about 0.2 CPU s a process).
 
 _ROWS = 8  # a float32 tile's rows
 # A grid step's keys and values: small enough that several steps pipeline
@@ -92,6 +94,8 @@ def supported(q_shape, cache_shape, itemsize: int) -> bool:
 def _kernel(layer_ref, index_ref, starts_ref, q_ref, k_ref, v_ref, o_ref, *, scale, group):
   # q_ref, o_ref: [rows, heads (padded), head_dim] float32; k_ref, v_ref: [rows, kv_heads, S, head_dim].
   # One product a row over all its key/value heads' slots, the other heads' slots masked.
+  from jax.experimental import pallas as pl
+
   del layer_ref
   rows, padded, head_dim = q_ref.shape
   _, kv_heads, max_len, _ = k_ref.shape
@@ -143,6 +147,9 @@ def decode_attention(
   Returns:
     [B, heads, head_dim] in q's dtype.
   """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
   batch, heads, head_dim = q.shape
   _, _, kv_heads, max_len, _ = keys.shape
   group = heads // kv_heads

@@ -17,10 +17,50 @@ import bisect
 import dataclasses
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
+import os
+import sys
 
 import numpy as np
-from grain.experimental import index_shuffle
+
+# grain's `index_shuffle` is one compiled function, but `grain.experimental` imports
+# the whole of grain first (its datasets, multiprocessing and monitoring: about 0.3
+# CPU s), in every process of every run. Its extension module is loaded on its own,
+# under its own name, so a later `import grain` finds it and uses the same module;
+# where grain lays its files out otherwise, the public import.
+_INDEX_SHUFFLE = "grain._src.python.experimental.index_shuffle.python.index_shuffle_module"
+
+
+def _grain_index_shuffle():
+  if _INDEX_SHUFFLE in sys.modules:
+    return sys.modules[_INDEX_SHUFFLE].index_shuffle
+  grain = importlib.util.find_spec("grain")  # finds the package without importing it
+  folder = os.path.join(os.path.dirname(grain.origin), *_INDEX_SHUFFLE.split(".")[1:-1])
+  suffix = next(
+    (
+      s
+      for s in importlib.machinery.EXTENSION_SUFFIXES
+      if os.path.exists(os.path.join(folder, "index_shuffle_module" + s))
+    ),
+    None,
+  )
+  if suffix is None:
+    from grain.experimental import index_shuffle as public
+
+    return public
+  path = os.path.join(folder, "index_shuffle_module" + suffix)
+  loader = importlib.machinery.ExtensionFileLoader(_INDEX_SHUFFLE, path)
+  module = importlib.util.module_from_spec(
+    importlib.util.spec_from_file_location(_INDEX_SHUFFLE, path, loader=loader)
+  )
+  loader.exec_module(module)
+  sys.modules[_INDEX_SHUFFLE] = module
+  return module.index_shuffle
+
+
+index_shuffle = _grain_index_shuffle()
 
 # Rounds of grain's `index_shuffle` bijection per permutation (as its `MapDataset.shuffle`).
 _ROUNDS = 4
