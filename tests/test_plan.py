@@ -397,12 +397,17 @@ def test_activations_the_compiler_refuses_are_measured_and_a_micro_batch_count_i
   # temporaries exceed HBM) and says by how much; the plan reports that as the
   # verdict and compiles micro-batch counts until one fits. (Two long rows,
   # not 8 of 8192: the same bytes, and libtpu's code, and its compile time,
-  # grow with the rows a device holds.)
+  # grow with the rows a device holds.) One layer of 6 heads, not llama_tiny's
+  # two of 4: the same margins (24.6 GiB refused, 12.7 GiB at 2 micro-batches,
+  # against 24.4 and 12.7) for half the code to compile (49 CPU s, not 64).
   done = _spmd_plan(
     "--config=configs/llama_tiny.py",
     "--topology=v5e-8",
     "--config.model.attention=xla",
     "--config.model.seq_len=16384",
+    "--config.model.num_layers=1",
+    "--config.model.d_model=192",
+    "--config.model.num_heads=6",
     "--config.global_batch=16",
     "--config.data.tokenizer=bytes",
     "--config.data.pack=False",
