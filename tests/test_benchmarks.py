@@ -399,11 +399,12 @@ def test_the_llama_figure_runs_end_to_end_on_a_shrunken_shape(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
 def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
-  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a tiny Llama at 256
-  # tokens on v5p-8 takes the same path: splash through libtpu, then xla. One
-  # row a chip: libtpu's compile time grows with the rows (8 rows took 27 CPU s, 4 took 20).
+  # M1 compiles Llama-3-8B for v5p-256 twice (minutes); a tiny Llama at 128
+  # tokens (one splash block) on v5p-8 takes the same path: splash through
+  # libtpu, then xla. One row a chip: libtpu's compile time grows with the rows
+  # (8 rows took 27 CPU s, 4 took 20) and with the tokens a chip holds.
   out = tmp_path / "m1.json"
-  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256"]
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=128"]
   done = _run_module("benchmarks.pod_memory", *shrunk, "--global-batch=4", f"--json={out}")
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   rows = {r["id"]: r for r in json.loads(out.read_text())}
@@ -416,9 +417,10 @@ def test_the_pod_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (the tpu extra)")
 def test_the_context_memory_figure_runs_end_to_end_on_a_shrunken_llama(tmp_path):
   # C1 compiles Llama-3-8B at 131k tokens for v5p-256 (minutes); a tiny Llama
-  # at 512 tokens on v5p-8 takes the same path: context=2, splash per shard.
+  # at 256 tokens on v5p-8 takes the same path: context=2, splash per shard
+  # (one block of 128 each; libtpu's compile time grows with the tokens).
   out = tmp_path / "c1.json"
-  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=512"]
+  shrunk = ["--config=configs/llama_tiny.py", "--topology=v5p-8", "--seq-len=256"]
   mesh = "--ici=data=1,fsdp=2,context=2,tensor=1"
   done = _run_module(
     "benchmarks.context_memory", *shrunk, mesh, "--global-batch=2", f"--json={out}"
