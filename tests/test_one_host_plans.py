@@ -93,6 +93,9 @@ def test_a_one_host_slice_plans_and_its_compiler_gives_the_verdict(name):
   from configs import llama_tiny
 
   config = llama_tiny.get_config()
+  # 8 rows, not llama_tiny's 32 (libtpu's compile time grows with the rows): one
+  # or more a device on both slices, and the claim is the host count and who judges.
+  config.global_batch = 8
   plan = plan_lib.make_plan(config, targets.tpu_target(name), verify_suggestions=False)
   assert plan.compiled and plan.hosts == 1 and plan.num_devices == len(topology_devices(name))
   assert (plan.fits, plan.verdict_by) == (True, "compiler")
