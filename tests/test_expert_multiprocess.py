@@ -1,6 +1,6 @@
 """An `expert` axis across processes: 4 x 1, 2 x 2 and 1 x 4 train a routed Llama as the straight run.
 
-The routed llama_tiny (4 experts, top 2, one layer) trains on 4 processes of 1 device
+The routed llama_tiny (4 experts, top 2) trains on 4 processes of 1 device
 with expert=4 across them (one expert a process) to step 2; the run resumes
 on 2 processes of 2 devices with expert=4, 2 inside each process and 2
 across the two, to step 3; then on one process of 4 devices with data=2 x
@@ -34,10 +34,6 @@ LEGS = (  # (stop at, processes, devices a process, mesh)
   (4, 1, 4, ["--config.mesh.ici=data=2,expert=2"]),
 )
 ROUTED = (
-  # One layer: its tokens cross to their experts and back as every layer's do, and each
-  # process of each leg compiles the step itself (llama_tiny's layers are unrolled: a
-  # second one is a second copy of the program to compile, eight times over).
-  "--config.model.num_layers=1",
   "--config.model.moe_experts=4",
   "--config.model.moe_top_k=2",
   "--config.model.moe_d_ff=64",
