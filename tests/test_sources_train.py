@@ -95,6 +95,9 @@ def test_llama_tiny_trains_on_a_mixture_of_jsonl_and_parquet_it_has_never_seen(c
     "configs/llama_tiny.py",
     f"--config.train.steps={steps}",
     "--config.eval_every=0",
+    # One layer (llama_tiny unrolls its two): the claim is the data's, and each of the two
+    # processes compiles the step itself.
+    "--config.model.num_layers=1",
   )
   # Both sources prepared (a BPE from a sample of both), then their mixture, logged.
   # Each prepared by both processes at once, each its share (trainers/data/prepare/source_shards.py).

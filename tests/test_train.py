@@ -105,15 +105,26 @@ def test_two_processes_train_and_the_loss_falls(reference):
 
 @pytest.fixture(scope="module")
 def one_process_ten_steps(data, tmp_path_factory):
-  """1 process x 4 devices from a fresh start, stopped after 10 of the 20 steps."""
+  """1 process x 4 devices from a fresh start, stopped after 10 of the 20 steps: `spmd-train`
+  run as a plain process (no launcher, no coordinator, no JAX_PLATFORMS), as a user runs it on
+  one machine. Its output is `test_a_cpu_run_prints_no_libtpu_lines`' single-process run: it
+  starts its backend, trains, evaluates and saves. (workdir, output)"""
   workdir = tmp_path_factory.mktemp("one") / "run"
-  result = spmd_train(data, workdir, 1, 4, "--config.train.stop_at_step=10")
-  assert result.ok, result.report()
-  return workdir
+  command = [
+    sys.executable,
+    "-m",
+    "trainers.run.train_cli",
+    *flags(data, workdir, "--config.train.stop_at_step=10"),
+  ]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"], SPMD_CPU_DEVICES="4")
+  alone = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert alone.returncode == 0, alone.stdout + alone.stderr
+  return workdir, alone.stdout + alone.stderr
 
 
 def test_same_losses_on_one_process(reference, one_process_ten_steps):
-  got = losses(one_process_ten_steps)
+  got = losses(one_process_ten_steps[0])
   assert sorted(got) == list(range(1, 11)), got
   for step in range(1, 11):
     assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
@@ -152,29 +163,13 @@ def test_the_mlp_classifier_trains_on_two_processes(data, tmp_path):
   assert "examples/s" in result.processes[0].output
 
 
-def test_a_cpu_run_prints_no_libtpu_lines(data, tmp_path, reference):
+def test_a_cpu_run_prints_no_libtpu_lines(reference, one_process_ten_steps):
   """With the tpu extra installed and no TPU here, JAX must not initialise libtpu (it
   prints a block of hostname errors): single-process and launched runs alike.
 
   Each run starts its backend, trains and saves, which is what could print the lines.
   The launched run is the 2 x 2 reference (launched without JAX_PLATFORMS); the
-  single-process one (no launcher, no coordinator) is two steps of its schedule
-  (`stop_at_step`, no sample) on 4 CPU devices: the step the 1 x 4 run above
-  compiled, read from the compilation cache."""
-  overrides = (
-    "--config.train.stop_at_step=2",
-    "--config.eval_every=0",
-    "--config.sample_tokens=0",
-  )
-  command = [
-    sys.executable,
-    "-m",
-    "trainers.run.train_cli",
-    *flags(data, tmp_path / "one", *overrides),
-  ]
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  env.update(PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=data["cache"], SPMD_CPU_DEVICES="4")
-  alone = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-  assert alone.returncode == 0, alone.stdout + alone.stderr
-  for out in (alone.stdout + alone.stderr, *reference["outputs"]):
+  single-process one (no launcher, no coordinator, no JAX_PLATFORMS) is the 1 x 4 run
+  of ten steps above."""
+  for out in (one_process_ten_steps[1], *reference["outputs"]):
     assert "TPU_WORKER_HOSTNAMES" not in out and "libtpu" not in out, out

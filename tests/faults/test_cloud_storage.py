@@ -142,8 +142,15 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
   bucket_dir = gcs.root / "bucket" / run
   env = {**gcs.env(), "SPMD_DATA_CACHE": str(tmp_path / "host_cache")}
   os.environ.update(gcs.env())
-  # With the loss curve: the run's end writes it to the store too.
-  flags = (*harness.long_run(), "--config.data.dir=gs://bucket/data", "--config.loss_curve=True")
+  # At the end only the last save matters (the store goes after it), so that run saves there
+  # alone; the other needs saves on the way, one of them caught in flight. With the loss
+  # curve: the run's end writes it to the store too.
+  every = harness.STEPS if at_the_end else harness.EVERY
+  flags = (
+    *harness.long_run(every),
+    "--config.data.dir=gs://bucket/data",
+    "--config.loss_curve=True",
+  )
   budget = ("--config.checkpoint.save_timeout_s=15", "--config.train.step_timeout_s=60")
   entry, delay = (
     ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")
@@ -180,7 +187,10 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
     )
   )
   gcs.start()
-  second = harness.start(data, workdir, *flags, env=env)
+  # The resumed run saves at its end alone: the resume and its end are the claim, and every
+  # save on the way is a round of uploads to the emulator (the interval compiles nothing).
+  resume_flags = (*harness.long_run(every=harness.STEPS), "--config.data.dir=gs://bucket/data")
+  second = harness.start(data, workdir, *resume_flags, env=env)
   resumed_code = second.wait(600)
   resumed = harness.resumed_steps(out + second.output)
   ok = (
@@ -267,7 +277,9 @@ def test_4_hosts_on_gs_killed_mid_save_agree_on_what_to_remove_at_every_restart(
   workdir = epath.Path("gs://bucket/hosts4")
   bucket_dir = gcs.root / "bucket" / "hosts4"
   os.environ.update(gcs.env())
-  steps = 12 + 4 * kills
+  # Each kill catches the first save after the step the job resumed from, so a few steps a
+  # kill are room enough; and a few after the last, for the restart to save and finish.
+  steps = 4 + 4 * kills
   flags = (
     # train_tiny's own schedule where it is long enough (CI's one kill), stopped at
     # `steps`: the 4 x 1 step tests/test_train.py compiles, so this run compiles none.
