@@ -274,12 +274,20 @@ def test_scanned_and_unrolled_routed_layers_give_the_same_states_and_stats():
     runs[scan] = nnx.jit(lambda m, t: m.hidden_states_and_stats(t))(model, tokens)
   for a, b in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  # Mixed, unrolled: layer 1 routed, layer 0 dense; a dense model has no stats.
-  mixed = llama.Llama(_moe_model_config(scan_layers=False, moe_every=2), rngs=nnx.Rngs(0))
+
+  # Mixed, unrolled: layer 1 routed, layer 0 dense; a dense model has no stats. Which
+  # layers route and whether there are stats is the models' structure: built and traced
+  # abstractly, not initialised and run op by op.
+  def abstract(**overrides):
+    return nnx.eval_shape(lambda: llama.Llama(_moe_model_config(**overrides), rngs=nnx.Rngs(0)))
+
+  def stats(model):
+    return nnx.eval_shape(lambda m, t: m.hidden_states_and_stats(t)[1], model, tokens)
+
+  mixed = abstract(scan_layers=False, moe_every=2)
   assert [b.routed for b in mixed.blocks] == [False, True]
-  assert mixed.hidden_states_and_stats(tokens)[1] is not None
-  dense = llama.Llama(_moe_model_config(moe_experts=0), rngs=nnx.Rngs(0))
-  assert dense.hidden_states_and_stats(tokens)[1] is None
+  assert stats(mixed) is not None
+  assert stats(abstract(moe_experts=0)) is None
 
 
 def test_flops_per_token_count_the_active_parameters():
@@ -440,17 +448,22 @@ def test_a_routed_llama_split_over_the_expert_axis_has_the_loss_and_gradients_of
       )
 
 
+# Four rows: one a device on data=2 x expert=2, as the KV cache is split there.
+DECODE_PROMPT = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1], [2, 9, 9, 4], [70, 1, 33, 6]], jnp.int32)
+
+
 @pytest.mark.slow  # compiles a Llama's step or forward pass: seconds
 def test_a_routed_llama_decodes_with_its_kv_cache_as_its_full_forward_pass():
   """Dropless routing: each token decoded alone takes the experts it takes in the whole row."""
   from trainers.models import decode
 
   model = llama.Llama(_moe_model_config(vocab_size=96), rngs=nnx.Rngs(1))
-  prompt = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1]], jnp.int32)
+  prompt = DECODE_PROMPT
   cached = decode.generate(model, prompt, 4)
   np.testing.assert_array_equal(cached, decode.generate_uncached(model, prompt, 4))
   logits, _ = decode.prefill(model, prompt)
-  np.testing.assert_allclose(logits, model(prompt), atol=1e-5)
+  # The full forward pass as one program: run op by op it would compile each of its ops.
+  np.testing.assert_allclose(logits, nnx.jit(lambda m, p: m(p))(model, prompt), atol=1e-5)
 
 
 @pytest.mark.slow  # compiles a Llama's forward pass and decoding steps: seconds
@@ -460,7 +473,7 @@ def test_a_routed_llama_decodes_on_an_expert_mesh_as_on_one_device(monkeypatch):
   from trainers.models import decode
 
   model = llama.Llama(_moe_model_config(vocab_size=96), rngs=nnx.Rngs(1))
-  prompt = jnp.array([[5, 17, 3, 42], [8, 8, 60, 1], [2, 9, 9, 4], [70, 1, 33, 6]], jnp.int32)
+  prompt = DECODE_PROMPT  # the decoding alone is the test above's program, compiled once
   mesh = create_mesh("data=2,expert=2", devices=jax.devices()[:4])
   alone = decode.generate(model, prompt, 4)
   dispatched = []

@@ -1,17 +1,19 @@
 """The optimizer from the config: each by name trains, decay spares what the mask excludes,
 adafactor's factored state is split under FSDP, and a task's own optimizer is used."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from configs import lm_tiny_bytes
 from spmd.layout import batch_sharding
 from spmd.mesh import create_mesh
-from tests import injection
 from trainers.config import check_values
 from trainers.step import optim
 from trainers.step.state import make_state
@@ -42,22 +44,50 @@ def _batch(mesh):
     "inputs": jax.device_put(tokens[:, :-1], spec),
     "targets": jax.device_put(tokens[:, 1:], spec),
     "mask": jax.device_put(np.ones((16, 16), np.float32), spec),
+    "poison": jax.device_put(np.zeros(16, np.float32), spec),  # NaN: a poisoned step's
   }
 
 
+def _nan_gradients_where_the_batch_says(task):
+  """`task` whose gradients are all NaN at a step whose batch's `poison` rows are NaN.
+
+  As `tests/injection.py`'s `nonfinite_gradients` (the loss unchanged, each
+  parameter through an identity whose backward gives NaN), but the batch says
+  which steps are poisoned (`poison`: 0, or NaN), so good and poisoned steps
+  are one compiled program rather than two.
+  """
+
+  @jax.custom_vjp
+  def poison(x, fill):
+    return x
+
+  poison.defvjp(
+    lambda x, fill: (x, fill), lambda fill, g: (g + fill.astype(g.dtype), jnp.zeros_like(fill))
+  )
+
+  def loss(model, batch, rngs, train):
+    batch = dict(batch)
+    # 0 on a good step: the gradients unchanged. (The trainer also traces the loss on the
+    # task's own abstract batch, which has no `poison`.)
+    fill = jnp.sum(batch.pop("poison", jnp.zeros(())))
+    nnx.update(model, jax.tree.map(lambda p: poison(p, fill), nnx.state(model, nnx.Param)))
+    return task.loss(model, batch, rngs, train)
+
+  return dataclasses.replace(task, loss=loss)
+
+
 def _train(config, steps, poison_at=()):
+  """`steps` steps on one batch; at the steps in `poison_at` every gradient is NaN."""
   mesh = create_mesh(config.mesh.ici)
-  task = make_task(config)
+  task = _nan_gradients_where_the_batch_says(make_task(config))
   setup = make_state(task.model, config, mesh, AXES, task.optimizer)
   step = make_train_step(setup, task, config, mesh, AXES)
-  if poison_at:  # NaN gradients at these steps (tests/injection.py)
-    poisoned = make_train_step(
-      setup, injection.nonfinite_gradients(task, "nan"), config, mesh, AXES
-    )
-    step = injection.PoisonedSteps(step, poisoned, poison_at)
   state, batch, out = setup.init(), _batch(mesh), []
-  for _ in range(steps):
-    state, metrics = step(state, batch)
+  poisoned = dict(
+    batch, poison=jax.device_put(np.full(16, np.nan, np.float32), batch_sharding(mesh, AXES))
+  )
+  for i in range(steps):
+    state, metrics = step(state, poisoned if i in poison_at else batch)
     out.append(jax.device_get(metrics))
   return setup, jax.device_get(state), out
 

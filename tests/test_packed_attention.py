@@ -173,6 +173,8 @@ def test_a_packed_train_step_on_four_devices_matches_one_device():
   for ici, count in (("data=1,fsdp=1,tensor=1", 1), ("data=1,fsdp=2,tensor=2", 4)):
     config = lm_tiny_bytes.get_config()
     config.mesh.ici, config.mesh.rules = ici, "fsdp_tp"
+    # One layer: each layer is split and masked alike; another only adds compile time.
+    config.model.num_layers = 1
     config.model.d_model, config.model.d_ff, config.model.seq_len = 32, 64, LENGTH
     config.global_batch = 4
     mesh = create_mesh(ici, devices=jax.devices()[:count])
