@@ -122,6 +122,9 @@ def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_ru
   workdir = tmp_path / "run"
   try:
     summary = train_and_evaluate(config(6), str(workdir))
+    # The run is finished, but W&B's service closes its files after `finish` returns:
+    # wait for it, as the end of a process does (W&B's atexit teardown), before reading.
+    wandb.teardown()
     run_id = (workdir / tracking.RUN_ID_FILE).read_text().strip()
     first = _run_file(workdir, run_id, 0)
     written = [
@@ -135,6 +138,7 @@ def test_an_offline_run_holds_the_metrics_file_s_records_and_resumes_the_same_ru
     assert "loss_history" not in logged
 
     again = train_and_evaluate(config(8), str(workdir))
+    wandb.teardown()
     assert again["resumed_from"] == "checkpoint step 6"
     assert (workdir / tracking.RUN_ID_FILE).read_text().strip() == run_id
     steps = [
