@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 
 # Pallas's TPU half (Mosaic's lowering) is imported where the kernel is built, not
-# here: every run imports this module through the sampler, and most never run it
-# (about 0.2 CPU s a process).
+# here: every run imports this module through the sampler, and most never run it.
 
 _ROWS = 8  # a float32 tile's rows
 # A grid step's keys and values: small enough that several steps pipeline
