@@ -4,10 +4,12 @@
 (through the environment) in every xdist worker and every job a test starts:
 
 - XLA's cheapest CPU pipeline (`FAST_COMPILE_FLAGS`). Compiling is most of
-  the suite's time, and these flags change how fast XLA compiles, not what
-  a program computes: a test that compares two runs compares two runs
-  compiled alike. A test that checks the default pipeline itself (the
-  README's demo) takes `default_pipeline_env()`.
+  the suite's time. These flags change how fast XLA compiles and, with the
+  classic emitters, the last bit of some results, never more: a test that
+  compares two runs compares two runs compiled alike, and one that compares
+  layouts to the last bit compiles them with the default emitters
+  (`DEFAULT_EMITTERS`, `default_emitters()`). A test that checks the default
+  pipeline itself (the README's demo) takes `default_pipeline_env()`.
 - One persistent compilation cache for the whole run, with no minimum
   compile time, so a program compiled by one test, worker or job is read
   back by the next. It is on from the first compile, so no test depends on
@@ -33,26 +35,34 @@ starts find it through `SESSION_DIR_ENV`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
 # XLA:CPU's backend optimization level 0 compiles much sooner;
 # `--xla_llvm_disable_expensive_passes` added little. XLA:CPU's classic
-# emitters (`--xla_cpu_use_fusion_emitters=false`) compile a third as long,
-# but their results differ in the last bit between layouts the default
+# emitters (`--xla_cpu_use_fusion_emitters=false`) compile a tiny train step
+# in a quarter of the time (tests/test_llama, test_step and test_sample: 161
+# to 124 CPU s), but differ in the last bit between layouts the default
 # emitters compute alike (scanned and unrolled layers, a step on 2 x 2 and on
-# 4 x 1), which the suite's bit-identical comparisons rely on, as users do:
-# not used. One job is known to hang
+# 4 x 1). Users compile with the default emitters, so the comparisons to the
+# last bit across layouts do too: in process with `DEFAULT_EMITTERS` as a
+# compile's options, and for a module's jobs with `default_emitters()`.
+# One job is known to hang
 # under level 0: a whole-split eval on one process of 2 CPU devices waits
 # in its all-reduce for a device that never arrives, until XLA aborts it (with
 # the flag always, without it mostly); tests/test_eval_export.py's jobs keep
 # the default pipeline.
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
+CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", CLASSIC_EMITTERS)
+# A compile's options that bring XLA:CPU's default emitters back for that compile:
+# `jax.jit(f, compiler_options=DEFAULT_EMITTERS)` or `.compile(DEFAULT_EMITTERS)`.
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 # No size limit for the cache (JAX's default), so no eviction and no access-time
 # files: with a limit, a job killed between writing an entry and its access
 # time (the fault tests kill jobs) leaves an entry that every later write's
@@ -95,6 +105,28 @@ def default_pipeline_env(env: Mapping[str, str] | None = None) -> dict[str, str]
   flags = [f for f in out.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
   out["XLA_FLAGS"] = " ".join(flags)
   return out
+
+
+@contextlib.contextmanager
+def default_emitters() -> Iterator[None]:
+  """Within the block, the processes this one starts compile with XLA:CPU's default emitters.
+
+  For jobs whose results are compared to the last bit with a run on another
+  layout (this process's own compiles keep the flags its backend started with).
+
+  >>> with default_emitters():
+  ...   CLASSIC_EMITTERS in os.environ["XLA_FLAGS"]
+  False
+  """
+  before = os.environ.get("XLA_FLAGS")
+  os.environ["XLA_FLAGS"] = " ".join(f for f in (before or "").split() if f != CLASSIC_EMITTERS)
+  try:
+    yield
+  finally:
+    if before is None:
+      os.environ.pop("XLA_FLAGS", None)
+    else:
+      os.environ["XLA_FLAGS"] = before
 
 
 def apply() -> None:

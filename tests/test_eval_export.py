@@ -26,7 +26,14 @@ from tests.multiprocess import ROOT, WORKERS, run_trainer
 from tests.session_settings import default_pipeline_env
 from tests.shared_runs import copy_of
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
+# The fast compile's jobs take XLA's default emitters, as tests/test_train.py's do, so the
+# 2 x 2 steps compiled there serve the run here (conftest.py).
+pytestmark = [
+  pytest.mark.multiprocess,
+  pytest.mark.slow,
+  pytest.mark.timeout(600),
+  pytest.mark.usefixtures("default_emitters_for_jobs"),
+]
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 STEPS = 10  # checkpoints and evals at 5 and 10, where the run stops

@@ -16,6 +16,7 @@ from flax import nnx
 from configs import lm_tiny_bytes
 from spmd import rules
 from spmd.mesh import create_mesh
+from tests.session_settings import DEFAULT_EMITTERS
 from trainers.models import decode, logical_axes, param
 from trainers.models.mlp import MLPClassifier, MLPConfig
 from trainers.models.transformer import (
@@ -277,7 +278,9 @@ def test_scanned_and_unrolled_models_are_the_same_model():
       (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
       return params, logits, nnx.to_pure_dict(grads)
 
-    params, logits, grads = jax.jit(run)(tokens)
+    # XLA's default emitters: the classic ones the suite compiles with differ in the
+    # last bit between the layouts (tests/session_settings.py).
+    params, logits, grads = jax.jit(run, compiler_options=DEFAULT_EMITTERS)(tokens)
     graphdef = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))[0]
     models[scan_layers] = graphdef, params
     return nnx.to_pure_dict(params), logits, grads
@@ -330,8 +333,10 @@ def test_unrolling_the_scan_or_dropping_the_remat_is_the_same_model():
       logits = nnx.merge(graphdef, params)(tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
 
-    # Compiled once: the program that runs is the one whose text is read.
-    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile()
+    # Compiled once: the program that runs is the one whose text is read. XLA's default
+    # emitters, which keep the while loop (tests/session_settings.py).
+    grads_of = jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=DEFAULT_EMITTERS)
+    compiled = grads_of.lower(params).compile()
     (_, logits), grads = compiled(params)
     return logits, nnx.to_pure_dict(grads), compiled.as_text()
 

@@ -25,7 +25,13 @@ from tests.multiprocess import ROOT
 from tests.session_settings import compilation_cache_dir
 from tests.shared_runs import copy_of
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1200)]
+# Resumes compared to the last bit across host counts (conftest.py).
+pytestmark = [
+  pytest.mark.multiprocess,
+  pytest.mark.slow,
+  pytest.mark.timeout(1200),
+  pytest.mark.usefixtures("default_emitters_for_jobs"),
+]
 
 TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
 

@@ -33,7 +33,13 @@ from tests.gcs_emulator import GcsEmulator
 from tests.multiprocess import ROOT
 from tests.session_settings import compilation_cache_dir
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
+# Resumes compared to the last bit across host counts (conftest.py).
+pytestmark = [
+  pytest.mark.multiprocess,
+  pytest.mark.slow,
+  pytest.mark.timeout(900),
+  pytest.mark.usefixtures("default_emitters_for_jobs"),
+]
 
 TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
 SHARD_FILE_BYTES = 131072  # what ArrayRecord writes for a shard this small

@@ -23,7 +23,8 @@ import pytest
 from tests.multiprocess import ROOT, run_trainer
 from tests.shared_runs import copy_of
 
-pytestmark = pytest.mark.multiprocess  # every test trains as real processes
+# Every test trains as real processes, compared to the last bit across host counts (conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("default_emitters_for_jobs")]
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 

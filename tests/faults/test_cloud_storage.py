@@ -282,7 +282,7 @@ def test_4_hosts_on_gs_killed_mid_save_agree_on_what_to_remove_at_every_restart(
   steps = 4 + 4 * kills
   flags = (
     # train_tiny's own schedule where it is long enough (CI's one kill), stopped at
-    # `steps`: the 4 x 1 step tests/test_train.py compiles, so this run compiles none.
+    # `steps`: one 4 x 1 step for the whole test, compiled by its first attempt.
     f"--config.train.steps={max(steps, train_tiny.get_config().train.steps)}",
     f"--config.train.stop_at_step={steps}",
     "--config.checkpoint.every=1",
