@@ -8,6 +8,7 @@ import os
 import pytest
 
 from configs import lm_tiny
+from tests import tokenizer_families
 from trainers import config as config_lib
 from trainers.data.prepare import tokenizer as tok
 from trainers.tasks import lm, lm_data
@@ -149,3 +150,15 @@ def test_a_tokenizer_file_on_cloud_storage_is_copied_into_the_data_dir(
     assert found.decode(found.encode(TEXT)) == TEXT
     with pytest.raises(FileNotFoundError, match=r"data.tokenizer='gs://bucket/missing.json'"):
       tok.user_tokenizer("gs://bucket/missing.json", tmp_path / "data")
+
+
+@pytest.mark.parametrize("family", tokenizer_families.FAMILIES)
+def test_many_texts_at_once_are_each_texts_own_ids(family, tmp_path):
+  """`encode_batch` (which packing uses, without offsets) gives `encode`'s ids, text by text."""
+  tokenizer = tok.Tokenizer(tokenizer_families.tokenizer_file(family, tmp_path))
+  texts = [TEXT, " The capital is Paris.\r\n\n\nNext", "<s> is text here\n\n  x", "", "ünï 🙂 "]
+  assert [ids.tolist() for ids in tokenizer.encode_batch(texts)] == [
+    tokenizer.encode(t) for t in texts
+  ]
+  with_offsets = tokenizer.encode_batch_with_offsets(texts)
+  assert [ids.tolist() for ids, _ in with_offsets] == [tokenizer.encode(t) for t in texts]
