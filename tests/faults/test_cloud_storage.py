@@ -156,14 +156,16 @@ def test_a_store_unreachable_during_an_async_save_is_named_and_the_run_resumes(
     ("tests.workers.slow_chief_end_train", "20") if at_the_end else (harness.ENTRIES[0], "0")
   )
 
-  first = harness.start(
-    data, workdir, *flags, *budget, env=dict(env, SPMD_TEST_END_DELAY_S=delay), entry=entry
-  )
+  # Process 0 is held up until the store is gone (at most `delay`), then writes to it.
+  store_gone = tmp_path / "store_gone"
+  held = dict(SPMD_TEST_END_DELAY_S=delay, SPMD_TEST_END_RELEASE_FILE=str(store_gone))
+  first = harness.start(data, workdir, *flags, *budget, env=dict(env, **held), entry=entry)
   try:
     if at_the_end:  # the last save committed and the metrics closed: process 0 is held up
       harness.wait_for(lambda: _final_metrics_written(bucket_dir), 300, "the end of the run", 0.01)
       last_committed = committed(workdir)[-1]
       gcs.stop()
+      store_gone.touch()
     else:  # frozen while a save is on its way, so the store goes away under it
       harness.wait_for(lambda: len(committed(workdir)) >= 2, 300, "two committed checkpoints")
       _, running = _freeze_during_a_save(first, workdir, bucket_dir, 2)
