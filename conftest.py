@@ -62,6 +62,26 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: 0 if _is_long(item) else 1)
 
 
+class _GroupCheck:
+  """Fails a worker's collection where `loadgroup` lost a group (a new pytest or xdist).
+
+  xdist's worker writes each test's group into its id ("...@group"), and the
+  controller schedules by that id; where it no longer can, a module's tests
+  spread over the workers and each builds the module's shared runs again.
+  """
+
+  @pytest.hookimpl(trylast=True)  # after xdist's own hook, which writes the groups
+  def pytest_collection_modifyitems(self, config, items):
+    if not config.getvalue("loadgroup"):
+      return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+      raise pytest.UsageError(
+        f"pytest-xdist's loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this "
+        f"pytest ({pytest.__version__}) and pytest-xdist do not work together; see setup.py"
+      )
+
+
 def _is_long(item) -> bool:
   return any(item.get_closest_marker(name) for name in ("multiprocess", "slow"))
 
@@ -124,6 +144,8 @@ def _is_xdist_controller(config) -> bool:
 
 
 def pytest_configure(config):
+  if hasattr(config, "workerinput"):  # an xdist worker: it names the groups
+    config.pluginmanager.register(_GroupCheck(), "spmd-group-check")
   # The controller starts the workers as processes; the guard belongs in the
   # processes that run tests.
   if not FAST_TIER or _is_xdist_controller(config):
