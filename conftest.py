@@ -112,17 +112,6 @@ def training_corpus() -> dict[str, str]:
   return dict(prepared_training_data())
 
 
-@pytest.fixture(scope="module")
-def default_emitters_for_jobs():
-  """The module's jobs compile with XLA:CPU's default emitters, as users' runs do.
-
-  For modules that compare runs on different host counts to the last bit, which
-  the suite's classic emitters do not keep (`tests/session_settings.py`).
-  """
-  with session_settings.default_emitters():
-    yield
-
-
 def pytest_unconfigure(config):
   session_settings.clean_up()
 

@@ -23,17 +23,10 @@ from pathlib import Path
 import pytest
 
 from tests.multiprocess import ROOT, WORKERS, run_trainer
-from tests.session_settings import default_pipeline_env
+from tests.session_settings import default_emitters, default_pipeline_env
 from tests.shared_runs import copy_of
 
-# The fast compile's jobs take XLA's default emitters, as tests/test_train.py's do, so the
-# 2 x 2 steps compiled there serve the run here (conftest.py).
-pytestmark = [
-  pytest.mark.multiprocess,
-  pytest.mark.slow,
-  pytest.mark.timeout(600),
-  pytest.mark.usefixtures("default_emitters_for_jobs"),
-]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 STEPS = 10  # checkpoints and evals at 5 and 10, where the run stops
@@ -68,6 +61,7 @@ def evals(workdir: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
+@default_emitters()  # as tests/test_train.py's reference, whose 2 x 2 steps it reuses
 def trained(data, tmp_path_factory):
   """train_tiny's own schedule (train.steps=20, part of the compiled step) stopped at STEPS, on
   the suite's fast compile: the 2 x 2 train and eval steps of tests/test_train.py's reference,

@@ -22,16 +22,10 @@ import pytest
 
 from tests.data_fixtures import source_texts, write_jsonl, write_parquet
 from tests.multiprocess import ROOT
-from tests.session_settings import compilation_cache_dir
+from tests.session_settings import compilation_cache_dir, default_emitters
 from tests.shared_runs import copy_of
 
-# Resumes compared to the last bit across host counts (conftest.py).
-pytestmark = [
-  pytest.mark.multiprocess,
-  pytest.mark.slow,
-  pytest.mark.timeout(1200),
-  pytest.mark.usefixtures("default_emitters_for_jobs"),
-]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
@@ -122,6 +116,8 @@ def test_llama_tiny_trains_on_a_mixture_of_jsonl_and_parquet_it_has_never_seen(c
   assert "data sources (share, epochs)" in out
 
 
+# Compared to the last bit across host counts: XLA's default emitters (tests/session_settings.py).
+@default_emitters()
 def test_a_run_stopped_on_2_processes_resumes_bit_identically_on_4(corpus, tmp_path):
   """Two runs, both needed: the straight one on 2 x 2 and its copy resumed on 4 x 1.
 

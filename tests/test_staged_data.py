@@ -31,15 +31,9 @@ import pytest
 from tests.data_fixtures import source_texts, write_jsonl
 from tests.gcs_emulator import GcsEmulator
 from tests.multiprocess import ROOT
-from tests.session_settings import compilation_cache_dir
+from tests.session_settings import compilation_cache_dir, default_emitters
 
-# Resumes compared to the last bit across host counts (conftest.py).
-pytestmark = [
-  pytest.mark.multiprocess,
-  pytest.mark.slow,
-  pytest.mark.timeout(900),
-  pytest.mark.usefixtures("default_emitters_for_jobs"),
-]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TINY = str(ROOT / "tests" / "configs" / "train_tiny.py")
 SHARD_FILE_BYTES = 131072  # what ArrayRecord writes for a shard this small
@@ -101,6 +95,8 @@ def param_hash(output: str) -> str:
   return re.search(r"\[p0\]\s+param hash\s+: (\w+)", output).group(1)
 
 
+# Compared to the last bit across host counts: XLA's default emitters (tests/session_settings.py).
+@default_emitters()
 def test_a_gs_data_dir_trains_through_a_bounded_cache_and_resumes_on_another_host_count(
   bucket, tmp_path
 ):

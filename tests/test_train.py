@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from tests.multiprocess import ROOT, run_trainer
+from tests.session_settings import default_emitters
 from tests.shared_runs import copy_of
 
-# Every test trains as real processes, compared to the last bit across host counts (conftest.py).
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("default_emitters_for_jobs")]
+pytestmark = pytest.mark.multiprocess  # every test trains as real processes
 
 CONFIG = str(ROOT / "tests" / "configs" / "train_tiny.py")
 
@@ -67,6 +67,7 @@ def param_hash(result):
 
 
 @pytest.fixture(scope="module")
+@default_emitters()  # the 4 x 1 resume below compares with it to the last bit
 def reference(data, tmp_path_factory):
   """The 2 x 2 run of 20 steps, launched with the machine's own JAX platform (no
   JAX_PLATFORMS, as a user's launch without --platform), so that
@@ -131,6 +132,7 @@ def test_same_losses_on_one_process(reference, one_process_ten_steps):
     assert got[step] == pytest.approx(reference["losses"][step], rel=1e-5), step
 
 
+@default_emitters()  # compared to the last bit across host counts (tests/session_settings.py)
 def test_stop_and_resume_on_four_processes_is_bit_identical(data, tmp_path, reference):
   # The straight 2 x 2 run as it stood at step 10 (its checkpoint there; stopping
   # at a step is checked by `one_process_ten_steps`), resumed to the end on
