@@ -47,14 +47,12 @@ SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
 # XLA:CPU's backend optimization level 0 compiles much sooner;
 # `--xla_llvm_disable_expensive_passes` added little. XLA:CPU's classic
 # emitters (`--xla_cpu_use_fusion_emitters=false`) compile a tiny train step
-# in a quarter of the time (tests/test_llama, test_step and test_sample: 161
-# to 124 CPU s), but differ in the last bit between layouts the default
+# in a quarter of the time, but differ in the last bit between layouts the default
 # emitters compute alike (scanned and unrolled layers, a step on 2 x 2 and on
 # 4 x 1). Users compile with the default emitters, so the comparisons to the
 # last bit across layouts do too: in process with `DEFAULT_EMITTERS` as a
 # compile's options, and for a test's jobs with `default_emitters()` (those
-# runs alone: the default emitters compile slower, and test_train's 4 x 1
-# resume took 35 CPU s with them against 14 with the classic ones).
+# runs alone: the default emitters compile slower).
 # One job is known to hang
 # under level 0: a whole-split eval on one process of 2 CPU devices waits
 # in its all-reduce for a device that never arrives, until XLA aborts it (with
@@ -104,9 +102,13 @@ def default_pipeline_env(env: Mapping[str, str] | None = None) -> dict[str, str]
   '--a=1'
   """
   out = dict(os.environ if env is None else env)
-  flags = [f for f in out.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
-  out["XLA_FLAGS"] = " ".join(flags)
+  out["XLA_FLAGS"] = _without(out.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS)
   return out
+
+
+def _without(flags: str, dropped: tuple[str, ...]) -> str:
+  """An XLA_FLAGS value with the flags in `dropped` taken out."""
+  return " ".join(f for f in flags.split() if f not in dropped)
 
 
 @contextlib.contextmanager
@@ -122,7 +124,7 @@ def default_emitters() -> Iterator[None]:
   False
   """
   before = os.environ.get("XLA_FLAGS")
-  os.environ["XLA_FLAGS"] = " ".join(f for f in (before or "").split() if f != CLASSIC_EMITTERS)
+  os.environ["XLA_FLAGS"] = _without(before or "", (CLASSIC_EMITTERS,))
   try:
     yield
   finally:

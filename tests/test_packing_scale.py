@@ -106,8 +106,7 @@ def test_a_records_memory_stays_the_same_for_a_file_of_4x_the_documents(tmp_path
   `prepare_shards` makes them before serializing them, from spill files written here.
 
   In a process of its own: tracemalloc counts every thread's allocations, and in a
-  pytest worker another test's threads can still run (a full run once saw 7.8 MB for
-  400k documents against 67 KB for 100k; alone, the same code holds under 1.15x)."""
+  pytest worker another test's threads can still run and allocate while it traces."""
   code = (
     "import json, pathlib, sys; from tests.test_packing_scale import traced_peaks; "
     "print(json.dumps(traced_peaks(pathlib.Path(sys.argv[1]))))"
