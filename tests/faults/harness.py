@@ -53,6 +53,7 @@ class Job:
   launcher: subprocess.Popen
   workdir: Path
   lines: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+  reader: threading.Thread | None = None  # reads the launcher's output into `lines`
 
   @property
   def output(self) -> str:
@@ -65,6 +66,11 @@ class Job:
       self.kill()
 
   def kill(self) -> None:
+    """Ends the launcher and its processes, then reads what they printed to the end.
+
+    The launcher's last lines (which process failed first) may still be in the
+    pipe when it exits: on a busy machine the reader can be a few lines behind.
+    """
     if self.launcher.poll() is None:
       os.killpg(self.launcher.pid, signal.SIGKILL)
       self.launcher.wait()
@@ -73,6 +79,8 @@ class Job:
         os.kill(pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
+    if self.reader is not None:
+      self.reader.join(timeout=READ_TO_THE_END_S)
 
 
 def start(
@@ -145,7 +153,8 @@ def launch(
     for line in launcher.stdout:
       job.lines.append((time.monotonic(), line))
 
-  threading.Thread(target=read, daemon=True).start()
+  job.reader = threading.Thread(target=read, daemon=True)
+  job.reader.start()
   return job
 
 
@@ -161,6 +170,8 @@ ENTRIES = (
 # relaying the failure, ends them within a second or two); short, because
 # every kill-and-restart waits for it.
 GRACE_S = 2
+# How long a test waits, once the job has ended, for the rest of its output.
+READ_TO_THE_END_S = 30
 
 # One run length for the tests that compare against an uninterrupted run, so
 # one reference serves them all (faults 1-4): room for a fault in each stretch
