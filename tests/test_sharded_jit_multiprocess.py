@@ -107,7 +107,7 @@ def test_a_host_that_changes_its_signature_alone_ends_every_host_with_an_error(c
   changed; the others, waiting in the program's collective for it, are ended
   by JAX's distributed runtime once it leaves (shutdown barrier, heartbeat).
   """
-  agreement_timeout_s = 10
+  agreement_timeout_s = 5
   started = time.monotonic()
   result = run_worker(
     "sharded_jit_worker",
@@ -130,4 +130,4 @@ def test_a_host_that_changes_its_signature_alone_ends_every_host_with_an_error(c
     f"reach the agreement check for a new signature within {agreement_timeout_s}s" in message
   ), result.report()
   assert "args[0].local_shape: [8, 8] -> [6, 8]" in message, result.report()
-  assert took < 6 * agreement_timeout_s, took
+  assert took < 12 * agreement_timeout_s, took  # the same bound as before the 5 s timeout

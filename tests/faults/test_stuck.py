@@ -16,7 +16,7 @@ from tests.faults import harness
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.faults]
 
-TIMEOUT_S = 8  # the watchdog's limit between steps, for these tests
+TIMEOUT_S = 4  # the watchdog's limit between steps, for these tests
 BOUND_S = TIMEOUT_S + 15  # watchdog + a tick + the launcher's grace and kill
 
 
