@@ -16,9 +16,13 @@ import os
 import subprocess
 from pathlib import Path
 
+from spmd import startup_gc
 from tests import session_settings
 
 session_settings.apply()  # before JAX reads its flags
+# As the commands do (spmd/startup_gc.py): no collector passes while the test modules
+# import JAX, Flax and the trainer, and what they made is frozen once they are collected.
+startup_gc.pause_collection()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -100,6 +104,10 @@ def _shares_module_setup(item) -> bool:
   )
 
 
+def pytest_collection_finish(session):
+  startup_gc.freeze_and_resume()  # later passes walk the tests' own objects
+
+
 def pytest_runtest_protocol(item, nextitem):
   _running["test"] = item.nodeid  # returns None: pytest runs the test as usual
 
@@ -133,6 +141,8 @@ def _is_xdist_controller(config) -> bool:
 
 
 def pytest_configure(config):
+  if _is_xdist_controller(config):  # it collects no tests: its collector resumes now
+    startup_gc.freeze_and_resume()
   if hasattr(config, "workerinput"):  # an xdist worker: it names the groups
     config.pluginmanager.register(_GroupCheck(), "spmd-group-check")
   # The controller starts the workers as processes; the guard belongs in the

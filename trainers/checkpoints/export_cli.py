@@ -25,12 +25,13 @@ import sys
 
 import numpy as np
 
-from spmd import errors
+from spmd import errors, startup_gc
 from trainers.checkpoints import export, hf_export, lora_export
 
 
 def main(argv: list[str] | None = None) -> int:
   """`spmd-export`: see the module docstring. 0, or 2 on a user error (`spmd.errors`)."""
+  startup_gc.pause_collection()  # until `_main` has read its arguments
   return errors.run("spmd-export", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
@@ -58,6 +59,7 @@ def _main(argv: list[str]) -> None:
     "--max-shard-size", default="5GB", help="safetensors: the largest file before sharding"
   )
   args = parser.parse_args(argv)
+  startup_gc.freeze_and_resume()  # this module imported the exporters
   if args.merge_lora and args.format != "safetensors":
     parser.error(f"--merge-lora writes --format=safetensors, not --format={args.format}")
   if args.format == "peft":

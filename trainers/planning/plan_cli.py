@@ -28,7 +28,7 @@ import sys
 
 from absl import flags, logging
 
-from spmd import errors
+from spmd import errors, startup_gc
 from spmd.cli_help import parse_or_help
 from trainers.planning.report import format_plan, save_executable
 
@@ -83,6 +83,7 @@ def _flags(argv: list[str]) -> flags.FlagValues | None:
 
 def main(argv: list[str] | None = None) -> int:
   """Returns 0 when the plan fits (or fit is unknown), 3 when it does not, 2 on a user error."""
+  startup_gc.pause_collection()  # until `_main` has imported the planner
   return errors.run("spmd-plan", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
@@ -118,6 +119,7 @@ def _main(argv: list[str]) -> int:
   from trainers.planning import plan as plan_lib
   from trainers.planning import targets
 
+  startup_gc.freeze_and_resume()
   with errors.user_input(ValueError, TypeError, FileNotFoundError):  # the config given
     config = resolve(fv.config, config_flags.get_config_filename(fv["config"]))
   compiled: list = []

@@ -21,7 +21,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from spmd import multihost
+from spmd import multihost, startup_gc
 from spmd.errors import EXIT_USER_ERROR, UserError, one_line, parse_flags, run, user_input
 
 FLAGS = flags.FLAGS
@@ -60,6 +60,8 @@ def _main(argv: list[str]) -> None:
   from trainers.config import resolve
   from trainers.run.train import Preempted, train_and_evaluate
   from trainers.run.watchdog import EXIT_PEER_FAILED, leave, peer_failed_first, publish_failure
+
+  startup_gc.freeze_and_resume()  # the imports are done: the run's own objects from here
 
   try:
     # Checked once, up front: keys, types and values, before any data or restore.
@@ -115,6 +117,7 @@ def _multi_process() -> bool:
 
 def main() -> int:
   """`spmd-train`; a user error (bad flag, value, config key or path) is one line and exit 2."""
+  startup_gc.pause_collection()  # until `_main` has imported the trainer
   return run("spmd-train", lambda: app.run(_main, flags_parser=_parse))
 
 

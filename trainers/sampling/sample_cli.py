@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import sys
 
-from spmd import errors
+from spmd import errors, startup_gc
 from spmd.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
   """`spmd-sample`: see the module docstring. 0, or 2 on a user error (`spmd.errors`)."""
+  startup_gc.pause_collection()  # until `_main` has imported the sampler
   return errors.run("spmd-sample", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
@@ -102,6 +103,8 @@ def _main(argv: list[str]) -> None:
     saved_run.saved_config(args.workdir)
   spmd.initialize()  # one process of several under a launcher; else nothing
   from trainers.sampling.sample import sample_prompts
+
+  startup_gc.freeze_and_resume()
 
   with errors.user_input(ValueError, FileNotFoundError):  # the run, step or prompts given
     found = sample_prompts(
