@@ -92,8 +92,12 @@ def test_the_ledger_holds_the_step_about_to_be_saved_and_what_is_still_there(tmp
   root = epath.Path(tmp_path)
   _committed_harness_step(root, 2)
   _ledger(root, 1, 2)  # 1 was rotated away since
-  step_folders.record_save(root, 4, saving=[3])  # 3: in flight, no folder yet
-  assert step_folders.read_ledger(root) == {2, 4}
+  # 3: in flight, nothing of it listed yet (an object store lists a folder once a file
+  # has landed); it stays, or a kill before its commit would leave a "foreign" folder.
+  step_folders.record_save(root, 4, saving=[2, 3])
+  assert step_folders.read_ledger(root) == {2, 3, 4}
+  _folder(root, "3", "state.bin")  # its first file lands; the kill comes before the commit
+  assert step_folders.list_steps(root).unfinished == ("3",)
   assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # no temporary left
 
 

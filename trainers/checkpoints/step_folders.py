@@ -270,15 +270,19 @@ def decide(directory: str | os.PathLike) -> StepDirs:
 def record_save(directory: str | os.PathLike, step: int, saving: Iterable[int] = ()) -> None:
   """Process 0 records in the ledger that the harness is about to save `step`.
 
-  Called before the save creates anything. The ledger keeps the steps still
-  present in the directory, `step` and `saving` (steps whose saves are in
-  flight), so it does not grow with the run's length.
+  Called before the save creates anything. The ledger keeps the steps it
+  holds that are still present in the directory, `step`, and `saving` (the
+  steps the checkpoint manager tracks, those whose saves are in flight
+  included, present or not), so it does not grow with the run's length. On
+  an object store a step in flight is listed only once its first file has
+  landed: judged by the listing alone, it would drop out here, and a kill
+  before its commit would leave a folder the next start takes for foreign.
   """
   if jax.process_index() != 0:
     return
   directory = epath.Path(directory)
   present = {step_of(p.name) for p in _entries(directory)}
-  keep = (read_ledger(directory) | set(saving)) & present
+  keep = (read_ledger(directory) & present) | set(saving)
   _write_ledger(directory, keep | {step})
 
 
