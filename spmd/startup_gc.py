@@ -1,9 +1,9 @@
 """Python's cyclic garbage collector, paused while a command imports its libraries.
 
-Importing JAX, Flax, orbax and TFDS leaves about 200,000 objects for the
-collector to track, and they live as long as the process. Its full
-passes, several during the imports and more after them, walk every one of
-them each time. A command
+Importing JAX, Flax, orbax and TFDS leaves the collector hundreds of
+thousands of objects to track, and they live as long as the process. Its
+full passes, several during the imports and more after them, walk every one
+of them each time. A command
 pauses the collector at its start (`pause_collection`) and, once its
 imports are done, moves what they made into the permanent generation and
 starts collecting again (`freeze_and_resume`): later passes walk what the

@@ -47,8 +47,8 @@ SESSION_DIR_ENV = "SPMD_TEST_SESSION_DIR"
 # XLA:CPU's backend optimization level 0 compiles much sooner;
 # `--xla_llvm_disable_expensive_passes` added little. XLA:CPU's classic
 # emitters (`--xla_cpu_use_fusion_emitters=false`) compile a tiny train step
-# in a quarter of the time, but differ in the last bit between layouts the default
-# emitters compute alike (scanned and unrolled layers, a step on 2 x 2 and on
+# in a quarter of the time, but differ in the last bit between layouts the
+# default emitters compute alike (scanned and unrolled layers, a step on 2 x 2 and on
 # 4 x 1). Users compile with the default emitters, so the comparisons to the
 # last bit across layouts do too: in process with `DEFAULT_EMITTERS` as a
 # compile's options, and for a test's jobs with `default_emitters()` (those

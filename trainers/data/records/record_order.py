@@ -26,9 +26,10 @@ import sys
 import numpy as np
 
 # grain's `index_shuffle` is one compiled function, but `grain.experimental` imports
-# the whole of grain first (its datasets, multiprocessing and monitoring), in every process of every run. Its extension module is loaded on its own,
-# under its own name, so a later `import grain` finds it and uses the same module;
-# where grain lays its files out otherwise, the public import.
+# the whole of grain first (its datasets, multiprocessing and monitoring), in every
+# process of every run. Its extension module is loaded on its own, under its own
+# name, so a later `import grain` finds it and uses the same module; where grain
+# lays its files out otherwise, the public import.
 _INDEX_SHUFFLE = "grain._src.python.experimental.index_shuffle.python.index_shuffle_module"
 
 
