@@ -130,10 +130,10 @@ class GroupedMatmul:
 
   count: int  # executions a step (scan lengths multiplied)
   tight_flops: int  # 2 x rows x in x out: each routed row once
-  executed_flops: float  # libtpu's cost analysis of it alone; tgmm's: the tight count
+  executed_flops: float  # libtpu's cost analysis of it alone; megablox's: the tight count
   ragged_contracting: bool  # the weight gradient's kind: rows contracted within each group
-  most_flops: float  # at most what it executes: tgmm's tiles at group edges counted too
-  tgmm: bool = False  # megablox's kernel (a weight gradient), not XLA's ragged dot
+  most_flops: float  # at most what it executes: megablox's tiles at group edges counted too
+  megablox: bool = False  # megablox's gmm or tgmm, not XLA's ragged dot
 
 
 def _inner_jaxprs(params: dict):
@@ -150,11 +150,25 @@ def _is_tgmm(eqn) -> bool:
   return eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "tgmm"
 
 
+def _is_gmm(eqn) -> bool:
+  """Whether `eqn` is megablox's kernel for the rows (forward, or their gradient): its `gmm`.
+
+  Differentiation splits the forward's jitted gmm in two; the part that only computes
+  its tiles' metadata from the group sizes (no rows in) is not the matmul.
+  """
+  return (
+    eqn.primitive.name in ("jit", "pjit")
+    and eqn.params.get("name") == "gmm"
+    and len(eqn.invars) >= 3
+    and eqn.invars[0].aval.ndim == 2
+  )
+
+
 def _ragged_eqns(jaxpr, times: int = 1):
   """(eqn, executions) of every grouped matmul under `jaxpr` (XLA's ragged_dot_general and
-  megablox's tgmm), scans' lengths multiplied."""
+  megablox's gmm and tgmm), scans' lengths multiplied."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "ragged_dot_general" or _is_tgmm(eqn):
+    if eqn.primitive.name == "ragged_dot_general" or _is_tgmm(eqn) or _is_gmm(eqn):
       yield eqn, times
       continue
     inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
@@ -186,6 +200,17 @@ def _tgmm_flops(eqn) -> tuple[int, float]:
   rows = eqn.invars[1].aval.shape[0]  # tgmm(x.T [in, rows], the cotangent [rows, out], sizes)
   with moe._kernel("tgmm"):
     tm = moe.weight_gradient_tiling(rows, d_in, d_out, groups)[0]
+  return 2 * rows * d_in * d_out, 2.0 * (rows + groups * tm) * d_in * d_out
+
+
+def _gmm_flops(eqn) -> tuple[int, float]:
+  """gmm's FLOPs: 2 x rows x in x out (its rows are the routed ones), and at most `rows / tm +
+  groups` tiles of `tm` rows visited whole, as tgmm's (`_tgmm_flops`)."""
+  rows, d_in = eqn.invars[0].aval.shape  # gmm(rows [rows, in], w [groups, ...], sizes)
+  d_out = eqn.outvars[0].aval.shape[1]
+  groups = eqn.invars[1].aval.shape[0]
+  with moe._kernel("tgmm", rows="gmm"):
+    tm = moe.row_tilings(rows, d_in, d_out, groups)[0][0]
   return 2 * rows * d_in * d_out, 2.0 * (rows + groups * tm) * d_in * d_out
 
 
@@ -223,9 +248,9 @@ def grouped_matmuls(config, topology: str) -> list[GroupedMatmul]:
   chip = topology_devices(topology)[0]
   found, cost = [], {}
   for eqn, times in _ragged_eqns(jaxpr):
-    if _is_tgmm(eqn):
-      tight, most = _tgmm_flops(eqn)
-      found.append(GroupedMatmul(times, tight, tight, True, most, tgmm=True))
+    if _is_tgmm(eqn) or _is_gmm(eqn):
+      tight, most = (_tgmm_flops if _is_tgmm(eqn) else _gmm_flops)(eqn)
+      found.append(GroupedMatmul(times, tight, tight, _is_tgmm(eqn), most, megablox=True))
       continue
     key = (tuple(v.aval for v in eqn.invars), str(eqn.params))
     if key not in cost:
@@ -307,19 +332,23 @@ def main() -> None:
   tight = sum(m.count * m.tight_flops for m in matmuls)
   executed = sum(m.count * m.executed_flops for m in matmuls)
   model = llama_task.llama_config(config)
-  tgmm = sum(m.tgmm for m in matmuls)
+  kernels = sum(m.megablox for m in matmuls)
+  weight_kernels = sum(m.megablox and m.ragged_contracting for m in matmuls)
   detail = (
-    f"{len(matmuls)} grouped matmuls a step, {tgmm} of them megablox's tgmm (weight "
-    "gradients); libtpu's cost of each of XLA's alone, tgmm's from its group sizes "
-    f"(2 x each group's rows x in x out): {executed / 1e12:,.3f} TFLOP a chip vs "
-    f"{ideal / 1e12:,.3f}; the routed rows alone (group sizes) {tight / ideal:.3f}"
+    f"{len(matmuls)} grouped matmuls a step, {kernels} of them megablox's ({weight_kernels} "
+    "tgmm for the weight gradients, the rest gmm); libtpu's cost of each of XLA's alone, "
+    "megablox's from its group sizes (2 x each group's rows x in x out): "
+    f"{executed / 1e12:,.3f} TFLOP a chip vs {ideal / 1e12:,.3f}; the routed rows alone "
+    f"(group sizes) {tight / ideal:.3f}"
   )
-  if tgmm:
+  if kernels:
     most = sum(m.count * m.most_flops for m in matmuls)
     detail += (
-      f"; with tgmm's tiles at group edges counted for each group, at most {most / ideal:.3f}"
+      f"; with megablox's tiles at group edges counted for each group, at most {most / ideal:.3f}"
     )
-  dense = sum(m.count * m.executed_flops for m in matmuls if m.ragged_contracting and not m.tgmm)
+  dense = sum(
+    m.count * m.executed_flops for m in matmuls if m.ragged_contracting and not m.megablox
+  )
   if dense:
     detail += (
       f"; the weight gradients XLA's ragged dot lowers densely over the {model.moe_experts} "

@@ -132,26 +132,40 @@ def test_a_float32_experts_gradient_under_bfloat16_is_summed_in_float32():
   np.testing.assert_array_equal(dx, plain_dx)
 
 
-def test_megablox_tgmm_sums_each_groups_weight_gradient_as_xla_does():
-  """The TPU's weight-gradient kernel (megablox's tgmm, interpreted here) on groups of
-  uneven sizes, one empty and one across a tile's edge: each group's float32 sum of its
-  own rows' bfloat16 products, as XLA's ragged dot gives; the input's gradient unchanged."""
+def test_megablox_kernels_multiply_each_group_as_xla_does():
+  """The TPU's kernels (megablox's, interpreted here) on groups of uneven sizes, one
+  empty and one across a tile's edge. tgmm: each group's weight gradient is the float32
+  sum of its own rows' bfloat16 products, as XLA's ragged dot gives, the rows' gradient
+  unchanged. gmm (for the rows, forward and backward): each row times its own group's
+  weight, as XLA's, to bfloat16's rounding."""
   x = jax.random.normal(jax.random.key(0), (512, 128), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (E, 128, 256), jnp.float32)
   g = jax.random.normal(jax.random.key(2), (512, 256), jnp.bfloat16)
   sizes = jnp.array([10, 260, 0, 242], jnp.int32)
-  grads = {}
-  for kernel in ("xla", "tgmm"):
-    with moe._kernel(kernel):
+  got = {}
+  for kernel, rows, pallas_calls in (("xla", "xla", 0), ("tgmm", "xla", 1), ("tgmm", "gmm", 3)):
+    with moe._kernel(kernel, rows=rows):
       assert (moe.weight_gradient_tiling(512, 128, 256, E) is None) == (kernel == "xla")
-      _, vjp = jax.vjp(moe.grouped_matmul, x, w, sizes)
-      jaxpr = str(jax.make_jaxpr(vjp)(g))
-      assert ("pallas_call" in jaxpr) == (kernel == "tgmm"), kernel
-      grads[kernel] = vjp(g)[:2]
-  (dx, dw), (xla_dx, xla_dw) = grads["tgmm"], grads["xla"]
-  np.testing.assert_array_equal(dx, xla_dx)
-  np.testing.assert_allclose(dw, xla_dw, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(xla_dw))))
-  assert dw.dtype == jnp.float32 and not np.any(dw[2])  # the empty group's gradient is 0
+      assert (moe.row_tilings(512, 128, 256, E) is None) == (rows == "xla")
+      step = jax.value_and_grad(lambda x, w: jnp.vdot(moe.grouped_matmul(x, w, sizes), g), (0, 1))
+      assert str(jax.make_jaxpr(step)(x, w)).count("pallas_call") == pallas_calls, (kernel, rows)
+      y, vjp = jax.vjp(moe.grouped_matmul, x, w, sizes)
+      got[kernel, rows] = (y, *vjp(g)[:2])
+  xla_y, xla_dx, xla_dw = got["xla", "xla"]
+  for key, (y, dx, dw) in got.items():
+    if key[1] == "xla":
+      np.testing.assert_array_equal(y, xla_y)
+      np.testing.assert_array_equal(dx, xla_dx)
+    for a, b in ((y, xla_y), (dx, xla_dx)):  # products of 128 or 256 terms, in bfloat16
+      np.testing.assert_allclose(
+        np.float32(a), np.float32(b), rtol=2**-7, atol=2**-6 * float(np.max(np.abs(b)))
+      )
+    np.testing.assert_allclose(dw, xla_dw, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(xla_dw))))
+    assert dw.dtype == jnp.float32 and not np.any(dw[2])  # the empty group's gradient is 0
+  # gmm's rows of the empty group's neighbours are each their own group's products.
+  y = np.float32(got["tgmm", "gmm"][0])
+  want = np.float32(x[10:270]) @ np.float32(w[1]).astype(jnp.bfloat16).astype(np.float32)
+  np.testing.assert_allclose(y[10:270], want, rtol=2**-7, atol=2**-6 * float(np.max(np.abs(want))))
 
 
 @pytest.mark.slow  # compiles the routing on four devices with tgmm interpreted: seconds

@@ -207,3 +207,37 @@ def test_auto_attention_compiles_under_every_matmul_precision(dtype, precision):
     lowered.compile()  # Mosaic compiles splash's kernels here, or fails
   print(f"{dtype} under {precision!r}: {chosen.describe()}")
   assert ("tpu_custom_call" in lowered.as_text()) == (chosen.kernel == "splash"), chosen
+
+
+def test_the_routed_mlp_with_megablox_kernels_matches_xla_ragged_dot_on_the_chip():
+  """A routed MLP's output and gradients with megablox's gmm and tgmm, compiled by
+  Mosaic, against XLA's ragged dot on the chip, in bfloat16 at uneven, tile-crossing
+  group sizes (a router's real choices). Both multiply the same bfloat16 rows and
+  weights and sum in float32, so they differ by the output's bfloat16 rounding."""
+  from flax import nnx
+
+  from trainers.models import moe
+
+  config = moe.MoEConfig(d_model=512, num_experts=8, top_k=2, d_ff=1024)
+  graphdef, params = nnx.split(moe.MoE(config, rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(1), (4, 2048, 512), jnp.bfloat16)
+
+  def loss(params, x):
+    y, stats = nnx.merge(graphdef, params).routed(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + stats.load_balancing_loss
+
+  got = {}
+  for weights, rows in (("xla", "xla"), ("tgmm", "gmm")):
+    with moe._kernel(weights, rows=rows):
+      step = jax.jit(jax.value_and_grad(loss))
+      text = step.lower(params, x).as_text()
+      assert ("tpu_custom_call" in text) == (rows == "gmm"), rows
+      got[rows] = step(params, x)
+  errors = {
+    jax.tree_util.keystr(path): _relative(a, b)
+    for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(got["gmm"]), jax.tree.leaves(got["xla"])
+    )
+  }
+  print("megablox vs XLA's ragged dot, normwise relative:", errors)
+  assert max(errors.values()) < BF16_BOUND, errors

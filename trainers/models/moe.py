@@ -157,7 +157,12 @@ def route(
   # sort along an unsplit axis stays local. Ties go to the lower index, as
   # top_k's do.
   experts = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
-  gates = jnp.take_along_axis(scores, experts, axis=-1)
+  # Each choice's score picked by a one-hot select and a sum rather than a
+  # gather: a TPU gathers one scalar at a time, and the gather's gradient is a
+  # scatter-add; the select and its gradient are elementwise, and as exact
+  # (one term of each sum is not zero).
+  chosen = experts[..., None] == jnp.arange(scores.shape[-1])
+  gates = jnp.sum(jnp.where(chosen, scores[..., None, :], 0.0), axis=-1)
   if norm_topk:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   return experts.astype(jnp.int32), gates, probs
@@ -209,13 +214,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   # Static, chosen here where the program's platform is known (a plan for a TPU
   # traces on a CPU machine): tgmm's tile, and whether it runs interpreted.
   tgmm = None if tiling is None else (tiling, attention.current_platform() != "tpu")
+  rows_tiles = None if tgmm is None else row_tilings(x.shape[0], x.shape[1], w.shape[2], w.shape[0])
   if _varying(x):
     # Inside a shard_map that checks what varies over its axes, JAX refuses
     # megablox's kernel (its output's shape does not say): XLA's ragged dot.
     # The routed shard_maps turn the check off where tgmm runs (`_checks_vma`).
-    tgmm = None
+    tgmm = rows_tiles = None
   if jnp.dtype(w.dtype) == jnp.dtype(x.dtype) and tgmm is None:
     return jax.lax.ragged_dot(x, w, group_sizes)
+  kernels = (tgmm, rows_tiles)
   # Inside a shard_map, a weight the same on every device (invariant) times
   # rows that differ (varying) has a gradient that differs per device until
   # summed: made varying here, its gradient is summed by the cast's transpose,
@@ -223,7 +230,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   missing = tuple(sorted(_varying(x) - _varying(w)))
   if missing:
     w = jax.lax.pcast(w, missing, to="varying")
-  return _narrowed_grouped(x, w, group_sizes, tgmm)
+  return _narrowed_grouped(x, w, group_sizes, kernels)
 
 
 def _varying(x: jax.Array) -> frozenset:
@@ -281,6 +288,65 @@ def weight_gradient_tiling(
   return tiling if all(tiling) else None
 
 
+ROW_KERNEL = "auto"
+"""Which kernel multiplies the rows by their group's weight, forward and for the rows'
+gradient, where tgmm sums the weight gradients (`weight_gradient_tiling`): "xla",
+XLA's ragged dot (libtpu's own grouped matmul); "gmm", megablox's grouped kernel;
+"auto", gmm where the program is for a TPU. On a v5e chip gmm made the routed
+step faster than libtpu's grouped matmul (docs/performance.md, E-P9)."""
+
+# gmm's tiles, largest first: rows, the contracted width, the output width.
+_GMM_TILES = ((1024, 512, 256, 128), (1024, 512, 256, 128), (1024, 512, 256, 128))
+# Under the 16 MiB a TPU core's kernels may take by default, with room for
+# Mosaic's own scratch.
+_GMM_VMEM_BYTES = 12 * 2**20
+
+
+def _gmm_vmem_bytes(tm: int, tk: int, tn: int) -> int:
+  """gmm's VMEM for one tile: both bfloat16 operands twice (double-buffered), its float32
+  sums, and its output twice."""
+  return 2 * 2 * (tm * tk + tk * tn) + 4 * tm * tn + 2 * 2 * tm * tn
+
+
+def row_tilings(
+  rows: int, d_in: int, d_out: int, groups: int
+) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+  """gmm's tiles for the forward [rows, d_in] x [d_in, d_out] and the rows' gradient, or None.
+
+  None where the kernel is XLA's (`ROW_KERNEL`) or no tile divides the shapes. A tile
+  of rows is at most a group's even share, as tgmm's (`weight_gradient_tiling`).
+
+  Example:
+    >>> with _kernel("tgmm", rows="gmm"):
+    ...   row_tilings(32768, 1536, 1024, groups=8)
+    ((1024, 512, 1024), (1024, 1024, 512))
+  """
+  kernel = ROW_KERNEL
+  if kernel == "auto":
+    kernel = "gmm" if attention.current_platform() == "tpu" else "xla"
+  if kernel != "gmm":
+    return None
+
+  def tile(k: int, n: int):
+    tm, tk, tn = (
+      [t for t in tiles if size % t == 0 and t <= share]
+      for tiles, size, share in zip(_GMM_TILES, (rows, k, n), (rows // groups, k, n))
+    )
+    if not (tm and tk and tn):
+      return None
+    # The widest tiles whose double-buffered bfloat16 operands, float32 sums and
+    # output fit the core's scoped VMEM; the wider of the two widths narrows first.
+    while _gmm_vmem_bytes(tm[0], tk[0], tn[0]) > _GMM_VMEM_BYTES:
+      widest = tk if tk[0] >= tn[0] else tn
+      if len(widest) == 1:
+        return None
+      widest.pop(0)
+    return tm[0], tk[0], tn[0]
+
+  forward, backward = tile(d_in, d_out), tile(d_out, d_in)
+  return (forward, backward) if forward and backward else None
+
+
 def _checks_vma(rows: int, d_model: int, d_ff: int, groups: int) -> bool:
   """Whether a routed shard_map may check what varies over its axes: not where tgmm runs.
 
@@ -301,14 +367,15 @@ def _checks_vma(rows: int, d_model: int, d_ff: int, groups: int) -> bool:
 
 
 @contextlib.contextmanager
-def _kernel(name: str):
-  """`WEIGHT_GRADIENT_KERNEL` set to `name` inside (for the examples and tests)."""
-  global WEIGHT_GRADIENT_KERNEL
-  before, WEIGHT_GRADIENT_KERNEL = WEIGHT_GRADIENT_KERNEL, name
+def _kernel(name: str, rows: str | None = None):
+  """`WEIGHT_GRADIENT_KERNEL` (and `ROW_KERNEL`) set inside (for the examples and tests)."""
+  global WEIGHT_GRADIENT_KERNEL, ROW_KERNEL
+  before = WEIGHT_GRADIENT_KERNEL, ROW_KERNEL
+  WEIGHT_GRADIENT_KERNEL, ROW_KERNEL = name, rows or ROW_KERNEL
   try:
     yield
   finally:
-    WEIGHT_GRADIENT_KERNEL = before
+    WEIGHT_GRADIENT_KERNEL, ROW_KERNEL = before
 
 
 # The weight's gradient: x [rows, in] and the cotangent [rows, out] contracted
@@ -318,22 +385,46 @@ _WEIGHT_GRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+def _rows_times(x, w, group_sizes, kernels, *, backward: bool = False) -> jax.Array:
+  """Each group's rows of x times its w (transposed for the rows' gradient), in x's dtype.
+
+  `kernels`: (tgmm's, gmm's tiles); gmm's tiles None for XLA's ragged dot (forward only).
+  """
+  tgmm, rows_tiles = kernels
+  if rows_tiles is None:
+    return jax.lax.ragged_dot(x, w, group_sizes)
+  megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  return megablox.gmm(
+    x,
+    w,
+    group_sizes.astype(jnp.int32),
+    preferred_element_type=x.dtype,
+    tiling=rows_tiles[1 if backward else 0],
+    transpose_rhs=backward,
+    interpret=tgmm[1],
+  )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tgmm) -> jax.Array:
-  return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+def _narrowed_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernels) -> jax.Array:
+  return _rows_times(x, w.astype(x.dtype), group_sizes, kernels)
 
 
-def _narrowed_grouped_fwd(x, w, group_sizes, tgmm):
+def _narrowed_grouped_fwd(x, w, group_sizes, kernels):
   narrow = w.astype(x.dtype)
   marker = jnp.zeros((0,), w.dtype)  # carries w's dtype into the backward pass
-  return jax.lax.ragged_dot(x, narrow, group_sizes), (x, narrow, group_sizes, marker)
+  return _rows_times(x, narrow, group_sizes, kernels), (x, narrow, group_sizes, marker)
 
 
-def _narrowed_grouped_bwd(tgmm, residuals, g):
+def _narrowed_grouped_bwd(kernels, residuals, g):
   x, narrow, group_sizes, marker = residuals
-  _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
-  (dx,) = x_vjp(g)
-  return dx, _weight_gradient(x, g, group_sizes, tgmm).astype(marker.dtype), None
+  if kernels[1] is None:
+    _, x_vjp = jax.vjp(lambda x: jax.lax.ragged_dot(x, narrow, group_sizes), x)
+    (dx,) = x_vjp(g)
+  else:
+    dx = _rows_times(g, narrow, group_sizes, kernels, backward=True)
+  weight_grad = _weight_gradient(x, g, group_sizes, kernels[0])
+  return dx, weight_grad.astype(marker.dtype), None
 
 
 def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, tgmm) -> jax.Array:
@@ -485,7 +576,7 @@ def _dispatch(
   flat = experts.T.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   unsort = jnp.argsort(order)
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  sizes = group_sizes(flat, num_experts)
   rows = _token_copies(top_k, tokens, order, unsort)
   gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
   up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
@@ -493,6 +584,19 @@ def _dispatch(
   # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
   out = _permuted(out, unsort, order).reshape(top_k, n, d)
   return _sum_of_choices(out, gates.T)
+
+
+def group_sizes(ids: jax.Array, groups: int) -> jax.Array:
+  """int32 [groups]: how many of `ids` (any shape) are each of 0 .. groups - 1.
+
+  A comparison with each group and a sum, not `jnp.bincount`: a scatter-add
+  of ones, which a TPU runs one element at a time.
+
+  Example:
+    >>> group_sizes(jnp.array([2, 0, 2, 3]), 3).tolist()
+    [1, 0, 2]
+  """
+  return jnp.sum(ids.reshape(-1, 1) == jnp.arange(groups), axis=0, dtype=jnp.int32)
 
 
 # The two row shuffles of the dispatch, with the backward JAX cannot see: it
@@ -644,7 +748,7 @@ def _expert_parallel(layout: _ExpertLayout, x, experts, gates, w_gate, w_up, w_d
     owned = jnp.where((owned >= 0) & (owned < mine), owned, mine).reshape(-1)  # mine: elsewhere
     bound = tokens.shape[0] * min(top_k, mine)
     order = jnp.argsort(owned, stable=True)[:bound]
-    sizes = jnp.bincount(owned, length=mine + 1)[:mine].astype(jnp.int32)
+    sizes = group_sizes(owned, mine)  # the index `mine` (other devices' experts) is left out
     rows = tokens[order // top_k]
     gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
     up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
