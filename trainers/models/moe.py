@@ -476,7 +476,7 @@ def _dispatch(
   Dropless: each (token, choice) pair sorted by expert, so each expert's
   rows are one contiguous group of the grouped matmuls.
   """
-  (n, d), (top_k, num_experts) = tokens.shape, (experts.shape[-1], w_gate.shape[0])
+  top_k, num_experts = experts.shape[-1], w_gate.shape[0]
   # Pairs in (choice, token) order: pair c * n + t is token t's choice c, so
   # that the experts' outputs, put back, are [top_k, n, d], whole [n, d]
   # blocks a choice. In (token, choice) order they were [n, top_k, d], whose
@@ -489,10 +489,18 @@ def _dispatch(
   rows = _token_copies(top_k, tokens, order, unsort)
   gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
   up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
-  out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
-  # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
-  out = _permuted(out, unsort, order).reshape(top_k, n, d)
-  return _sum_of_choices(out, gates.T)
+  # Each row weighed by its gate before the down projection, not its output
+  # after it: the gate's gradient is then the row's hidden layer times the
+  # hidden layer's gradient, which the backward pass computes anyway, so no
+  # gradient needs the expert's output. Weighed after it, the rematerialised
+  # backward pass ran the down projection again and held its output, put back
+  # in token order, beside the hidden layers at the layer's peak.
+  weight = _permuted(gates.T.reshape(-1), order, unsort)
+  hidden = jax.nn.silu(gate) * up
+  hidden = (hidden.astype(jnp.float32) * weight[:, None]).astype(hidden.dtype)
+  out = grouped_matmul(hidden, w_down, sizes)
+  # Back in (choice, token) order by the inverse permutation and summed over the choices.
+  return _choices_sum(top_k, out, order, unsort)
 
 
 # The two row shuffles of the dispatch, with the backward JAX cannot see: it
@@ -536,23 +544,43 @@ def _token_copies_bwd(top_k, unsort, g):
   return _sum_of_choices(copies).astype(g.dtype), None, None
 
 
-def _sum_of_choices(blocks: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-  """The float32 sum of `blocks` [k, n, d] over k, each block weighed by `weights` [k, n].
+def _sum_of_choices(blocks: jax.Array) -> jax.Array:
+  """The float32 sum of `blocks` [k, n, d] over k.
 
   Written as k slices so that XLA widens each inside one fused loop; a
-  reduction or a dot over the stacked blocks made the TPU write a float32
-  copy of all of them first.
+  reduction over the stacked blocks made the TPU write a float32 copy of
+  all of them first.
   """
-  total = None
-  for c in range(blocks.shape[0]):
-    term = blocks[c].astype(jnp.float32)
-    if weights is not None:
-      term = term * weights[c][:, None]
-    total = term if total is None else total + term
+  total = blocks[0].astype(jnp.float32)
+  for c in range(1, blocks.shape[0]):
+    total = total + blocks[c].astype(jnp.float32)
   return total
 
 
 _token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _choices_sum(top_k: int, rows: jax.Array, order: jax.Array, unsort: jax.Array) -> jax.Array:
+  """The float32 sum over each token's `top_k` rows [k n, d], sorted in the pairs' `order`.
+
+  `_token_copies`' transpose, and the other way round: the gradient is each
+  token's cotangent copied to its k rows, in the rows' dtype (a gather by
+  `order`, where JAX would transpose the gather by `unsort` to a scatter).
+  """
+  return _sum_of_choices(rows[unsort].reshape(top_k, -1, rows.shape[-1]))
+
+
+def _choices_sum_fwd(top_k, rows, order, unsort):
+  return _choices_sum(top_k, rows, order, unsort), (order, jnp.zeros((0,), rows.dtype))
+
+
+def _choices_sum_bwd(top_k, residuals, g):
+  order, marker = residuals
+  return g.astype(marker.dtype)[order % g.shape[0]], None, None
+
+
+_choices_sum.defvjp(_choices_sum_fwd, _choices_sum_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
