@@ -237,7 +237,13 @@ class LlamaConfig:
       shared_d_ff=self.moe_shared_d_ff,
       shared_gate=self.moe_shared_gate,
       param_dtype=self.param_dtype,
+      chunk_bytes=moe.CHUNK_BYTES if self.remats_whole_layers else 0,
     )
+
+  @property
+  def remats_whole_layers(self) -> bool:
+    """Whether each layer keeps only its input for the backward pass (scanned, "full" remat)."""
+    return self.scan_layers and self.remat_policy == "full"
 
   def routed_layer(self, layer: int) -> bool:
     """Whether layer `layer` (from 0) has a routed MLP.
