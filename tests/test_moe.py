@@ -293,8 +293,8 @@ def test_scanned_and_unrolled_routed_layers_give_the_same_states_and_stats():
 @pytest.mark.slow  # compiles a Llama's gradient twice: seconds
 def test_full_remat_routes_rows_in_chunks_with_the_gradients_of_all_at_once(monkeypatch):
   """Under full remat a routed layer's rows go through the experts in chunks, each
-  rematerialised on its own: the loss and gradients of running every row at once,
-  keeping everything."""
+  rematerialised on its own, and its attention runs again after the routed MLP's backward
+  pass: the loss and gradients of running every row at once, keeping everything."""
   monkeypatch.setattr(moe, "CHUNK_BYTES", 1)  # 8 x 256 tokens x 2 choices: 4 chunks of 1024
   tokens = jax.random.randint(jax.random.key(0), (8, 256), 0, 256)
   runs = {}
