@@ -103,7 +103,8 @@ class MoEConfig:
   one after the other, whose hidden layer ([rows, d_ff]) takes at most this many bytes
   where the rows halve evenly (`_chunk_rows`), each rematerialised on its own in the
   backward pass: for a layer rematerialised whole (the Llama's `remat_policy="full"`),
-  whose backward pass would otherwise hold every row's hidden layers at once."""
+  whose backward pass would otherwise hold every row's hidden layers at once. Where
+  the `expert` axis splits the experts (`_expert_parallel`) the rows go at once."""
 
   def __post_init__(self):
     # Named as the Llama's config fields name them, where the errors are met.
