@@ -336,7 +336,8 @@ def main() -> None:
   weight_kernels = sum(m.megablox and m.ragged_contracting for m in matmuls)
   detail = (
     f"{len(matmuls)} grouped matmuls a step, {kernels} of them megablox's ({weight_kernels} "
-    "tgmm for the weight gradients, the rest gmm); libtpu's cost of each of XLA's alone, "
+    f"tgmm for the weight gradients, {kernels - weight_kernels} gmm for the rows); libtpu's "
+    "cost of each of XLA's alone, "
     "megablox's from its group sizes (2 x each group's rows x in x out): "
     f"{executed / 1e12:,.3f} TFLOP a chip vs {ideal / 1e12:,.3f}; the routed rows alone "
     f"(group sizes) {tight / ideal:.3f}"

@@ -458,7 +458,7 @@ def test_the_moe_figures_run_end_to_end_on_a_shrunken_mixtral(tmp_path):
   # rows and tgmm for the weight gradients; XLA's ragged dot there would run the
   # weight gradients densely over the 4 experts: (6 + 3 x 4) / 9 = 2.0.
   e_m2 = rows["E-M2"]
-  assert "9 of them megablox's (3 tgmm" in e_m2["detail"], e_m2
+  assert "9 of them megablox's (3 tgmm for the weight gradients, 6 gmm" in e_m2["detail"], e_m2
   assert "the routed rows alone (group sizes) 1.000" in e_m2["detail"], e_m2
   assert e_m2["value"] == pytest.approx(1.0, rel=0.01), e_m2
   assert rows["E-M2-cf1.25"]["value"] == 1.25, rows["E-M2-cf1.25"]

@@ -304,6 +304,30 @@ def test_scanned_and_unrolled_routed_layers_give_the_same_states_and_stats():
   assert stats(abstract(moe_experts=0)) is None
 
 
+@pytest.mark.slow  # compiles a Llama's gradient twice: seconds
+def test_full_remat_routes_rows_in_chunks_with_the_gradients_of_all_at_once(monkeypatch):
+  """Under full remat a routed layer's rows go through the experts in chunks, each
+  rematerialised on its own, and its attention runs again after the routed MLP's backward
+  pass: the loss and gradients of running every row at once, keeping everything."""
+  monkeypatch.setattr(moe, "CHUNK_BYTES", 1)  # 8 x 256 tokens x 2 choices: 4 chunks of 1024
+  tokens = jax.random.randint(jax.random.key(0), (8, 256), 0, 256)
+  runs = {}
+  for policy in ("full", "none"):
+    config = _moe_model_config(seq_len=256, remat_policy=policy)
+    graphdef, params = nnx.split(llama.Llama(config, rngs=nnx.Rngs(0)))
+
+    def loss(params, graphdef=graphdef):
+      hidden, stats = nnx.merge(graphdef, params).hidden_states_and_stats(tokens)
+      return jnp.mean(hidden.astype(jnp.float32) ** 2) + stats.load_balancing_loss
+
+    step = jax.value_and_grad(loss)
+    jaxpr = str(jax.make_jaxpr(step)(params))
+    assert ("length=4" in jaxpr) == (policy == "full"), policy
+    runs[policy] = jax.jit(step)(params)
+  for a, b in zip(jax.tree.leaves(runs["full"]), jax.tree.leaves(runs["none"])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
+
+
 def test_flops_per_token_count_the_active_parameters():
   """Per layer: attention 2*32*4*8 + 2*32*2*8 = 3072, norms 64, router 32*4 = 128,
   two experts of 3*32*16 = 3072, the shared expert 3*32*8 + its gate 32 = 800:

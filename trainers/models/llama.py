@@ -237,7 +237,13 @@ class LlamaConfig:
       shared_d_ff=self.moe_shared_d_ff,
       shared_gate=self.moe_shared_gate,
       param_dtype=self.param_dtype,
+      chunk_bytes=moe.CHUNK_BYTES if self.remats_whole_layers else 0,
     )
+
+  @property
+  def remats_whole_layers(self) -> bool:
+    """Whether each layer keeps only its input for the backward pass (scanned, "full" remat)."""
+    return self.scan_layers and self.remat_policy == "full"
 
   def routed_layer(self, layer: int) -> bool:
     """Whether layer `layer` (from 0) has a routed MLP.
@@ -430,13 +436,25 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, pdt, rngs=rngs)
     self.routed = routed
     self.mlp = moe.MoE(config.moe_config, rngs=rngs) if routed else MLP(config, rngs=rngs)
+    # A routed layer under full remat runs its attention's forward pass once
+    # more in the backward pass, after the routed MLP's backward pass: kept
+    # from the layer's own recomputation, the attention's residuals (queries,
+    # keys, values, splash's output and log-sum-exp) were held across the
+    # routed MLP's backward pass, where the layer's memory peaks.
+    self.attention_remat = routed and config.remats_whole_layers
 
   def __call__(
     self, x: jax.Array, segment_ids: jax.Array | None, sin: jax.Array, cos: jax.Array
   ) -> tuple[jax.Array, moe.RouterStats | None]:
     """The block's output and, for a routed MLP, its `RouterStats` (else None)."""
     residual = ("batch", "length", "embed")
-    x = constrain(x + self.attn(self.attn_norm(x), segment_ids, sin, cos), residual)
+
+    def attention(x, segment_ids, sin, cos):
+      return self.attn(self.attn_norm(x), segment_ids, sin, cos)
+
+    if self.attention_remat:
+      attention = jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
+    x = constrain(x + attention(x, segment_ids, sin, cos), residual)
     if not self.routed:
       return constrain(x + self.mlp(self.mlp_norm(x)), residual), None
     y, stats = self.mlp.routed(self.mlp_norm(x))

@@ -98,6 +98,13 @@ class MoEConfig:
   shared_d_ff: int = 0
   shared_gate: bool = True
   param_dtype: str = "float32"
+  chunk_bytes: int = 0
+  """0: each device's routed rows go through the experts at once. Else in equal chunks,
+  one after the other, whose hidden layer ([rows, d_ff]) takes at most this many bytes
+  where the rows halve evenly (`_chunk_rows`), each rematerialised on its own in the
+  backward pass: for a layer rematerialised whole (the Llama's `remat_policy="full"`),
+  whose backward pass would otherwise hold every row's hidden layers at once. Where
+  the `expert` axis splits the experts (`_expert_parallel`) the rows go at once."""
 
   def __post_init__(self):
     # Named as the Llama's config fields name them, where the errors are met.
@@ -504,7 +511,7 @@ class MoE(nnx.Module):
       # the devices that hold their experts (`_expert_parallel`).
       y = _expert_parallel(layout, x, experts, gates, *weights).reshape(-1, d)
     else:
-      y = _routed_per_device(x, experts, gates, weights)
+      y = _routed_per_device(x, experts, gates, weights, config.chunk_bytes)
     y = y.astype(x.dtype)
     if config.shared_d_ff:
       shared = self.shared(tokens)
@@ -517,7 +524,7 @@ class MoE(nnx.Module):
     return y.reshape(*lead, d), stats
 
 
-def _routed_per_device(x, experts, gates, weights) -> jax.Array:
+def _routed_per_device(x, experts, gates, weights, chunk_bytes: int = 0) -> jax.Array:
   """Every expert on every device: x [..., d] and its routing, float32 [n, d] out.
 
   Each device sorts and runs its own rows, inside a `shard_map` over the
@@ -534,20 +541,23 @@ def _routed_per_device(x, experts, gates, weights) -> jax.Array:
   layout = _per_device_layout(x.shape)
   if layout is None:
     flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
-    return _dispatch(*flat, *weights)
+    return _dispatch(*flat, *weights, chunk_bytes=chunk_bytes)
   mesh, t, mlp_axes = layout
   up = jax.sharding.PartitionSpec(None, None, mlp_axes or None)
   down = jax.sharding.PartitionSpec(None, mlp_axes or None, None)
 
   def local(x, experts, gates, w_gate, w_up, w_down):
     flat = (x.reshape(-1, d), experts.reshape(-1, k), gates.reshape(-1, k))
-    y = _dispatch(*flat, w_gate, w_up, w_down)
+    y = _dispatch(*flat, w_gate, w_up, w_down, chunk_bytes=chunk_bytes)
     if mlp_axes:
       y = jax.lax.psum(y, mlp_axes)
     return y.reshape(*x.shape[:-1], d)
 
   rows = math.prod(x.shape[:-1]) // _devices(mesh, t) * k
-  check = _checks_vma(rows, d, weights[0].shape[2] // _devices(mesh, mlp_axes), weights[0].shape[0])
+  d_ff = weights[0].shape[2] // _devices(mesh, mlp_axes)
+  # The grouped matmuls' rows: a chunk's where the rows go in chunks.
+  rows = _chunk_rows(rows, d_ff, x.dtype, chunk_bytes)
+  check = _checks_vma(rows, d, d_ff, weights[0].shape[0])
   placed = jax.shard_map(
     local, mesh=mesh, in_specs=(t, t, t, up, up, down), out_specs=t, check_vma=check
   )
@@ -561,13 +571,15 @@ def _dispatch(
   w_gate: jax.Array,
   w_up: jax.Array,
   w_down: jax.Array,
+  chunk_bytes: int = 0,
 ) -> jax.Array:
   """The experts' SwiGLU of tokens [n, d] routed to `experts` [n, k], combined by `gates` (f32).
 
   Dropless: each (token, choice) pair sorted by expert, so each expert's
-  rows are one contiguous group of the grouped matmuls.
+  rows are one contiguous group of the grouped matmuls; in chunks of rows
+  with `chunk_bytes` (`MoEConfig.chunk_bytes`).
   """
-  (n, d), (top_k, num_experts) = tokens.shape, (experts.shape[-1], w_gate.shape[0])
+  top_k, num_experts = experts.shape[-1], w_gate.shape[0]
   # Pairs in (choice, token) order: pair c * n + t is token t's choice c, so
   # that the experts' outputs, put back, are [top_k, n, d], whole [n, d]
   # blocks a choice. In (token, choice) order they were [n, top_k, d], whose
@@ -578,12 +590,82 @@ def _dispatch(
   unsort = jnp.argsort(order)
   sizes = group_sizes(flat, num_experts)
   rows = _token_copies(top_k, tokens, order, unsort)
+  chunk = _chunk_rows(rows.shape[0], w_gate.shape[2], rows.dtype, chunk_bytes)
+  if chunk == rows.shape[0]:
+    gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
+    up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
+    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
+    # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
+    out = _permuted(out, unsort, order).reshape(top_k, tokens.shape[0], -1)
+    return _sum_of_choices(out, gates.T)
+  # In chunks (a layer rematerialised whole): each row weighed by its gate
+  # before the down projection, not its output after it. The gate's gradient
+  # is then the row's hidden layer times the hidden layer's gradient, which
+  # the backward pass computes anyway, so no gradient needs the expert's
+  # output; weighed after it, the rematerialised backward pass ran the down
+  # projection again and held its output, put back in token order, beside
+  # the hidden layers at the layer's peak. Only here: it gathers each pair's
+  # gate one scalar at a time, which a TPU runs slowly (E-P9's step, whose
+  # policy keeps the hidden layers, weighs the outputs instead).
+  weight = _permuted(gates.T.reshape(-1), order, unsort)
+  out = _chunked_expert_mlp(chunk, rows, weight, sizes, w_gate, w_up, w_down)
+  # Back in (choice, token) order by the inverse permutation and summed over the choices.
+  return _choices_sum(top_k, out, order, unsort)
+
+
+def _expert_mlp(rows, weight, sizes, w_gate, w_up, w_down) -> jax.Array:
+  """Each group's SwiGLU of `rows` [rows, d] sorted by group, each row weighed by its gate
+  before the down projection (see `_dispatch`)."""
   gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
   up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
-  out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
-  # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
-  out = _permuted(out, unsort, order).reshape(top_k, n, d)
-  return _sum_of_choices(out, gates.T)
+  hidden = jax.nn.silu(gate) * up
+  hidden = (hidden.astype(jnp.float32) * weight[:, None]).astype(hidden.dtype)
+  return grouped_matmul(hidden, w_down, sizes)
+
+
+CHUNK_BYTES = 2**28
+"""`MoEConfig.chunk_bytes` under the Llama's full remat (`LlamaConfig.moe_config`). A chunk's
+backward pass holds about five of its hidden layers at once (the gate's and the up
+projection's, recomputed, and the gradients); smaller chunks hold less, and each adds a
+tile of rows for every group boundary inside it to the grouped matmuls' work."""
+
+
+def _chunk_rows(rows: int, d_ff: int, dtype, chunk_bytes: int) -> int:
+  """Rows in a chunk of `_chunked_expert_mlp`: `rows` halved while a chunk's hidden layer
+  [rows, d_ff] takes more than `chunk_bytes` (0: no limit) and the halves stay whole
+  multiples of 1024 rows (a tile of tgmm's).
+
+  Example:
+    >>> _chunk_rows(294912, 14336, jnp.bfloat16, 2**28), _chunk_rows(294912, 14336, jnp.bfloat16, 0)
+    (9216, 294912)
+    >>> _chunk_rows(3000, 14336, jnp.bfloat16, 2**20)  # no even halves of whole tiles
+    3000
+  """
+  chunk, itemsize = rows, jnp.dtype(dtype).itemsize
+  while chunk_bytes and chunk * d_ff * itemsize > chunk_bytes and chunk % 2048 == 0:
+    chunk //= 2
+  return chunk
+
+
+def _chunked_expert_mlp(chunk, rows, weight, sizes, w_gate, w_up, w_down) -> jax.Array:
+  """`_expert_mlp` over `rows` in chunks of `chunk` rows, a `lax.scan` over them.
+
+  Each chunk's groups are the parts of the groups inside it. The chunks'
+  bodies are rematerialised whatever the layer's remat policy saves: their
+  backward pass recomputes one chunk's hidden layers at a time, where the
+  whole rows' would be held at once.
+  """
+  count, bounds = rows.shape[0] // chunk, jnp.cumsum(sizes)
+  start = jnp.arange(count, dtype=sizes.dtype)[:, None] * chunk
+  inside = jnp.minimum(bounds, start + chunk) - jnp.maximum(bounds - sizes, start)
+  chunk_sizes = jnp.maximum(inside, 0).astype(jnp.int32)
+
+  def body(carry, xs):
+    return carry, _expert_mlp(*xs, w_gate, w_up, w_down)
+
+  body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  xs = (rows.reshape(count, chunk, -1), weight.reshape(count, chunk), chunk_sizes)
+  return jax.lax.scan(body, None, xs)[1].reshape(rows.shape[0], -1)
 
 
 def group_sizes(ids: jax.Array, groups: int) -> jax.Array:
@@ -657,6 +739,29 @@ def _sum_of_choices(blocks: jax.Array, weights: jax.Array | None = None) -> jax.
 
 
 _token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _choices_sum(top_k: int, rows: jax.Array, order: jax.Array, unsort: jax.Array) -> jax.Array:
+  """The float32 sum over each token's `top_k` rows [k n, d], sorted in the pairs' `order`.
+
+  `_token_copies`' transpose, and the other way round: the gradient is each
+  token's cotangent copied to its k rows, in the rows' dtype (a gather by
+  `order`, where JAX would transpose the gather by `unsort` to a scatter).
+  """
+  return _sum_of_choices(rows[unsort].reshape(top_k, -1, rows.shape[-1]))
+
+
+def _choices_sum_fwd(top_k, rows, order, unsort):
+  return _choices_sum(top_k, rows, order, unsort), (order, jnp.zeros((0,), rows.dtype))
+
+
+def _choices_sum_bwd(top_k, residuals, g):
+  order, marker = residuals
+  return g.astype(marker.dtype)[order % g.shape[0]], None, None
+
+
+_choices_sum.defvjp(_choices_sum_fwd, _choices_sum_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
