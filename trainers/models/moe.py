@@ -288,11 +288,18 @@ def weight_gradient_tiling(
     kernel = "tgmm" if attention.current_platform() == "tpu" else "xla"
   if kernel == "xla":
     return None
-  tiling = tuple(
-    next((t for t in tiles if size % t == 0 and t <= share), 0)
-    for tiles, size, share in zip(_TGMM_TILES, (rows, d_in, d_out), (rows // groups, d_in, d_out))
-  )
-  return tiling if all(tiling) else None
+  fitting = _fitting_tiles(_TGMM_TILES, rows, d_in, d_out, groups)
+  return tuple(t[0] for t in fitting) if all(fitting) else None
+
+
+def _fitting_tiles(tiles, rows: int, k: int, n: int, groups: int) -> list[list[int]]:
+  """For rows, k and n, the sizes of `tiles` (three tuples, largest first) that divide it;
+  a tile of rows at most a group's even share (a kernel visits a tile that a group
+  boundary crosses once for each of its groups)."""
+  return [
+    [t for t in sizes if size % t == 0 and t <= share]
+    for sizes, size, share in zip(tiles, (rows, k, n), (rows // groups, k, n))
+  ]
 
 
 ROW_KERNEL = "auto"
@@ -335,10 +342,7 @@ def row_tilings(
     return None
 
   def tile(k: int, n: int):
-    tm, tk, tn = (
-      [t for t in tiles if size % t == 0 and t <= share]
-      for tiles, size, share in zip(_GMM_TILES, (rows, k, n), (rows // groups, k, n))
-    )
+    tm, tk, tn = _fitting_tiles(_GMM_TILES, rows, k, n, groups)
     if not (tm and tk and tn):
       return None
     # The widest tiles whose double-buffered bfloat16 operands, float32 sums and
@@ -595,22 +599,23 @@ def _dispatch(
     gate = checkpoint_name(grouped_matmul(rows, w_gate, sizes), "mlp_gate")
     up = checkpoint_name(grouped_matmul(rows, w_up, sizes), "mlp_up")
     out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes)
-    # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
-    out = _permuted(out, unsort, order).reshape(top_k, tokens.shape[0], -1)
-    return _sum_of_choices(out, gates.T)
-  # In chunks (a layer rematerialised whole): each row weighed by its gate
-  # before the down projection, not its output after it. The gate's gradient
-  # is then the row's hidden layer times the hidden layer's gradient, which
-  # the backward pass computes anyway, so no gradient needs the expert's
-  # output; weighed after it, the rematerialised backward pass ran the down
-  # projection again and held its output, put back in token order, beside
-  # the hidden layers at the layer's peak. Only here: it gathers each pair's
-  # gate one scalar at a time, which a TPU runs slowly (E-P9's step, whose
-  # policy keeps the hidden layers, weighs the outputs instead).
-  weight = _permuted(gates.T.reshape(-1), order, unsort)
-  out = _chunked_expert_mlp(chunk, rows, weight, sizes, w_gate, w_up, w_down)
-  # Back in (choice, token) order by the inverse permutation and summed over the choices.
-  return _choices_sum(top_k, out, order, unsort)
+    weights = gates.T  # each choice's block weighed as it is summed
+  else:
+    # In chunks (a layer rematerialised whole): each row weighed by its gate
+    # before the down projection, not its output after it. The gate's gradient
+    # is then the row's hidden layer times the hidden layer's gradient, which
+    # the backward pass computes anyway, so no gradient needs the expert's
+    # output; weighed after it, the rematerialised backward pass ran the down
+    # projection again and held its output, put back in token order, beside
+    # the hidden layers at the layer's peak. Only here: it gathers each pair's
+    # gate one scalar at a time, which a TPU runs slowly (E-P9's step, whose
+    # policy keeps the hidden layers, weighs the outputs instead).
+    weight = _permuted(gates.T.reshape(-1), order, unsort)
+    out = _chunked_expert_mlp(chunk, rows, weight, sizes, w_gate, w_up, w_down)
+    weights = None
+  # Back in (choice, token) order by the inverse permutation: a gather, not a scatter.
+  out = _permuted(out, unsort, order).reshape(top_k, tokens.shape[0], -1)
+  return _sum_of_choices(out, weights)
 
 
 def _expert_mlp(rows, weight, sizes, w_gate, w_up, w_down) -> jax.Array:
@@ -739,29 +744,6 @@ def _sum_of_choices(blocks: jax.Array, weights: jax.Array | None = None) -> jax.
 
 
 _token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _choices_sum(top_k: int, rows: jax.Array, order: jax.Array, unsort: jax.Array) -> jax.Array:
-  """The float32 sum over each token's `top_k` rows [k n, d], sorted in the pairs' `order`.
-
-  `_token_copies`' transpose, and the other way round: the gradient is each
-  token's cotangent copied to its k rows, in the rows' dtype (a gather by
-  `order`, where JAX would transpose the gather by `unsort` to a scatter).
-  """
-  return _sum_of_choices(rows[unsort].reshape(top_k, -1, rows.shape[-1]))
-
-
-def _choices_sum_fwd(top_k, rows, order, unsort):
-  return _choices_sum(top_k, rows, order, unsort), (order, jnp.zeros((0,), rows.dtype))
-
-
-def _choices_sum_bwd(top_k, residuals, g):
-  order, marker = residuals
-  return g.astype(marker.dtype)[order % g.shape[0]], None, None
-
-
-_choices_sum.defvjp(_choices_sum_fwd, _choices_sum_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
